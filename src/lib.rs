@@ -1,0 +1,2 @@
+//! idemproxy
+pub mod mock;
