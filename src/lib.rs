@@ -1,2 +1,42 @@
-//! idemproxy
+//! idemproxy: a reverse proxy that gives HTTP routes exactly-once effect.
+//!
+//! A client sends an operation with an `Idempotency-Key`; idemproxy claims the key atomically in
+//! a store, forwards only the first request upstream, saves its response, and replays it for
+//! every repeat. See `SPEC.md` and the README for the contract.
+//!
+//! # Layout
+//! - [`config`]: the YAML file — serde structs with defaults, then validation and compilation.
+//! - [`route`]: the compiled route table (exact, `{param}` and trailing `/*` patterns).
+//! - [`key`]: parsing the key header; namespacing it into a hashed store key.
+//! - [`fingerprint`]: what makes two requests "the same".
+//! - [`record`]: what the store keeps under a key, and its versioned encoding.
+//! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
+//!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
+//! - [`proxy`]: the per-request flow — match, key, claim, forward, save | replay | refuse.
+//! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
+//! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
+//! - [`metrics`]: counters and histograms.
+//! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.
+//! - [`shutdown`]: stop signals.
+//! - [`body`]: the body type that flows through all of it.
+//! - `demo`: the configuration and instructions of `idemproxy demo`.
+//! - [`mock`]: the bundled mock booking service (demo, tests, benches).
+
+pub mod body;
+pub mod config;
+mod demo;
+pub mod fingerprint;
+pub mod key;
+pub mod metrics;
 pub mod mock;
+pub mod problem;
+pub mod proxy;
+pub mod record;
+pub mod route;
+pub mod server;
+pub mod shutdown;
+pub mod store;
+pub mod upstream;
+
+pub use demo::{demo_config, demo_instructions};
+pub use server::run;

@@ -1,1 +1,46 @@
-fn main(){}
+//! `mock-upstream`: the bundled mock booking service as a standalone process, for the demo, manual
+//! testing with curl and the load benches. See [`idemproxy::mock`] for its routes and the
+//! `X-Mock-*` control headers.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+
+use clap::Parser;
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+/// A fake legacy booking API that counts side effects per Idempotency-Key.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Address to listen on (port 0 picks a free port; the chosen address is printed).
+    #[arg(long, default_value = "127.0.0.1:8081", env = "MOCK_UPSTREAM_LISTEN")]
+    listen: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> std::io::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let listener = TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    // On stdout as well as in the log, so a script or bench that passed port 0 can read it.
+    println!("mock-upstream listening on http://{addr}");
+    tracing::info!(%addr, "mock-upstream listening on http://{addr}");
+
+    idemproxy::mock::serve(
+        listener,
+        idemproxy::mock::MockUpstream::new(),
+        idemproxy::shutdown::signal(),
+    )
+    .await?;
+    tracing::info!("mock-upstream stopped");
+    Ok(())
+}

@@ -1,0 +1,1063 @@
+//! The configuration file: serde structs with documented defaults, then a separate validation step.
+//!
+//! Loading is two stages, as in Pingora: [`RawConfig`] is what YAML deserializes into (unknown
+//! fields refused, every default written down next to its field), and [`RawConfig::validate`]
+//! checks what serde cannot and compiles the result into a [`Config`] that the proxy uses without
+//! any further per-request work. Every error names the field path (`routes[2].idempotency.ttl`)
+//! and says why; YAML syntax errors also give line and column. Validation collects every error
+//! it finds, so `--check` can print them all at once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method, Uri};
+use serde::{Deserialize, Deserializer};
+
+use crate::route::{PathPattern, RouteTable};
+
+/// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
+/// the document itself) and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The field path, or empty when the error concerns the whole document.
+    pub path: String,
+    /// What is wrong, in words.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() || self.path == "." {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Every error found in one configuration file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigErrors {
+    fn one(path: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigErrors(vec![ConfigError {
+            path: path.into(),
+            message: message.into(),
+        }])
+    }
+}
+
+/// The configuration as written in YAML, with defaults applied.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// Address the proxy listens on. Required.
+    pub listen: String,
+    /// Address of the admin server (health, readiness, metrics). Not supported yet.
+    #[serde(default)]
+    pub admin_listen: Option<String>,
+    /// `text` (default) or `json`.
+    #[serde(default)]
+    pub log_format: LogFormat,
+    /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30s.
+    #[serde(default = "defaults::shutdown_timeout", with = "duration")]
+    pub shutdown_timeout: Duration,
+    /// The idempotency record store.
+    #[serde(default)]
+    pub store: RawStore,
+    /// Named upstreams that routes forward to.
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, RawUpstream>,
+    /// Routes, first match wins.
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Text,
+    /// One JSON object a line.
+    Json,
+}
+
+/// Which store keeps the idempotency records.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    /// The embedded in-memory store: one instance only, nothing survives a restart.
+    #[default]
+    Memory,
+    /// One Redis server (or a primary with replicas), shared by every instance.
+    Redis,
+    /// A Redis Cluster (not supported yet).
+    RedisCluster,
+}
+
+/// `store:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    /// `memory` (default), `redis` or `redis-cluster`.
+    #[serde(default)]
+    pub backend: Backend,
+    /// Memory: the most records kept at once. Default 1,000,000.
+    #[serde(default = "defaults::max_entries")]
+    pub max_entries: u64,
+    /// Redis: `redis://` or `rediss://` URL. Default `redis://127.0.0.1:6379/0`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Redis Cluster: seed nodes (not supported yet).
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// Every store key starts with it. Default `idemproxy:`.
+    #[serde(default = "defaults::key_prefix")]
+    pub key_prefix: String,
+    /// Deadline of each store operation. Default 500ms.
+    #[serde(default = "defaults::store_timeout", with = "duration")]
+    pub timeout: Duration,
+    /// Redis: replicas to WAIT for after a claim (not supported yet). Default 0.
+    #[serde(default)]
+    pub wait_replicas: u32,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            backend: Backend::default(),
+            max_entries: defaults::max_entries(),
+            url: None,
+            nodes: Vec::new(),
+            key_prefix: defaults::key_prefix(),
+            timeout: defaults::store_timeout(),
+            wait_replicas: 0,
+        }
+    }
+}
+
+/// `upstreams.NAME:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    /// `http://` or `https://` base URL. Required.
+    pub url: String,
+    /// TCP (and TLS) connect deadline. Default 2s.
+    #[serde(default = "defaults::connect_timeout", with = "duration")]
+    pub connect_timeout: Duration,
+    /// Deadline until the whole response has arrived. Default 30s.
+    #[serde(default = "defaults::upstream_timeout", with = "duration")]
+    pub timeout: Duration,
+}
+
+/// `routes[i]:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    /// Unique name; appears in logs, metrics and store keys. Required.
+    pub name: String,
+    /// Methods this route matches. Default: every method.
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// Path pattern: exact segments, `{param}` for one segment, a trailing `/*` for the rest.
+    pub path: String,
+    /// Name of an entry of `upstreams`. Required.
+    pub upstream: String,
+    /// Absent: a plain pass-through route.
+    #[serde(default)]
+    pub idempotency: Option<RawIdempotency>,
+}
+
+/// What to do with a repeat that arrives while the first request is still in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnConflict {
+    /// Answer 409 at once (the default).
+    #[default]
+    Reject,
+    /// Wait up to `wait_timeout` for the first one's result, then 409.
+    Wait,
+}
+
+/// What to do when the store cannot be reached.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Answer 503 (the default).
+    #[default]
+    Reject,
+    /// Pass the request through without idempotency (logged and counted).
+    Forward,
+}
+
+/// What to do when the upstream may have acted but no complete response came.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnknownOutcome {
+    /// Save a 502/504 problem as the key's result: the operation never runs twice (the default).
+    #[default]
+    Keep,
+    /// Free the key so that a retry runs again.
+    Release,
+}
+
+/// `routes[i].idempotency:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIdempotency {
+    /// Request header carrying the key. Default `Idempotency-Key`.
+    #[serde(default = "defaults::header")]
+    pub header: String,
+    /// Missing key: 400 when true (default); forwarded without idempotency when false.
+    #[serde(default = "defaults::yes")]
+    pub required: bool,
+    /// How long a finished response is replayed. Default 24h.
+    #[serde(default = "defaults::ttl", with = "duration")]
+    pub ttl: Duration,
+    /// In-progress lease, renewed every `lock_ttl/3` while the upstream call runs. Default 10s.
+    #[serde(default = "defaults::lock_ttl", with = "duration")]
+    pub lock_ttl: Duration,
+    /// Request headers whose values namespace the key. Default `[Authorization]`.
+    #[serde(default = "defaults::scope")]
+    pub scope: Vec<String>,
+    /// What makes two requests "the same". Default `[method, path, query, body]`.
+    #[serde(default = "defaults::fingerprint")]
+    pub fingerprint: Vec<String>,
+    /// `reject` (default) or `wait`.
+    #[serde(default)]
+    pub on_conflict: OnConflict,
+    /// With `on_conflict: wait`, how long to wait. Default 5s.
+    #[serde(default = "defaults::wait_timeout", with = "duration")]
+    pub wait_timeout: Duration,
+    /// `reject` (default) or `forward`.
+    #[serde(default)]
+    pub on_store_error: OnStoreError,
+    /// Upstream statuses that are not saved. Default `[429, 503]`.
+    #[serde(default = "defaults::retry_statuses")]
+    pub retry_statuses: Vec<u16>,
+    /// `keep` (default) or `release`.
+    #[serde(default)]
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Larger request bodies get 413. Default 1MiB.
+    #[serde(default = "defaults::max_request_body", with = "byte_size")]
+    pub max_request_body: u64,
+    /// Larger responses reach the client but cannot be replayed. Default 8MiB.
+    #[serde(default = "defaults::max_response_body", with = "byte_size")]
+    pub max_response_body: u64,
+    /// Save and replay `Set-Cookie`. Default false.
+    #[serde(default)]
+    pub replay_set_cookie: bool,
+    /// Send the key header to the upstream. Default true.
+    #[serde(default = "defaults::yes")]
+    pub forward_key: bool,
+}
+
+/// The documented defaults, one function each so serde and the docs agree.
+pub mod defaults {
+    use std::time::Duration;
+
+    pub(crate) fn shutdown_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub(crate) fn max_entries() -> u64 {
+        1_000_000
+    }
+    pub(crate) fn key_prefix() -> String {
+        "idemproxy:".to_owned()
+    }
+    pub(crate) fn store_timeout() -> Duration {
+        Duration::from_millis(500)
+    }
+    /// The Redis URL used when `store.url` is absent.
+    pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+    pub(crate) fn connect_timeout() -> Duration {
+        Duration::from_secs(2)
+    }
+    pub(crate) fn upstream_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub(crate) fn header() -> String {
+        "Idempotency-Key".to_owned()
+    }
+    pub(crate) fn yes() -> bool {
+        true
+    }
+    pub(crate) fn ttl() -> Duration {
+        Duration::from_secs(24 * 3600)
+    }
+    pub(crate) fn lock_ttl() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub(crate) fn scope() -> Vec<String> {
+        vec!["Authorization".to_owned()]
+    }
+    pub(crate) fn fingerprint() -> Vec<String> {
+        ["method", "path", "query", "body"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect()
+    }
+    pub(crate) fn wait_timeout() -> Duration {
+        Duration::from_secs(5)
+    }
+    pub(crate) fn retry_statuses() -> Vec<u16> {
+        vec![429, 503]
+    }
+    pub(crate) fn max_request_body() -> u64 {
+        1024 * 1024
+    }
+    pub(crate) fn max_response_body() -> u64 {
+        8 * 1024 * 1024
+    }
+}
+
+/// Durations written as strings: `250ms`, `30s`, `24h`, `1h 30m`.
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, de::Error};
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = super::StringOrNumber::deserialize(d)?.0;
+        super::parse_duration(&text).map_err(D::Error::custom)
+    }
+}
+
+/// Sizes written as bytes (`1048576`) or strings (`64KiB`, `8MiB`, `1MB`).
+mod byte_size {
+    use serde::{Deserialize, Deserializer, de::Error};
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let text = super::StringOrNumber::deserialize(d)?.0;
+        super::parse_size(&text).map_err(D::Error::custom)
+    }
+}
+
+/// A scalar read as text, so that `max_request_body: 1024` and `max_request_body: 1KiB` both work
+/// and `ttl: 30` reaches the duration parser, which then says what it expects.
+struct StringOrNumber(String);
+
+impl<'de> Deserialize<'de> for StringOrNumber {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = StringOrNumber;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a number")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(StringOrNumber(v.to_owned()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(StringOrNumber(v.to_string()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(StringOrNumber(v.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+                Ok(StringOrNumber(v.to_string()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+/// Parses `250ms`, `30s`, `24h` (any unit humantime knows). A bare number is refused: a unit-less
+/// duration is the classic misconfiguration (seconds or milliseconds?).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit()) {
+        return Err(format!(
+            "invalid duration {t:?}: give a unit, for example \"{t}s\" or \"{t}ms\""
+        ));
+    }
+    humantime::parse_duration(t)
+        .map_err(|e| format!("invalid duration {t:?} ({e}); expected for example 250ms, 30s, 24h"))
+}
+
+/// Parses a size: a whole number of bytes, or a number with a unit `B`, `KB`, `KiB`, `MB`,
+/// `MiB`, `GB`, `GiB` (KB = 1000, KiB = 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let bad = || format!("invalid size {t:?}; expected bytes or a string like 64KiB, 8MiB");
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" | "kB" => 1000,
+        "KiB" => 1024,
+        "MB" => 1000 * 1000,
+        "MiB" => 1024 * 1024,
+        "GB" => 1000 * 1000 * 1000,
+        "GiB" => 1024 * 1024 * 1024,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(mult).ok_or_else(bad)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The validated, compiled configuration.
+
+/// A configuration that passed validation: addresses parsed, routes compiled.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where the proxy listens.
+    pub listen: SocketAddr,
+    /// Log line format.
+    pub log_format: LogFormat,
+    /// How long in-flight requests may run after a stop signal.
+    pub shutdown_timeout: Duration,
+    /// The store.
+    pub store: StoreSettings,
+    /// Upstreams by name.
+    pub upstreams: BTreeMap<String, UpstreamSettings>,
+    /// The compiled route table.
+    pub routes: RouteTable,
+}
+
+/// Which store, and how to reach it.
+#[derive(Debug, Clone)]
+pub struct StoreSettings {
+    /// The backend and its own settings.
+    pub backend: BackendSettings,
+    /// Every store key starts with it.
+    pub key_prefix: String,
+    /// Deadline of each store operation.
+    pub timeout: Duration,
+}
+
+/// Backend-specific settings.
+#[derive(Debug, Clone)]
+pub enum BackendSettings {
+    /// The embedded store, bounded to `max_entries` records.
+    Memory {
+        /// The bound.
+        max_entries: u64,
+    },
+    /// One Redis server.
+    Redis {
+        /// `redis://` or `rediss://` URL.
+        url: String,
+    },
+}
+
+/// One upstream.
+#[derive(Debug, Clone)]
+pub struct UpstreamSettings {
+    /// Its name in the file.
+    pub name: String,
+    /// Base URL (scheme, authority and an optional path prefix).
+    pub url: Uri,
+    /// TCP (and TLS) connect deadline.
+    pub connect_timeout: Duration,
+    /// Deadline until the whole response has arrived.
+    pub timeout: Duration,
+}
+
+/// One route, compiled.
+#[derive(Debug, Clone)]
+pub struct RouteSettings {
+    /// Unique name.
+    pub name: String,
+    /// Methods it matches; `None` matches every method.
+    pub methods: Option<Vec<Method>>,
+    /// The compiled path pattern.
+    pub path: PathPattern,
+    /// The upstream's name (a key of [`Config::upstreams`]).
+    pub upstream: String,
+    /// `None` for pass-through routes.
+    pub idempotency: Option<IdempotencySettings>,
+}
+
+/// One part of the request fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FingerprintPart {
+    /// The request method.
+    Method,
+    /// The request path.
+    Path,
+    /// The query string.
+    Query,
+    /// The request body.
+    Body,
+    /// The values of one request header.
+    Header(HeaderName),
+}
+
+/// Idempotency settings of one route, compiled.
+#[derive(Debug, Clone)]
+pub struct IdempotencySettings {
+    /// The key header.
+    pub header: HeaderName,
+    /// Missing key → 400 when true.
+    pub required: bool,
+    /// Replay window of a finished response.
+    pub ttl: Duration,
+    /// In-progress lease.
+    pub lock_ttl: Duration,
+    /// Headers whose values namespace the key.
+    pub scope: Vec<HeaderName>,
+    /// What the fingerprint covers.
+    pub fingerprint: Vec<FingerprintPart>,
+    /// Repeat while in flight.
+    pub on_conflict: OnConflict,
+    /// With `wait`, the bound.
+    pub wait_timeout: Duration,
+    /// Store unreachable.
+    pub on_store_error: OnStoreError,
+    /// Statuses that are not saved.
+    pub retry_statuses: Vec<u16>,
+    /// Unknown outcome.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Request body bound.
+    pub max_request_body: u64,
+    /// Saved response body bound.
+    pub max_response_body: u64,
+    /// Save `Set-Cookie`.
+    pub replay_set_cookie: bool,
+    /// Forward the key header upstream.
+    pub forward_key: bool,
+}
+
+/// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
+/// store round trips would be lost by ordinary jitter.
+const MIN_LOCK_TTL: Duration = Duration::from_millis(30);
+
+impl Config {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigErrors::one("", format!("cannot read {}: {e}", path.display())))?;
+        Config::from_yaml(&text)
+    }
+
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+        RawConfig::from_yaml(text)?.validate()
+    }
+}
+
+impl RawConfig {
+    /// Parses YAML text. Errors carry the field path and, where YAML knows it, line and column.
+    pub fn from_yaml(text: &str) -> Result<RawConfig, ConfigErrors> {
+        if text.trim().is_empty() {
+            return Err(ConfigErrors::one(
+                "",
+                "the configuration is empty; `listen` is required",
+            ));
+        }
+        let de = yaml_serde::Deserializer::from_str(text);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let mut message = inner.to_string();
+            if let Some(loc) = inner.location() {
+                // yaml_serde already appends the position to some messages; say it once.
+                if !message.contains(" at line ") {
+                    message = format!("{message} at line {} column {}", loc.line(), loc.column());
+                }
+            }
+            ConfigErrors::one(if path == "." { String::new() } else { path }, message)
+        })
+    }
+
+    /// Checks everything serde cannot and compiles the routes. Collects every error.
+    pub fn validate(self) -> Result<Config, ConfigErrors> {
+        let mut errs = Vec::new();
+        let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
+
+        let listen = match self.listen.parse::<SocketAddr>() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                err(
+                    "listen".into(),
+                    format!(
+                        "invalid socket address {:?}; expected HOST:PORT such as 127.0.0.1:8080",
+                        self.listen
+                    ),
+                );
+                None
+            }
+        };
+        if self.admin_listen.is_some() {
+            err(
+                "admin_listen".into(),
+                "is not supported yet (health, readiness and metrics come in a later release)"
+                    .into(),
+            );
+        }
+        if self.shutdown_timeout.is_zero() {
+            err(
+                "shutdown_timeout".into(),
+                "must be greater than zero".into(),
+            );
+        }
+
+        let store = validate_store(&self.store, &mut err);
+
+        let mut upstreams = BTreeMap::new();
+        for (name, up) in &self.upstreams {
+            let path = format!("upstreams.{name}");
+            if let Some(u) = validate_upstream(name, up, &path, &mut err) {
+                upstreams.insert(name.clone(), u);
+            }
+        }
+
+        if self.routes.is_empty() {
+            err(
+                "routes".into(),
+                "no routes: name at least one route, or every request gets 404".into(),
+            );
+        }
+        let mut names = HashSet::new();
+        let mut routes = Vec::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let path = format!("routes[{i}]");
+            if !names.insert(r.name.clone()) {
+                err(
+                    format!("{path}.name"),
+                    format!(
+                        "duplicate route name {:?}; route names must be unique",
+                        r.name
+                    ),
+                );
+            }
+            if let Some(route) = validate_route(r, &path, &self.upstreams, &mut err) {
+                routes.push(route);
+            }
+        }
+
+        if !errs.is_empty() {
+            return Err(ConfigErrors(errs));
+        }
+        match (listen, store) {
+            (Some(listen), Some(store)) => Ok(Config {
+                listen,
+                log_format: self.log_format,
+                shutdown_timeout: self.shutdown_timeout,
+                store,
+                upstreams,
+                routes: RouteTable::new(routes),
+            }),
+            _ => Err(ConfigErrors::one("", "invalid configuration")),
+        }
+    }
+}
+
+fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<StoreSettings> {
+    let mut ok = true;
+    if s.timeout.is_zero() {
+        err("store.timeout".into(), "must be greater than zero".into());
+        ok = false;
+    }
+    if s.key_prefix.is_empty() {
+        err(
+            "store.key_prefix".into(),
+            "must not be empty: operators find the proxy's keys by it".into(),
+        );
+        ok = false;
+    }
+    if s.wait_replicas != 0 {
+        err(
+            "store.wait_replicas".into(),
+            "is not supported yet; remove it or set 0".into(),
+        );
+        ok = false;
+    }
+    if !s.nodes.is_empty() && s.backend != Backend::RedisCluster {
+        err(
+            "store.nodes".into(),
+            "is only used with backend redis-cluster".into(),
+        );
+        ok = false;
+    }
+    let backend = match s.backend {
+        Backend::Memory => {
+            if s.max_entries == 0 {
+                err("store.max_entries".into(), "must be at least 1".into());
+                ok = false;
+            }
+            BackendSettings::Memory {
+                max_entries: s.max_entries,
+            }
+        }
+        Backend::Redis => {
+            let url = s
+                .url
+                .clone()
+                .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                err(
+                    "store.url".into(),
+                    format!("invalid Redis URL {url:?}: it must start with redis:// or rediss://"),
+                );
+                ok = false;
+            } else if let Err(e) = redis::Client::open(url.as_str()) {
+                err("store.url".into(), format!("invalid Redis URL: {e}"));
+                ok = false;
+            }
+            BackendSettings::Redis { url }
+        }
+        Backend::RedisCluster => {
+            err(
+                "store.backend".into(),
+                "redis-cluster is not supported yet; use memory or redis".into(),
+            );
+            return None;
+        }
+    };
+    ok.then(|| StoreSettings {
+        backend,
+        key_prefix: s.key_prefix.clone(),
+        timeout: s.timeout,
+    })
+}
+
+fn validate_upstream(
+    name: &str,
+    up: &RawUpstream,
+    path: &str,
+    err: &mut impl FnMut(String, String),
+) -> Option<UpstreamSettings> {
+    let mut ok = true;
+    if up.connect_timeout.is_zero() {
+        err(
+            format!("{path}.connect_timeout"),
+            "must be greater than zero".into(),
+        );
+        ok = false;
+    }
+    if up.timeout.is_zero() {
+        err(
+            format!("{path}.timeout"),
+            "must be greater than zero".into(),
+        );
+        ok = false;
+    }
+    let url = match up.url.parse::<Uri>() {
+        Ok(u)
+            if matches!(u.scheme_str(), Some("http") | Some("https"))
+                && u.authority().is_some()
+                && u.query().is_none() =>
+        {
+            Some(u)
+        }
+        _ => {
+            err(
+                format!("{path}.url"),
+                format!(
+                    "invalid upstream URL {:?}: expected http://HOST[:PORT][/PREFIX] or https://…, without a query",
+                    up.url
+                ),
+            );
+            None
+        }
+    };
+    match url {
+        Some(url) if ok => Some(UpstreamSettings {
+            name: name.to_owned(),
+            url,
+            connect_timeout: up.connect_timeout,
+            timeout: up.timeout,
+        }),
+        _ => None,
+    }
+}
+
+fn validate_route(
+    r: &RawRoute,
+    path: &str,
+    upstreams: &BTreeMap<String, RawUpstream>,
+    err: &mut impl FnMut(String, String),
+) -> Option<RouteSettings> {
+    let mut ok = true;
+    if r.name.is_empty()
+        || !r
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        err(
+            format!("{path}.name"),
+            format!(
+                "invalid route name {:?}: use letters, digits, '-', '_' and '.' (it becomes part of store keys and metric labels)",
+                r.name
+            ),
+        );
+        ok = false;
+    }
+    let methods = match &r.methods {
+        None => None,
+        Some(list) if list.is_empty() => {
+            err(
+                format!("{path}.methods"),
+                "is empty: omit it to match every method".into(),
+            );
+            ok = false;
+            None
+        }
+        Some(list) => {
+            let mut out = Vec::new();
+            for (j, m) in list.iter().enumerate() {
+                match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                    Ok(method) => out.push(method),
+                    Err(_) => {
+                        err(
+                            format!("{path}.methods[{j}]"),
+                            format!("invalid HTTP method {m:?}"),
+                        );
+                        ok = false;
+                    }
+                }
+            }
+            Some(out)
+        }
+    };
+    let pattern = match PathPattern::parse(&r.path) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            err(format!("{path}.path"), e);
+            None
+        }
+    };
+    if !upstreams.contains_key(&r.upstream) {
+        let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+        err(
+            format!("{path}.upstream"),
+            format!(
+                "unknown upstream {:?}; defined upstreams: [{}]",
+                r.upstream,
+                known.join(", ")
+            ),
+        );
+        ok = false;
+    }
+    let idempotency = match &r.idempotency {
+        None => None,
+        Some(i) => {
+            let compiled = validate_idempotency(i, &format!("{path}.idempotency"), err);
+            if compiled.is_none() {
+                ok = false;
+            }
+            compiled
+        }
+    };
+    match pattern {
+        Some(p) if ok => Some(RouteSettings {
+            name: r.name.clone(),
+            methods,
+            path: p,
+            upstream: r.upstream.clone(),
+            idempotency,
+        }),
+        _ => None,
+    }
+}
+
+fn header_name(
+    text: &str,
+    path: String,
+    err: &mut impl FnMut(String, String),
+) -> Option<HeaderName> {
+    match HeaderName::from_bytes(text.as_bytes()) {
+        Ok(h) => Some(h),
+        Err(_) => {
+            err(path, format!("invalid header name {text:?}"));
+            None
+        }
+    }
+}
+
+fn validate_idempotency(
+    i: &RawIdempotency,
+    path: &str,
+    err: &mut impl FnMut(String, String),
+) -> Option<IdempotencySettings> {
+    let mut ok = true;
+    let header = header_name(&i.header, format!("{path}.header"), err);
+    ok &= header.is_some();
+    if i.ttl.is_zero() {
+        err(format!("{path}.ttl"), "must be greater than zero".into());
+        ok = false;
+    }
+    if i.lock_ttl < MIN_LOCK_TTL {
+        err(
+            format!("{path}.lock_ttl"),
+            format!(
+                "must be at least {} (the lease is renewed every lock_ttl/3)",
+                humantime::format_duration(MIN_LOCK_TTL)
+            ),
+        );
+        ok = false;
+    }
+    if i.on_conflict == OnConflict::Wait && i.wait_timeout.is_zero() {
+        err(
+            format!("{path}.wait_timeout"),
+            "must be greater than zero with on_conflict: wait".into(),
+        );
+        ok = false;
+    }
+    let mut scope = Vec::new();
+    for (j, s) in i.scope.iter().enumerate() {
+        match header_name(s, format!("{path}.scope[{j}]"), err) {
+            Some(h) => scope.push(h),
+            None => ok = false,
+        }
+    }
+    let mut fingerprint = Vec::new();
+    for (j, f) in i.fingerprint.iter().enumerate() {
+        let part = match f.as_str() {
+            "method" => Some(FingerprintPart::Method),
+            "path" => Some(FingerprintPart::Path),
+            "query" => Some(FingerprintPart::Query),
+            "body" => Some(FingerprintPart::Body),
+            other => match other.strip_prefix("header:") {
+                Some(name) => header_name(name.trim(), format!("{path}.fingerprint[{j}]"), err)
+                    .map(FingerprintPart::Header),
+                None => {
+                    err(
+                        format!("{path}.fingerprint[{j}]"),
+                        format!(
+                            "unknown fingerprint part {other:?}; expected method, path, query, body or header:NAME"
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        match part {
+            Some(p) => fingerprint.push(p),
+            None => ok = false,
+        }
+    }
+    for (j, s) in i.retry_statuses.iter().enumerate() {
+        if !(100..=599).contains(s) {
+            err(
+                format!("{path}.retry_statuses[{j}]"),
+                format!("invalid HTTP status {s}; expected 100 to 599"),
+            );
+            ok = false;
+        }
+    }
+    if i.max_request_body == 0 {
+        err(
+            format!("{path}.max_request_body"),
+            "must be greater than zero".into(),
+        );
+        ok = false;
+    }
+    match header {
+        Some(header) if ok => Some(IdempotencySettings {
+            header,
+            required: i.required,
+            ttl: i.ttl,
+            lock_ttl: i.lock_ttl,
+            scope,
+            fingerprint,
+            on_conflict: i.on_conflict,
+            wait_timeout: i.wait_timeout,
+            on_store_error: i.on_store_error,
+            retry_statuses: i.retry_statuses.clone(),
+            on_unknown_outcome: i.on_unknown_outcome,
+            max_request_body: i.max_request_body,
+            max_response_body: i.max_response_body,
+            replay_set_cookie: i.replay_set_cookie,
+            forward_key: i.forward_key,
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "
+listen: 127.0.0.1:8080
+upstreams:
+  booking:
+    url: http://127.0.0.1:8081
+routes:
+  - name: create-booking
+    path: /bookings
+    upstream: booking
+    idempotency: {}
+";
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let c = Config::from_yaml(MINIMAL).expect("valid");
+        assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(c.log_format, LogFormat::Text);
+        assert_eq!(c.store.key_prefix, "idemproxy:");
+        assert_eq!(c.store.timeout, Duration::from_millis(500));
+        assert!(matches!(
+            c.store.backend,
+            BackendSettings::Memory {
+                max_entries: 1_000_000
+            }
+        ));
+        let up = &c.upstreams["booking"];
+        assert_eq!(up.connect_timeout, Duration::from_secs(2));
+        assert_eq!(up.timeout, Duration::from_secs(30));
+        let r = &c.routes.routes()[0];
+        assert!(r.methods.is_none());
+        let i = r.idempotency.as_ref().expect("idempotent");
+        assert_eq!(i.header, "idempotency-key");
+        assert!(i.required);
+        assert_eq!(i.ttl, Duration::from_secs(86400));
+        assert_eq!(i.lock_ttl, Duration::from_secs(10));
+        assert_eq!(i.scope, vec![HeaderName::from_static("authorization")]);
+        assert_eq!(
+            i.fingerprint,
+            vec![
+                FingerprintPart::Method,
+                FingerprintPart::Path,
+                FingerprintPart::Query,
+                FingerprintPart::Body
+            ]
+        );
+        assert_eq!(i.on_conflict, OnConflict::Reject);
+        assert_eq!(i.wait_timeout, Duration::from_secs(5));
+        assert_eq!(i.on_store_error, OnStoreError::Reject);
+        assert_eq!(i.retry_statuses, vec![429, 503]);
+        assert_eq!(i.on_unknown_outcome, OnUnknownOutcome::Keep);
+        assert_eq!(i.max_request_body, 1024 * 1024);
+        assert_eq!(i.max_response_body, 8 * 1024 * 1024);
+        assert!(!i.replay_set_cookie);
+        assert!(i.forward_key);
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("64KiB"), Ok(65536));
+        assert_eq!(parse_size("8MiB"), Ok(8 * 1024 * 1024));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert_eq!(parse_size("1MB"), Ok(1_000_000));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("").is_err());
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86400)));
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+}

@@ -1,0 +1,268 @@
+//! Counters and histograms, in Prometheus form (served by the admin listener in a later
+//! release; [`Metrics::encode`] gives the text today, and tests read the counters).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// What happened to one request, as counted and logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The first request with its key went upstream.
+    Forwarded,
+    /// A repeat got the saved response.
+    Replayed,
+    /// A repeat while the first was in flight (409).
+    Conflict,
+    /// The key was reused with another fingerprint (422).
+    Mismatch,
+    /// The key header was missing on a required route (400).
+    MissingKey,
+    /// The key header was invalid (400).
+    InvalidKey,
+    /// The request body was too large (413).
+    TooLarge,
+    /// The store failed (503, or forwarded unprotected).
+    StoreError,
+    /// The upstream failed: connect error, timeout or reset.
+    UpstreamError,
+    /// A plain pass-through (no idempotency on the route, or no key on a non-required route).
+    Passthrough,
+    /// A repeat of an operation whose response was too large to save.
+    NotReplayable,
+    /// No route matched (404).
+    NoRoute,
+    /// The request body could not be read (400).
+    BadRequest,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Passthrough => "passthrough",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::NoRoute => "no_route",
+            Outcome::BadRequest => "bad_request",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteOutcome {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamLabel {
+    upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+
+#[derive(Clone)]
+struct Buckets(fn() -> Histogram);
+
+impl MetricConstructor<Histogram> for Buckets {
+    fn new_metric(&self) -> Histogram {
+        (self.0)()
+    }
+}
+
+fn latency() -> Histogram {
+    // 0.5ms .. ~33s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 17))
+}
+
+/// Every metric the proxy keeps.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RouteOutcome, Counter>,
+    request_duration: Family<RouteOutcome, Histogram, Buckets>,
+    upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
+    store_duration: Family<OpLabel, Histogram, Buckets>,
+    store_errors: Family<OpLabel, Counter>,
+    lost_leases: Family<RouteLabel, Counter>,
+    unprotected: Family<RouteLabel, Counter>,
+    saves_abandoned: Family<RouteLabel, Counter>,
+    lost_leases_total: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let requests = Family::<RouteOutcome, Counter>::default();
+        let request_duration = Family::new_with_constructor(Buckets(latency));
+        let upstream_duration = Family::new_with_constructor(Buckets(latency));
+        let store_duration = Family::new_with_constructor(Buckets(latency));
+        let store_errors = Family::<OpLabel, Counter>::default();
+        let lost_leases = Family::<RouteLabel, Counter>::default();
+        let unprotected = Family::<RouteLabel, Counter>::default();
+        let saves_abandoned = Family::<RouteLabel, Counter>::default();
+        registry.register(
+            "idemproxy_requests",
+            "Requests by route and outcome",
+            requests.clone(),
+        );
+        registry.register(
+            "idemproxy_request_duration_seconds",
+            "Request duration by route and outcome",
+            request_duration.clone(),
+        );
+        registry.register(
+            "idemproxy_upstream_duration_seconds",
+            "Upstream call duration",
+            upstream_duration.clone(),
+        );
+        registry.register(
+            "idemproxy_store_operation_duration_seconds",
+            "Store operation duration",
+            store_duration.clone(),
+        );
+        registry.register(
+            "idemproxy_store_errors",
+            "Store operations that failed or timed out",
+            store_errors.clone(),
+        );
+        registry.register(
+            "idemproxy_lost_leases",
+            "Claims whose lease expired before the result was saved",
+            lost_leases.clone(),
+        );
+        registry.register(
+            "idemproxy_unprotected_requests",
+            "Requests forwarded without idempotency because the store failed (on_store_error: forward)",
+            unprotected.clone(),
+        );
+        registry.register(
+            "idemproxy_saves_abandoned",
+            "Results that could not be saved before the lease was lost",
+            saves_abandoned.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            request_duration,
+            upstream_duration,
+            store_duration,
+            store_errors,
+            lost_leases,
+            unprotected,
+            saves_abandoned,
+            lost_leases_total: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one finished request.
+    pub fn request(&self, route: &str, outcome: Outcome, took: Duration) {
+        let labels = RouteOutcome {
+            route: route.to_owned(),
+            outcome: outcome.as_str(),
+        };
+        self.requests.get_or_create(&labels).inc();
+        self.request_duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+    }
+
+    /// Times one upstream call.
+    pub fn upstream(&self, upstream: &str, took: Duration) {
+        self.upstream_duration
+            .get_or_create(&UpstreamLabel {
+                upstream: upstream.to_owned(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Times one store operation, counting failures.
+    pub fn store_op(&self, op: &'static str, took: Duration, failed: bool) {
+        let labels = OpLabel { op };
+        self.store_duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+        if failed {
+            self.store_errors.get_or_create(&labels).inc();
+        }
+    }
+
+    /// Counts a lost lease.
+    pub fn lost_lease(&self, route: &str) {
+        self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
+        self.lost_leases
+            .get_or_create(&RouteLabel {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a request forwarded without protection.
+    pub fn unprotected(&self, route: &str) {
+        self.unprotected
+            .get_or_create(&RouteLabel {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a result given up on.
+    pub fn save_abandoned(&self, route: &str) {
+        self.saves_abandoned
+            .get_or_create(&RouteLabel {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Requests counted for a route and outcome.
+    pub fn requests_count(&self, route: &str, outcome: Outcome) -> u64 {
+        self.requests
+            .get_or_create(&RouteOutcome {
+                route: route.to_owned(),
+                outcome: outcome.as_str(),
+            })
+            .get()
+    }
+
+    /// Lost leases counted, all routes.
+    pub fn lost_leases_count(&self) -> u64 {
+        self.lost_leases_total.load(Ordering::Relaxed)
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

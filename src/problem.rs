@@ -1,0 +1,213 @@
+//! Every answer the proxy makes itself, as `application/problem+json` (RFC 9457), in one place.
+//!
+//! Each kind has a stable `type` URI, `urn:idemproxy:problem:<slug>`, listed in the README;
+//! clients may branch on it. The `detail` says what happened to this request in words.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
+
+use crate::body::{self, Body};
+use crate::record::SavedResponse;
+
+/// The prefix of every problem `type`.
+pub const TYPE_PREFIX: &str = "urn:idemproxy:problem:";
+
+/// A refusal or failure the proxy answers itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// No route matches the method and path (404).
+    NoRoute,
+    /// The key header is missing on a route that requires it (400).
+    MissingKey {
+        /// The header's name.
+        header: HeaderName,
+    },
+    /// The key header is invalid or repeated (400).
+    InvalidKey {
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The request body is over `max_request_body` (413).
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: u64,
+    },
+    /// The request body could not be read (400).
+    BadRequestBody {
+        /// Why.
+        detail: String,
+    },
+    /// The key was used before for a different request (422).
+    KeyReused,
+    /// The first request with this key is still in flight (409, `Retry-After`).
+    InProgress {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The key's first response was too large to save (409).
+    NotReplayable {
+        /// The status the first request got.
+        status: StatusCode,
+    },
+    /// The store could not be reached or did not answer in time (503).
+    StoreUnavailable {
+        /// The store error, for the log and the detail.
+        detail: String,
+    },
+    /// The upstream could not be reached; nothing was sent (502).
+    UpstreamUnavailable {
+        /// The upstream's name.
+        upstream: String,
+        /// Why.
+        detail: String,
+    },
+    /// The upstream did not answer completely within its timeout; it may have acted (504).
+    UpstreamTimeout {
+        /// The upstream's name.
+        upstream: String,
+    },
+    /// The upstream connection failed after the request was sent; it may have acted (502).
+    UpstreamFailed {
+        /// The upstream's name.
+        upstream: String,
+        /// Why.
+        detail: String,
+    },
+}
+
+impl Problem {
+    /// The stable slug of this kind (the last part of its `type`).
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Problem::NoRoute => "no-route",
+            Problem::MissingKey { .. } => "missing-idempotency-key",
+            Problem::InvalidKey { .. } => "invalid-idempotency-key",
+            Problem::BodyTooLarge { .. } => "request-too-large",
+            Problem::BadRequestBody { .. } => "bad-request-body",
+            Problem::KeyReused => "idempotency-key-reused",
+            Problem::InProgress { .. } => "request-in-progress",
+            Problem::NotReplayable { .. } => "response-not-replayable",
+            Problem::StoreUnavailable { .. } => "store-unavailable",
+            Problem::UpstreamUnavailable { .. } => "upstream-unavailable",
+            Problem::UpstreamTimeout { .. } => "upstream-timeout",
+            Problem::UpstreamFailed { .. } => "upstream-failed",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Problem::NoRoute => StatusCode::NOT_FOUND,
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::BadRequestBody { .. } => StatusCode::BAD_REQUEST,
+            Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Problem::InProgress { .. } | Problem::NotReplayable { .. } => StatusCode::CONFLICT,
+            Problem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::UpstreamUnavailable { .. } | Problem::UpstreamFailed { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
+            Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Problem::NoRoute => "No route matches this request",
+            Problem::MissingKey { .. } => "Idempotency key missing",
+            Problem::InvalidKey { .. } => "Invalid idempotency key",
+            Problem::BodyTooLarge { .. } => "Request body too large",
+            Problem::BadRequestBody { .. } => "Request body could not be read",
+            Problem::KeyReused => "Idempotency key reused for a different request",
+            Problem::InProgress { .. } => "A request with this idempotency key is in progress",
+            Problem::NotReplayable { .. } => "Response cannot be replayed",
+            Problem::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Problem::UpstreamUnavailable { .. } => "Upstream unavailable",
+            Problem::UpstreamTimeout { .. } => "Upstream timed out",
+            Problem::UpstreamFailed { .. } => "Upstream failed",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::NoRoute => "No configured route matches this method and path.".into(),
+            Problem::MissingKey { header } => format!(
+                "This route requires the {header} header; send a unique key per operation and reuse it on retries."
+            ),
+            Problem::InvalidKey { detail } => format!(
+                "{detail}. A key is 1 to 255 visible ASCII characters, bare or as a quoted string, sent once."
+            ),
+            Problem::BodyTooLarge { limit } => format!(
+                "The request body is larger than this route's limit of {limit} bytes; nothing was done."
+            ),
+            Problem::BadRequestBody { detail } => {
+                format!("The request body could not be read: {detail}.")
+            }
+            Problem::KeyReused => "This idempotency key was already used for a request with a different method, path, query, body or fingerprinted headers. Use a new key for a new operation.".into(),
+            Problem::InProgress { .. } => "The first request with this idempotency key has not finished yet; retry after the time in Retry-After to get its response.".into(),
+            Problem::NotReplayable { status } => format!(
+                "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",
+                status.as_u16()
+            ),
+            Problem::StoreUnavailable { detail } => format!(
+                "The idempotency store did not answer ({detail}); nothing was forwarded. Retry later with the same key."
+            ),
+            Problem::UpstreamUnavailable { upstream, detail } => format!(
+                "Could not connect to upstream {upstream} ({detail}); the request was not sent. Retry with the same key."
+            ),
+            Problem::UpstreamTimeout { upstream } => format!(
+                "Upstream {upstream} did not send a complete response in time; it may have performed the operation."
+            ),
+            Problem::UpstreamFailed { upstream, detail } => format!(
+                "The connection to upstream {upstream} failed after the request was sent ({detail}); it may have performed the operation."
+            ),
+        }
+    }
+
+    /// The problem document's bytes.
+    pub fn body(&self) -> Bytes {
+        let status = self.status();
+        let doc = serde_json::json!({
+            "type": format!("{TYPE_PREFIX}{}", self.slug()),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+        });
+        Bytes::from(doc.to_string())
+    }
+
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let mut h = vec![(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        )];
+        if let Problem::InProgress { retry_after } = self {
+            // Whole seconds, at least 1 (Retry-After has no fractions).
+            let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+            h.push((header::RETRY_AFTER, HeaderValue::from(secs)));
+        }
+        h
+    }
+
+    /// The response to send.
+    pub fn response(&self) -> Response<Body> {
+        let mut resp = Response::new(body::full(self.body()));
+        *resp.status_mut() = self.status();
+        resp.headers_mut()
+            .extend(self.headers().into_iter().map(|(n, v)| (Some(n), v)));
+        resp
+    }
+
+    /// The problem as a response to save: with `on_unknown_outcome: keep`, a 502/504 problem
+    /// becomes the key's result and is replayed to every repeat.
+    pub fn saved(&self) -> SavedResponse {
+        SavedResponse {
+            status: self.status(),
+            headers: self.headers(),
+            body: self.body(),
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The listener: accepts connections, serves them with hyper (HTTP/1.1 and h2c), and shuts down
+//! gracefully.
+//!
+//! On shutdown it stops accepting, lets requests in flight finish, and waits for the
+//! background tasks (upstream calls whose client left, saves being retried) so that every
+//! result that can be saved is saved — all within `shutdown_timeout`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+use crate::config::{BackendSettings, Config};
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use crate::store::memory::MemoryStore;
+use crate::store::redis::RedisStore;
+use crate::store::{Store, StoreError, StoreHandle};
+
+/// How long a client may take to send a request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// At most this many request headers.
+const MAX_HEADERS: usize = 100;
+/// At most this many bytes of request head (HTTP/1.1 buffer; HTTP/2 header list).
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Why the proxy could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The store could not be set up.
+    #[error("cannot set up the store: {0}")]
+    Store(#[from] StoreError),
+    /// The listener failed.
+    #[error("listener: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Builds the store the configuration names. With Redis, checks the server's eviction policy
+/// in the background (it must not delay start, and Redis may be down).
+pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
+    let s = &config.store;
+    let backend: Arc<dyn Store> = match &s.backend {
+        BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
+        BackendSettings::Redis { url } => {
+            let redis = Arc::new(RedisStore::new(url, s.timeout)?);
+            let check = redis.clone();
+            let timeout = s.timeout.max(Duration::from_secs(2));
+            tokio::spawn(async move { check.check_server(timeout).await });
+            redis
+        }
+    };
+    Ok(StoreHandle::new(backend, s.timeout, metrics))
+}
+
+/// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RunError> {
+    let metrics = Arc::new(Metrics::new());
+    let store = build_store(&config, metrics.clone())?;
+    let proxy = Arc::new(Proxy::new(config, store, metrics));
+    serve(listener, proxy, shutdown).await?;
+    Ok(())
+}
+
+/// Serves an already-built proxy (tests and benches use this to read its metrics).
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_headers(MAX_HEADERS)
+        .max_buf_size(MAX_HEAD_BYTES);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_HEAD_BYTES as u32);
+    let graceful = GracefulShutdown::new();
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        "idemproxy listening on http://{}",
+        listener.local_addr()?
+    );
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Usually EMFILE: back off briefly instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let proxy_for_conn = proxy.clone();
+        let svc = service_fn(move |req| {
+            let proxy = proxy_for_conn.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+        });
+        let conn = graceful.watch(
+            builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    let timeout = proxy.config().shutdown_timeout;
+    tracing::info!(
+        timeout = ?timeout,
+        "shutting down: no new connections; waiting for requests in flight"
+    );
+    proxy.tasks().close();
+    let drained = tokio::time::timeout(timeout, async {
+        graceful.shutdown().await;
+        proxy.tasks().wait().await;
+    })
+    .await;
+    match drained {
+        Ok(()) => tracing::info!("shutdown complete"),
+        Err(_) => {
+            tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway")
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! The record store: one trait, two backends (embedded memory, Redis).
+//!
+//! Every operation the idempotency flow needs is one atomic step on one key:
+//! - `claim`: take the key if it is free, else read what is there — one step, never
+//!   check-then-act (Redis: `SET key value NX PX lease GET`, a single round trip on both the
+//!   new-key and the replay path);
+//! - `renew`, `complete`, `release`: only the holder of the claim's token may do them
+//!   (compare-and-set on the whole in-progress value; Redis: Lua scripts);
+//! - `get`, `wait_change`: for `on_conflict: wait`;
+//! - `ping`: readiness.
+//!
+//! [`StoreHandle`] wraps a backend and puts every call under `store.timeout`: a hung Redis
+//! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request.
+
+pub mod memory;
+pub mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::metrics::Metrics;
+use crate::record::{DecodeError, Entry};
+
+/// Why a store operation failed. Every variant means "the store could not say": the proxy
+/// answers 503 (or forwards, with `on_store_error: forward`), never guesses.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The operation did not finish within `store.timeout`. Its effect is unknown.
+    #[error("store operation {op} timed out after {after:?}")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The backend answered with an error or could not be reached.
+    #[error("store operation {op} failed: {source}")]
+    Backend {
+        /// The operation.
+        op: &'static str,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A record could not be decoded (corrupt, or an unknown format version).
+    #[error(transparent)]
+    Corrupt(#[from] DecodeError),
+    /// The memory store is at `max_entries`: new claims fail rather than evict a live record.
+    #[error("the memory store is full ({0} records, store.max_entries)")]
+    Full(u64),
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The key was free and is now ours.
+    Claimed,
+    /// The key was taken; this is what it holds.
+    Existing(Entry),
+}
+
+/// A claim held by this proxy: the in-progress entry and its encoding, compared byte for byte
+/// by `renew`, `complete` and `release`.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The in-progress entry (token and fingerprint).
+    pub entry: Entry,
+    /// Its encoding, as stored.
+    pub encoded: Bytes,
+}
+
+impl Held {
+    /// Wraps an in-progress entry.
+    pub fn new(entry: Entry) -> Held {
+        let encoded = entry.encode();
+        Held { entry, encoded }
+    }
+}
+
+/// A store backend. Implementations make each method one atomic step on one key.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims `key` for `lease` if it is free; otherwise returns what it holds.
+    async fn claim(&self, key: &str, held: &Held, lease: Duration) -> Result<Claim, StoreError>;
+    /// Extends the lease if `held` still holds the key. `false`: the lease was lost.
+    async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError>;
+    /// Replaces the claim by the finished entry, kept for `ttl`, if `held` still holds the key.
+    /// `false`: the lease was lost and nothing was written.
+    async fn complete(
+        &self,
+        key: &str,
+        held: &Held,
+        done: &Entry,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+    /// Deletes the claim if `held` still holds the key.
+    async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError>;
+    /// Reads the key.
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
+    /// Returns when the key may have changed, or after `max` at the latest. The caller reads
+    /// the key again either way. The default polls.
+    async fn wait_change(&self, _key: &str, max: Duration) {
+        tokio::time::sleep(max.min(Duration::from_millis(50))).await;
+    }
+    /// Checks that the store answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// A backend behind a deadline, with every call timed and counted.
+#[derive(Clone)]
+pub struct StoreHandle {
+    inner: Arc<dyn Store>,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl StoreHandle {
+    /// Wraps a backend.
+    pub fn new(inner: Arc<dyn Store>, timeout: Duration, metrics: Arc<Metrics>) -> StoreHandle {
+        StoreHandle {
+            inner,
+            timeout,
+            metrics,
+        }
+    }
+
+    /// The per-operation deadline.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let start = tokio::time::Instant::now();
+        let result = match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout {
+                op,
+                after: self.timeout,
+            }),
+        };
+        self.metrics.store_op(op, start.elapsed(), result.is_err());
+        result
+    }
+
+    /// See [`Store::claim`].
+    pub async fn claim(
+        &self,
+        key: &str,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.timed("claim", self.inner.claim(key, held, lease))
+            .await
+    }
+
+    /// See [`Store::renew`].
+    pub async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError> {
+        self.timed("renew", self.inner.renew(key, held, lease))
+            .await
+    }
+
+    /// See [`Store::complete`].
+    pub async fn complete(
+        &self,
+        key: &str,
+        held: &Held,
+        done: &Entry,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.timed("complete", self.inner.complete(key, held, done, ttl))
+            .await
+    }
+
+    /// See [`Store::release`].
+    pub async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError> {
+        self.timed("release", self.inner.release(key, held)).await
+    }
+
+    /// See [`Store::get`].
+    pub async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        self.timed("get", self.inner.get(key)).await
+    }
+
+    /// See [`Store::wait_change`].
+    pub async fn wait_change(&self, key: &str, max: Duration) {
+        self.inner.wait_change(key, max).await;
+    }
+
+    /// See [`Store::ping`].
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.timed("ping", self.inner.ping()).await
+    }
+}

@@ -1,0 +1,305 @@
+//! Talking to an upstream: one pooled client each, header rewriting, deadlines, and telling a
+//! failure that sent nothing from one that may have acted.
+//!
+//! That distinction is the whole point of the proxy's unknown-outcome rules (SPEC §4.4): a
+//! connect error means the upstream never saw the request, so the claim can be released; a
+//! timeout or a reset after sending means it may have acted, so the outcome is unknown.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::body::{self, Body};
+use crate::config::UpstreamSettings;
+
+/// How an upstream call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The connection could not be made: the request was not sent.
+    #[error("connect failed: {0}")]
+    Connect(String),
+    /// No complete response within the timeout: the upstream may have acted.
+    #[error("no complete response within {0:?}")]
+    Timeout(Duration),
+    /// The connection failed after the request was sent: the upstream may have acted.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A response whose body was read up to a bound.
+pub enum Bounded {
+    /// The whole body fit.
+    Complete(Bytes),
+    /// The body is larger than the bound: what was read, and the rest still to stream.
+    Over {
+        /// The bytes read so far.
+        prefix: Bytes,
+        /// The rest of the body.
+        rest: Incoming,
+    },
+}
+
+/// One upstream and its connection pool.
+pub struct Upstream {
+    name: String,
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
+    /// The URL's path without a trailing slash ("" for none): requests are appended to it.
+    base_path: String,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+    timeout: Duration,
+}
+
+/// The headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the
+/// `Proxy-*` family. Never forwarded, saved or replayed.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers, including every header that `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+    let proxy: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for name in proxy {
+        headers.remove(name);
+    }
+}
+
+impl Upstream {
+    /// Builds the client. TLS roots are the Mozilla set (webpki-roots).
+    pub fn new(settings: &UpstreamSettings) -> Upstream {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(settings.connect_timeout));
+        http.set_nodelay(true);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        let url = &settings.url;
+        Upstream {
+            name: settings.name.clone(),
+            scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP),
+            authority: url
+                .authority()
+                .cloned()
+                .unwrap_or_else(|| http::uri::Authority::from_static("localhost")),
+            base_path: url.path().trim_end_matches('/').to_owned(),
+            client,
+            timeout: settings.timeout,
+        }
+    }
+
+    /// The upstream's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The deadline for a whole response.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Builds the upstream request from the client's: the URL rebased on the upstream,
+    /// hop-by-hop headers removed, `X-Forwarded-*` set, the key header kept or dropped.
+    pub fn request(
+        &self,
+        parts: &Parts,
+        body: Body,
+        client: SocketAddr,
+        drop_header: Option<&HeaderName>,
+    ) -> Result<Request<Body>, UpstreamError> {
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/");
+        let uri = Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(format!("{}{}", self.base_path, path_and_query))
+            .build()
+            .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))?;
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        let host = headers.remove(header::HOST).or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        if let Some(name) = drop_header {
+            headers.remove(name);
+        }
+        let ip = client.ip().to_string();
+        let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+            Some(prev) if !prev.trim().is_empty() => format!("{prev}, {ip}"),
+            _ => ip,
+        };
+        if let Ok(v) = HeaderValue::from_str(&xff) {
+            headers.insert("x-forwarded-for", v);
+        }
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        match host {
+            Some(h) => {
+                headers.insert("x-forwarded-host", h);
+            }
+            None => {
+                headers.remove("x-forwarded-host");
+            }
+        }
+        let mut req = Request::new(body);
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers;
+        Ok(req)
+    }
+
+    /// Sends a request and waits for the response head (within the timeout).
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::Failed(error_chain(&e))),
+        }
+    }
+
+    /// Sends a request and reads the response body up to `limit` bytes, all within the
+    /// upstream's timeout. Hop-by-hop headers are removed from the response.
+    pub async fn call_bounded(
+        &self,
+        req: Request<Body>,
+        limit: u64,
+    ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let resp = match tokio::time::timeout_at(deadline, self.client.request(req)).await {
+            Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) if e.is_connect() => return Err(UpstreamError::Connect(error_chain(&e))),
+            Ok(Err(e)) => return Err(UpstreamError::Failed(error_chain(&e))),
+        };
+        let (mut parts, mut incoming) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let mut buf = BytesMut::new();
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, incoming.frame()).await {
+                Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    return Err(UpstreamError::Failed(format!(
+                        "response body failed: {}",
+                        error_chain(&e)
+                    )));
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            if let Ok(data) = frame.into_data() {
+                buf.extend_from_slice(&data);
+                if buf.len() as u64 > limit {
+                    return Ok((
+                        parts,
+                        Bounded::Over {
+                            prefix: buf.freeze(),
+                            rest: incoming,
+                        },
+                    ));
+                }
+            }
+        }
+        Ok((parts, Bounded::Complete(buf.freeze())))
+    }
+}
+
+/// A body of `prefix` followed by the rest of an upstream body, streamed.
+pub fn chain(prefix: Bytes, rest: Incoming) -> Body {
+    let head =
+        futures_util::stream::once(async move { Ok::<_, body::BoxError>(Frame::data(prefix)) });
+    let tail = BodyStream::new(rest).map(|r| r.map_err(|e| Box::new(e) as body::BoxError));
+    body::boxed(StreamBody::new(head.chain(tail)))
+}
+
+/// A response head with a streamed upstream body, hop-by-hop headers removed.
+pub fn passthrough_response(resp: Response<Incoming>) -> Response<Body> {
+    let (mut parts, incoming) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body::boxed(incoming))
+}
+
+/// The status used for a response the proxy could not classify.
+pub const INTERNAL: StatusCode = StatusCode::INTERNAL_SERVER_ERROR;
+
+/// An error with its sources, joined: hyper's top-level messages alone ("client error
+/// (Connect)") do not say what happened.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_including_those_connection_names() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("proxy-foo", HeaderValue::from_static("1"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        h.insert("set-cookie", HeaderValue::from_static("a=b"));
+        strip_hop_by_hop(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, vec!["x-keep", "set-cookie"]);
+    }
+}
