@@ -1,0 +1,572 @@
+//! The integration harness: real processes and real sockets, all on loopback.
+//!
+//! - [`RedisServer`]: a `redis-server` spawned on a free port, with no persistence; it can be
+//!   paused (SIGSTOP), resumed, killed and restarted on the same port; killed on drop.
+//! - [`TestProxy`]: the proxy served in this process (so tests can read its metrics), stopped
+//!   gracefully on [`TestProxy::stop`] or dropped.
+//! - [`ProxyProcess`]: the `idemproxy` binary as a child process, for what needs a process
+//!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
+//! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
+//!   effects) and, for the Redis backend, its own Redis.
+//!
+//! Every behaviour test is written once and run against both stores with [`both_stores!`].
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idemproxy::config::Config;
+use idemproxy::metrics::Metrics;
+use idemproxy::mock::{self, MockHandle};
+use idemproxy::proxy::Proxy;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Which store a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+/// Runs each named `async fn NAME(backend: Backend)` against both stores, as
+/// `memory::NAME` and `redis::NAME`.
+#[macro_export]
+macro_rules! both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Backend::Memory).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Backend::Redis).await
+                }
+            )*
+        }
+    };
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    let l = StdListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// The `redis-server` binary: `REDIS_SERVER` or the one on PATH.
+fn redis_binary() -> String {
+    std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+/// A `redis-server` of this test's own.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts one on a free loopback port, with no persistence.
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// Starts one with extra `--option value` arguments.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let mut s = RedisServer {
+            port: free_port(),
+            child: None,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(redis_binary())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ])
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server (install it: apt-get install redis-server)");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(client) = redis::Client::open(self.url()) {
+                if let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(200)) {
+                    if redis::cmd("PING").query::<String>(&mut c).is_ok() {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT/0`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child
+            .as_ref()
+            .map(|c| c.id())
+            .expect("redis is running")
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} redis");
+    }
+
+    /// SIGSTOP: Redis hangs, connections stay open.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port (after [`RedisServer::kill`]). Empty: no persistence.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// A synchronous connection, for inspecting or corrupting what the proxy stored.
+    pub fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .expect("redis url")
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("connect to redis")
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A paused server must be resumed to die promptly on some kernels; SIGKILL works
+            // on stopped processes anyway, this is belt and braces.
+            let _ = Command::new("kill")
+                .args(["-CONT", &c.id().to_string()])
+                .status();
+        }
+        self.kill();
+    }
+}
+
+/// One test's world: an upstream and, for Redis, a Redis.
+pub struct Env {
+    pub backend: Backend,
+    pub mock: MockHandle,
+    pub redis: Option<RedisServer>,
+}
+
+impl Env {
+    /// A fresh mock upstream and, with `Backend::Redis`, a fresh Redis.
+    pub async fn new(backend: Backend) -> Env {
+        let mock = mock::start().await.expect("start the mock upstream");
+        let redis = (backend == Backend::Redis).then(RedisServer::start);
+        Env {
+            backend,
+            mock,
+            redis,
+        }
+    }
+
+    /// The Redis of a Redis test.
+    pub fn redis(&self) -> &RedisServer {
+        self.redis.as_ref().expect("a Redis test")
+    }
+
+    /// Mutable access to the Redis of a Redis test.
+    pub fn redis_mut(&mut self) -> &mut RedisServer {
+        self.redis.as_mut().expect("a Redis test")
+    }
+
+    /// The `store:` section for this backend (store timeout 300ms unless `extra` sets it).
+    pub fn store_yaml(&self, extra: &str) -> String {
+        let mut s = match &self.redis {
+            Some(r) => format!("store:\n  backend: redis\n  url: {}\n", r.url()),
+            None => "store:\n  backend: memory\n".to_owned(),
+        };
+        if !extra.contains("timeout:") {
+            s.push_str("  timeout: 300ms\n");
+        }
+        for line in extra.lines().filter(|l| !l.trim().is_empty()) {
+            s.push_str("  ");
+            s.push_str(line.trim());
+            s.push('\n');
+        }
+        s
+    }
+
+    /// A whole configuration: `POST /bookings` (route `create-booking`) idempotent with the
+    /// `idempotency:` lines in `idem` (indented freely; one setting a line), `/pay/*` (route
+    /// `pay`) idempotent with defaults, and every other path (route `rest`) passed through.
+    pub fn config(&self, idem: &str) -> String {
+        self.config_with(idem, "")
+    }
+
+    /// [`Env::config`] with extra `store:` lines.
+    pub fn config_with(&self, idem: &str, store: &str) -> String {
+        let mut idem_lines = String::new();
+        for line in idem.lines().filter(|l| !l.trim().is_empty()) {
+            idem_lines.push_str("      ");
+            idem_lines.push_str(line.trim());
+            idem_lines.push('\n');
+        }
+        if idem_lines.is_empty() {
+            idem_lines.push_str("      required: true\n");
+        }
+        format!(
+            "listen: 127.0.0.1:0\nshutdown_timeout: 10s\n{store}upstreams:\n  booking:\n    url: {up}\n    connect_timeout: 1s\n    timeout: 5s\nroutes:\n  - name: create-booking\n    methods: [POST]\n    path: /bookings\n    upstream: booking\n    idempotency:\n{idem_lines}  - name: pay\n    path: /pay/*\n    upstream: booking\n    idempotency:\n      lock_ttl: 2s\n  - name: rest\n    path: /*\n    upstream: booking\n",
+            store = self.store_yaml(store),
+            up = self.mock.url(),
+        )
+    }
+
+    /// Starts a proxy in this process with this configuration.
+    pub async fn proxy(&self, yaml: &str) -> TestProxy {
+        TestProxy::start(yaml).await
+    }
+}
+
+/// The proxy served in this process.
+pub struct TestProxy {
+    pub addr: SocketAddr,
+    pub proxy: Arc<Proxy>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl TestProxy {
+    /// Parses `yaml`, binds 127.0.0.1:0 (the file's `listen` is ignored) and serves.
+    pub async fn start(yaml: &str) -> TestProxy {
+        let config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}\n{yaml}"));
+        let metrics = Arc::new(Metrics::new());
+        let store = idemproxy::server::build_store(&config, metrics.clone()).expect("store");
+        let proxy = Arc::new(Proxy::new(config, store, metrics));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(idemproxy::server::serve(
+            listener,
+            proxy.clone(),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        TestProxy {
+            addr,
+            proxy,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// `http://ADDR{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// The proxy's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        self.proxy.metrics()
+    }
+
+    /// Graceful stop: waits for requests in flight and background saves.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// A client that does not reuse connections across tests and never follows redirects.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
+}
+
+/// A response read whole: status, headers, body bytes.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Reply {
+    /// A header's value as text ("" when absent).
+    pub fn header(&self, name: &str) -> String {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    }
+
+    /// The body parsed as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+
+    /// Asserts this is a problem+json of `slug` with `status`, and returns the document.
+    pub fn assert_problem(&self, status: u16, slug: &str) -> serde_json::Value {
+        assert_eq!(self.status, status, "status; body: {:?}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            "application/problem+json",
+            "content type of a {status}"
+        );
+        let doc = self.json();
+        assert_eq!(
+            doc["type"],
+            format!("urn:idemproxy:problem:{slug}"),
+            "problem type; document: {doc}"
+        );
+        assert_eq!(doc["status"], status, "problem status member");
+        assert!(
+            doc["title"].as_str().is_some_and(|t| !t.is_empty()),
+            "title"
+        );
+        assert!(
+            doc["detail"].as_str().is_some_and(|t| !t.is_empty()),
+            "detail"
+        );
+        doc
+    }
+}
+
+/// Sends a request built by `req` and reads the whole reply.
+pub async fn send(req: reqwest::RequestBuilder) -> Reply {
+    let resp = req.send().await.expect("request failed");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.bytes().await.expect("read body");
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// `POST {proxy}/bookings` with a key and a JSON body.
+pub async fn book(proxy: &TestProxy, key: &str, body: &str) -> Reply {
+    send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", key)
+            .header("Content-Type", "application/json")
+            .body(body.to_owned()),
+    )
+    .await
+}
+
+/// The `idemproxy` binary built by cargo for the integration tests.
+pub fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_idemproxy"))
+}
+
+/// The `idemproxy` binary as a child process.
+pub struct ProxyProcess {
+    pub addr: SocketAddr,
+    child: Option<Child>,
+    pub stderr: Arc<Mutex<String>>,
+    _config: tempfile::NamedTempFile,
+}
+
+impl ProxyProcess {
+    /// Writes `yaml` (its `listen:` line replaced by a free port) to a file and runs
+    /// `idemproxy --config FILE`; returns once the proxy accepts connections.
+    pub fn spawn(yaml: &str) -> ProxyProcess {
+        let port = free_port();
+        let yaml = yaml.replace("listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}"));
+        let file = write_config(&yaml);
+        let mut child = Command::new(binary())
+            .arg("--config")
+            .arg(file.path())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn idemproxy");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(err) = child.stderr.take() {
+            let sink = stderr.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    if let Ok(mut s) = sink.lock() {
+                        s.push_str(&line);
+                        s.push('\n');
+                    }
+                }
+            });
+        }
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "idemproxy exited early ({status}): {}",
+                    stderr.lock().map(|s| s.clone()).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "idemproxy did not start listening"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        ProxyProcess {
+            addr,
+            child: Some(child),
+            stderr,
+            _config: file,
+        }
+    }
+
+    /// `http://ADDR{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Everything the process logged so far.
+    pub fn log(&self) -> String {
+        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).expect("running")
+    }
+
+    /// Sends a signal (`-TERM`, `-KILL`, …).
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig}");
+    }
+
+    /// Waits for the process to exit (at most `within`), returning its exit code.
+    pub fn wait(&mut self, within: Duration) -> Option<i32> {
+        let deadline = Instant::now() + within;
+        let child = self.child.as_mut().expect("running");
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return status.code();
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Writes a configuration to a temporary file.
+pub fn write_config(yaml: &str) -> tempfile::NamedTempFile {
+    use std::io::Write;
+    let mut f = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    f.write_all(yaml.as_bytes()).expect("write config");
+    f
+}
+
+/// Polls `cond` every 10ms until it holds or `within` passes; returns whether it held.
+pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
