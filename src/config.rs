@@ -181,9 +181,20 @@ pub struct RawRoute {
     pub path: String,
     /// Name of an entry of `upstreams`. Required.
     pub upstream: String,
-    /// Absent: a plain pass-through route.
-    #[serde(default)]
+    /// Absent: a plain pass-through route. Present, even empty (`idempotency:` or
+    /// `idempotency: {}`): an idempotent route with the defaults.
+    #[serde(default, deserialize_with = "present_means_idempotent")]
     pub idempotency: Option<RawIdempotency>,
+}
+
+/// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
+/// into a pass-through, so null means "every default".
+fn present_means_idempotent<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<RawIdempotency>, D::Error> {
+    Ok(Some(
+        Option::<RawIdempotency>::deserialize(d)?.unwrap_or_default(),
+    ))
 }
 
 /// What to do with a repeat that arrives while the first request is still in flight.
@@ -268,6 +279,28 @@ pub struct RawIdempotency {
     /// Send the key header to the upstream. Default true.
     #[serde(default = "defaults::yes")]
     pub forward_key: bool,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        RawIdempotency {
+            header: defaults::header(),
+            required: true,
+            ttl: defaults::ttl(),
+            lock_ttl: defaults::lock_ttl(),
+            scope: defaults::scope(),
+            fingerprint: defaults::fingerprint(),
+            on_conflict: OnConflict::default(),
+            wait_timeout: defaults::wait_timeout(),
+            on_store_error: OnStoreError::default(),
+            retry_statuses: defaults::retry_statuses(),
+            on_unknown_outcome: OnUnknownOutcome::default(),
+            max_request_body: defaults::max_request_body(),
+            max_response_body: defaults::max_response_body(),
+            replay_set_cookie: false,
+            forward_key: true,
+        }
+    }
 }
 
 /// The documented defaults, one function each so serde and the docs agree.
@@ -570,6 +603,17 @@ impl RawConfig {
             let path = e.path().to_string();
             let inner = e.into_inner();
             let mut message = inner.to_string();
+            // yaml_serde prefixes its own, coarser path (often the parent mapping); the path
+            // from serde_path_to_error is the precise one, so name the field once.
+            let own_prefix = message
+                .split_once(": ")
+                .filter(|(head, _)| !head.is_empty() && !head.contains(' '))
+                .filter(|(head, _)| path.starts_with(head))
+                .map(|(_, rest)| rest.to_owned());
+            if let Some(rest) = own_prefix {
+                message = rest;
+            }
+            let path = if path == "?" { String::new() } else { path };
             if let Some(loc) = inner.location() {
                 // yaml_serde already appends the position to some messages; say it once.
                 if !message.contains(" at line ") {
@@ -683,10 +727,10 @@ fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<
         );
         ok = false;
     }
-    if !s.nodes.is_empty() && s.backend != Backend::RedisCluster {
+    if !s.nodes.is_empty() {
         err(
             "store.nodes".into(),
-            "is only used with backend redis-cluster".into(),
+            "is not supported yet (seed nodes of backend redis-cluster, which comes in a later release); remove it".into(),
         );
         ok = false;
     }
@@ -1045,6 +1089,17 @@ routes:
         assert_eq!(i.max_response_body, 8 * 1024 * 1024);
         assert!(!i.replay_set_cookie);
         assert!(i.forward_key);
+    }
+
+    #[test]
+    fn an_empty_idempotency_section_means_every_default() {
+        let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
+        let c = Config::from_yaml(&yaml).expect("valid");
+        let i = c.routes.routes()[0].idempotency.as_ref().expect("idempotent");
+        assert_eq!(i.lock_ttl, Duration::from_secs(10));
+        let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
+        let c = Config::from_yaml(&passthrough).expect("valid");
+        assert!(c.routes.routes()[0].idempotency.is_none());
     }
 
     #[test]

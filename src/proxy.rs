@@ -329,7 +329,14 @@ impl Proxy {
         client: SocketAddr,
         e: StoreError,
     ) -> Answer {
-        match idem.on_store_error {
+        // An undecodable record means an operation may have run under this key: forwarding
+        // could run it twice, whatever `on_store_error` says.
+        let policy = if matches!(e, StoreError::Corrupt(_)) {
+            OnStoreError::Reject
+        } else {
+            idem.on_store_error
+        };
+        match policy {
             OnStoreError::Reject => {
                 tracing::warn!(route = %route.settings.name, error = %e, "store error: 503");
                 refuse(
@@ -609,6 +616,14 @@ impl LeaseState {
             );
             metrics.lost_lease(route);
         }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // However the exchange ends (even by a panic), stop renewing: an orphaned renewer
+        // would keep the key blocked forever.
+        self.renewer.abort();
     }
 }
 
