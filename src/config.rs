@@ -613,7 +613,12 @@ impl RawConfig {
             if let Some(rest) = own_prefix {
                 message = rest;
             }
-            let path = if path == "?" { String::new() } else { path };
+            // serde_path_to_error writes `?` for a position it could not name (a syntax error
+            // before the next key); the known part of the path is what helps.
+            let path = match path.as_str() {
+                "?" => String::new(),
+                p => p.strip_suffix(".?").unwrap_or(p).to_owned(),
+            };
             if let Some(loc) = inner.location() {
                 // yaml_serde already appends the position to some messages; say it once.
                 if !message.contains(" at line ") {
