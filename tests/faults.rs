@@ -1,0 +1,1085 @@
+//! When things fail: SPEC §4.4 (unknown outcomes, leases), §4.5 (store faults), graceful
+//! shutdown (§2), and several instances on one Redis (§5).
+//!
+//! A rule that holds on both stores runs on both (`both_stores!`); Redis faults (SIGSTOP,
+//! SIGKILL, restart, corrupt records, eviction policy) and what needs several processes sharing
+//! one store are Redis-only. Every wall-clock bound here is one the SPEC asks for ("bounded
+//! time", "within lock_ttl") and is generous: the machine is small and noisy.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{
+    Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, client, eventually, free_port, send,
+};
+use http::{HeaderMap, HeaderName, StatusCode};
+use idemproxy::metrics::{Metrics, Outcome};
+use idemproxy::mock::{self, MockUpstream};
+use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
+use idemproxy::store::memory::MemoryStore;
+use idemproxy::store::redis::RedisStore;
+use idemproxy::store::{Claim, Held, Store, StoreHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The request body every booking here sends (the fingerprint covers it, not the headers).
+const BODY: &str = r#"{"seat":"12A"}"#;
+
+/// `POST {base}/bookings` with a key, a JSON body and extra headers (the mock's `X-Mock-*`).
+async fn post(base: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Reply {
+    let mut req = client()
+        .post(format!("{base}/bookings"))
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .body(body.to_owned());
+    for (name, value) in extra {
+        req = req.header(*name, *value);
+    }
+    send(req).await
+}
+
+/// The proxy's base URL.
+fn base(proxy: &TestProxy) -> String {
+    proxy.url("")
+}
+
+/// Asserts `r` is a replay of `first`: same status, byte-identical body, marked replayed.
+fn assert_replay_of(r: &Reply, first: &Reply) {
+    assert_eq!(
+        r.status, first.status,
+        "replayed status; body: {:?}",
+        r.body
+    );
+    assert_eq!(r.header("idempotent-replayed"), "true", "replay marker");
+    assert_eq!(r.body, first.body, "replayed body is byte-identical");
+}
+
+/// Asserts `r` came from the upstream now (not a replay) with a new booking.
+fn assert_forwarded(r: &Reply) {
+    assert_eq!(r.status, 201, "forwarded; body: {:?}", r.body);
+    assert_eq!(r.header("idempotent-replayed"), "", "not a replay");
+}
+
+/// The Redis key the proxy uses for `key` on route `create-booking`, for a caller without
+/// `Authorization` (the default scope), under the default prefix.
+fn redis_key(key: &str) -> String {
+    idemproxy::key::store_key(
+        "idemproxy:",
+        "create-booking",
+        &[HeaderName::from_static("authorization")],
+        &HeaderMap::new(),
+        key,
+    )
+}
+
+/// `yaml` with the upstream's response timeout set to `t`.
+fn with_upstream_timeout(yaml: &str, t: &str) -> String {
+    let out = yaml.replace("    timeout: 5s\n", &format!("    timeout: {t}\n"));
+    assert_ne!(out, yaml, "the harness's upstream timeout line moved");
+    out
+}
+
+/// A request with this key, sent through `base` and answered 201 by the upstream, retried at
+/// most `attempts` times 100ms apart while the answer is a 503 (the store coming back). Each
+/// attempt uses a new key `{prefix}-{n}`, so a refused attempt leaves nothing behind that a
+/// later one could replay. Returns the key that went through and its reply.
+async fn first_forwarded_after_outage(
+    env: &Env,
+    base: &str,
+    prefix: &str,
+    attempts: usize,
+) -> (String, Reply) {
+    for n in 0..attempts {
+        let key = format!("{prefix}-{n}");
+        let r = post(base, &key, BODY, &[]).await;
+        if r.status == 201 {
+            return (key, r);
+        }
+        r.assert_problem(503, "store-unavailable");
+        assert_eq!(env.mock.calls(&key), 0, "a 503 forwards nothing");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the proxy did not recover within {attempts} attempts");
+}
+
+// ---------------------------------------------------------------------------------------------
+// §4.4 When the outcome is unknown
+// ---------------------------------------------------------------------------------------------
+
+both_stores!(
+    connect_failure_releases_the_claim,
+    reset_after_sending_is_kept_as_a_502,
+    timeout_is_kept_as_a_504,
+    partial_response_is_an_unknown_outcome,
+    release_lets_a_retry_run_again,
+    renewal_keeps_a_claim_slower_than_lock_ttl,
+    stale_holder_cannot_overwrite_a_newer_holder,
+);
+
+/// Nothing was sent: the claim is released (502 upstream-unavailable each time, never a 409 or
+/// a replay), and once the upstream is up the same key is forwarded.
+async fn connect_failure_releases_the_claim(backend: Backend) {
+    let env = Env::new(backend).await;
+    let port = free_port();
+    let yaml = env
+        .config("")
+        .replace(&env.mock.url(), &format!("http://127.0.0.1:{port}"));
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+
+    for attempt in 0..2 {
+        let r = post(&base, "cf-1", BODY, &[]).await;
+        r.assert_problem(502, "upstream-unavailable");
+        assert_eq!(
+            r.header("idempotent-replayed"),
+            "",
+            "attempt {attempt}: a connect failure is not saved"
+        );
+    }
+    assert_eq!(
+        proxy
+            .metrics()
+            .requests_count("create-booking", Outcome::UpstreamError),
+        2
+    );
+
+    // The upstream comes up on that port: the key was released, so it is forwarded now.
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind the upstream's port");
+    let upstream = MockUpstream::new();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(mock::serve(listener, upstream.clone(), async move {
+        let _ = stopped.await;
+    }));
+    let now = post(&base, "cf-1", BODY, &[]).await;
+    assert_forwarded(&now);
+    assert_eq!(upstream.calls("cf-1"), 1);
+    let again = post(&base, "cf-1", BODY, &[]).await;
+    assert_replay_of(&again, &now);
+    assert_eq!(
+        upstream.calls("cf-1"),
+        1,
+        "the upstream ran the operation once"
+    );
+    let _ = stop.send(());
+    let _ = served.await;
+}
+
+/// The upstream read the request and reset the connection: with `keep`, the 502 is the key's
+/// result and is replayed; the operation never runs twice.
+async fn reset_after_sending_is_kept_as_a_502(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("on_unknown_outcome: keep")).await;
+    let base = base(&proxy);
+    let first = post(&base, "reset-1", BODY, &[("X-Mock-Reset", "true")]).await;
+    first.assert_problem(502, "upstream-failed");
+    assert_eq!(first.header("idempotent-replayed"), "");
+    assert_eq!(env.mock.calls("reset-1"), 1, "the upstream received it");
+
+    // The retry would succeed upstream, but the first may have acted: replay the 502.
+    let again = post(&base, "reset-1", BODY, &[]).await;
+    again.assert_problem(502, "upstream-failed");
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls("reset-1"), 1, "never run twice");
+}
+
+/// No complete response within the upstream timeout: with `keep` (the default), the 504 is the
+/// key's result.
+async fn timeout_is_kept_as_a_504(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = with_upstream_timeout(&env.config(""), "300ms");
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+    let first = post(&base, "slow-up", BODY, &[("X-Mock-Delay", "2s")]).await;
+    first.assert_problem(504, "upstream-timeout");
+    assert_eq!(env.mock.calls("slow-up"), 1);
+
+    let again = post(&base, "slow-up", BODY, &[]).await;
+    again.assert_problem(504, "upstream-timeout");
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls("slow-up"), 1, "never run twice");
+}
+
+/// A response cut short (head and half the declared body, then the connection drops) is an
+/// unknown outcome too: 502, kept.
+async fn partial_response_is_an_unknown_outcome(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let base = base(&proxy);
+    let first = post(&base, "partial-1", BODY, &[("X-Mock-Partial", "true")]).await;
+    first.assert_problem(502, "upstream-failed");
+    assert_eq!(env.mock.calls("partial-1"), 1);
+
+    let again = post(&base, "partial-1", BODY, &[]).await;
+    again.assert_problem(502, "upstream-failed");
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls("partial-1"), 1, "never run twice");
+}
+
+/// With `on_unknown_outcome: release`, a reset or a timeout frees the key: the retry runs
+/// upstream again (the upstream is trusted to dedupe on the forwarded key), and that result is
+/// then replayed.
+async fn release_lets_a_retry_run_again(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = with_upstream_timeout(&env.config("on_unknown_outcome: release"), "300ms");
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+
+    for (key, fault, slug, status) in [
+        (
+            "rel-reset",
+            ("X-Mock-Reset", "true"),
+            "upstream-failed",
+            502,
+        ),
+        (
+            "rel-timeout",
+            ("X-Mock-Delay", "2s"),
+            "upstream-timeout",
+            504,
+        ),
+    ] {
+        let first = post(&base, key, BODY, &[fault]).await;
+        first.assert_problem(status, slug);
+        assert_eq!(env.mock.calls(key), 1);
+
+        let retry = post(&base, key, BODY, &[]).await;
+        assert_forwarded(&retry);
+        assert_eq!(
+            env.mock.calls(key),
+            2,
+            "{key}: the retry ran upstream again"
+        );
+
+        let again = post(&base, key, BODY, &[]).await;
+        assert_replay_of(&again, &retry);
+        assert_eq!(env.mock.calls(key), 2, "{key}: then it is replayed");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leases
+// ---------------------------------------------------------------------------------------------
+
+/// An upstream call four times longer than `lock_ttl` keeps its claim by renewal: a repeat well
+/// past `lock_ttl` is a 409, not a second forward; afterwards it is a replay.
+async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("lock_ttl: 300ms")).await;
+    let base = base(&proxy);
+    let first = {
+        let base = base.clone();
+        tokio::spawn(
+            async move { post(&base, "renew-1", BODY, &[("X-Mock-Delay", "1200ms")]).await },
+        )
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls("renew-1") == 1).await,
+        "the first request reached the upstream"
+    );
+    // Twice lock_ttl later: an unrenewed claim would have expired by now.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let during = post(&base, "renew-1", BODY, &[]).await;
+    during.assert_problem(409, "request-in-progress");
+    assert!(
+        !during.header("retry-after").is_empty(),
+        "409 has Retry-After"
+    );
+    assert_eq!(env.mock.calls("renew-1"), 1, "the repeat was not forwarded");
+
+    let first = first.await.expect("first request");
+    assert_forwarded(&first);
+    let after = post(&base, "renew-1", BODY, &[]).await;
+    assert_replay_of(&after, &first);
+    assert_eq!(env.mock.calls("renew-1"), 1);
+    assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
+}
+
+fn done(fingerprint: [u8; 32], body: &'static str) -> Entry {
+    Entry::Done {
+        fingerprint,
+        outcome: Saved::Response(SavedResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(
+                HeaderName::from_static("content-type"),
+                http::HeaderValue::from_static("application/json"),
+            )],
+            body: Bytes::from_static(body.as_bytes()),
+        }),
+    }
+}
+
+/// The compare-and-set on the token, at the store: A's lease expires, B claims the key; from
+/// then on nothing A does (complete, renew, release) touches the key, and B's record stands.
+async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
+    let env = Env::new(backend).await;
+    let timeout = Duration::from_secs(2);
+    let inner: Arc<dyn Store> = match &env.redis {
+        Some(r) => Arc::new(RedisStore::new(&r.url(), timeout).expect("redis store")),
+        None => Arc::new(MemoryStore::new(1000)),
+    };
+    let store = StoreHandle::new(inner, timeout, Arc::new(Metrics::new()));
+    let key = "idemproxy:create-booking:stale-holder";
+    let fp = [7u8; 32];
+    let a = Held::new(Entry::InFlight {
+        token: [1; 16],
+        fingerprint: fp,
+    });
+    let b = Held::new(Entry::InFlight {
+        token: [2; 16],
+        fingerprint: fp,
+    });
+    let long = Duration::from_secs(30);
+
+    assert_eq!(
+        store
+            .claim(key, &a, Duration::from_millis(200))
+            .await
+            .expect("A claims"),
+        Claim::Claimed
+    );
+    assert_eq!(
+        store.claim(key, &b, long).await.expect("B tries"),
+        Claim::Existing(a.entry.clone()),
+        "while A's lease runs, B sees A's claim"
+    );
+
+    // A stalls and does not renew: its lease runs out.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while store.get(key).await.expect("get").is_some() {
+        assert!(Instant::now() < deadline, "A's lease did not expire");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !store.renew(key, &a, long).await.expect("renew"),
+        "an expired lease cannot be renewed"
+    );
+
+    assert_eq!(
+        store.claim(key, &b, long).await.expect("B claims"),
+        Claim::Claimed
+    );
+    let from_a = done(fp, r#"{"id":"from A"}"#);
+    let from_b = done(fp, r#"{"id":"from B"}"#);
+    assert!(
+        !store
+            .complete(key, &a, &from_a, long)
+            .await
+            .expect("A completes"),
+        "A's save must not land"
+    );
+    assert!(!store.renew(key, &a, long).await.expect("A renews"));
+    assert!(!store.release(key, &a).await.expect("A releases"));
+    assert_eq!(
+        store.get(key).await.expect("get"),
+        Some(b.entry.clone()),
+        "B's claim is untouched"
+    );
+
+    assert!(
+        store
+            .complete(key, &b, &from_b, long)
+            .await
+            .expect("B completes")
+    );
+    assert!(
+        !store
+            .complete(key, &a, &from_a, long)
+            .await
+            .expect("A completes late")
+    );
+    assert!(!store.release(key, &a).await.expect("A releases late"));
+    assert!(
+        !store.release(key, &b).await.expect("B releases after"),
+        "a finished record is not a claim: nobody may release it"
+    );
+    assert_eq!(store.get(key).await.expect("get"), Some(from_b));
+}
+
+/// At the proxy, on Redis: the first holder's claim disappears while its upstream call runs (as
+/// if its lease had expired), a second request claims and runs the operation. The first's save
+/// must not overwrite the second's record; the lost lease is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
+    let env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&env.config("lock_ttl: 600ms")).await;
+    let base = base(&proxy);
+    let key = "taken-over";
+    let first = {
+        let base = base.clone();
+        tokio::spawn(async move { post(&base, key, BODY, &[("X-Mock-Delay", "1s")]).await })
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
+        "the first request reached the upstream"
+    );
+    let mut conn = env.redis().conn();
+    let deleted: i64 = ::redis::cmd("DEL")
+        .arg(redis_key(key))
+        .query(&mut conn)
+        .expect("DEL");
+    assert_eq!(
+        deleted, 1,
+        "the first's claim is under the documented store key"
+    );
+
+    let second = post(&base, key, BODY, &[]).await;
+    assert_forwarded(&second);
+    assert_eq!(env.mock.calls(key), 2);
+
+    let first = first.await.expect("first request");
+    assert_forwarded(&first);
+    assert_ne!(first.body, second.body, "two bookings were made");
+    assert!(
+        eventually(Duration::from_secs(2), || proxy
+            .metrics()
+            .lost_leases_count()
+            >= 1)
+        .await,
+        "the lost lease is counted"
+    );
+    assert!(
+        proxy.metrics().encode().contains("idemproxy_lost_leases"),
+        "the lost-lease counter is exported"
+    );
+
+    let repeat = post(&base, key, BODY, &[]).await;
+    assert_replay_of(&repeat, &second);
+    assert_eq!(env.mock.calls(key), 2);
+}
+
+/// A proxy process killed with SIGKILL mid-request stops renewing: its claim is a 409 at once
+/// and expires within `lock_ttl`, after which a retry through another instance runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_proxy_process_claim_expires_within_lock_ttl() {
+    let env = Env::new(Backend::Redis).await;
+    let lock_ttl = Duration::from_secs(1);
+    let yaml = env.config("lock_ttl: 1s");
+    let victim = ProxyProcess::spawn(&yaml);
+    let survivor = env.proxy(&yaml).await;
+    let key = "killed-mid-request";
+    let in_flight = {
+        let url = victim.url("/bookings");
+        tokio::spawn(async move {
+            // Fails when the process dies; only the side effect matters.
+            let _ = client()
+                .post(url)
+                .header("Idempotency-Key", key)
+                .header("Content-Type", "application/json")
+                .header("X-Mock-Delay", "3s")
+                .body(BODY)
+                .send()
+                .await;
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || env.mock.calls(key) == 1).await,
+        "the request reached the upstream through the victim"
+    );
+    victim.signal("-KILL");
+    let killed = Instant::now();
+
+    let right_after = post(&base(&survivor), key, BODY, &[]).await;
+    right_after.assert_problem(409, "request-in-progress");
+
+    let deadline = killed + lock_ttl + Duration::from_secs(1);
+    let forwarded = loop {
+        let r = post(&base(&survivor), key, BODY, &[]).await;
+        if r.status == 201 {
+            break r;
+        }
+        r.assert_problem(409, "request-in-progress");
+        assert!(
+            Instant::now() < deadline,
+            "the dead proxy's claim did not expire within lock_ttl + 1s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_forwarded(&forwarded);
+    assert_eq!(env.mock.calls(key), 2, "the retry ran again");
+    let again = post(&base(&survivor), key, BODY, &[]).await;
+    assert_replay_of(&again, &forwarded);
+    assert_eq!(env.mock.calls(key), 2);
+    in_flight.abort();
+}
+
+// ---------------------------------------------------------------------------------------------
+// §4.5 When the store fails (Redis)
+// ---------------------------------------------------------------------------------------------
+
+/// A hung Redis (SIGSTOP) gives 503 within `store.timeout` (300ms) plus a margin, on the claim
+/// path and on the replay path, never a hang; after SIGCONT the proxy serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_gives_503_in_bounded_time_then_recovers() {
+    let env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let base = base(&proxy);
+    let warm = post(&base, "warm", BODY, &[]).await;
+    assert_forwarded(&warm);
+
+    env.redis().pause();
+    for key in ["paused-new", "warm"] {
+        let started = Instant::now();
+        let r = post(&base, key, BODY, &[]).await;
+        let took = started.elapsed();
+        r.assert_problem(503, "store-unavailable");
+        assert!(
+            took < Duration::from_secs(2),
+            "{key}: a hung store must answer in bounded time, took {took:?}"
+        );
+    }
+    assert_eq!(env.mock.calls("paused-new"), 0, "nothing forwarded");
+    assert_eq!(env.mock.calls("warm"), 1);
+    assert!(
+        proxy
+            .metrics()
+            .requests_count("create-booking", Outcome::StoreError)
+            >= 2
+    );
+
+    env.redis().resume();
+    let (key, first) = first_forwarded_after_outage(&env, &base, "after-pause", 50).await;
+    let again = post(&base, &key, BODY, &[]).await;
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls(&key), 1);
+    let warm_again = post(&base, "warm", BODY, &[]).await;
+    assert_replay_of(&warm_again, &warm);
+}
+
+/// A claim that timed out has an unknown outcome: it forwards nothing (503). The `SET NX`
+/// queued while Redis was paused lands when it resumes, so retries get 409 until that lease
+/// would have expired; then the key is forwarded, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_claim_that_timed_out_is_a_conflict_until_its_lease_expires() {
+    let env = Env::new(Backend::Redis).await;
+    let lock_ttl = Duration::from_secs(1);
+    let proxy = env.proxy(&env.config("lock_ttl: 1s")).await;
+    let base = base(&proxy);
+    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+
+    env.redis().pause();
+    let r = post(&base, "limbo", BODY, &[]).await;
+    r.assert_problem(503, "store-unavailable");
+    env.redis().resume();
+    let resumed = Instant::now();
+    assert_eq!(
+        env.mock.calls("limbo"),
+        0,
+        "a timed-out claim forwards nothing"
+    );
+
+    let r = post(&base, "limbo", BODY, &[]).await;
+    r.assert_problem(409, "request-in-progress");
+    let deadline = resumed + lock_ttl + Duration::from_secs(1);
+    let forwarded = loop {
+        let r = post(&base, "limbo", BODY, &[]).await;
+        if r.status == 201 {
+            break r;
+        }
+        r.assert_problem(409, "request-in-progress");
+        assert_eq!(env.mock.calls("limbo"), 0);
+        assert!(
+            Instant::now() < deadline,
+            "the timed-out claim did not expire within lock_ttl + 1s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_forwarded(&forwarded);
+    assert_eq!(env.mock.calls("limbo"), 1);
+    assert_replay_of(&post(&base, "limbo", BODY, &[]).await, &forwarded);
+}
+
+/// Redis dies: `on_store_error: reject` answers 503 and forwards nothing; `forward` passes the
+/// request through without idempotency, and counts it as unprotected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_rejects_or_forwards_unprotected() {
+    let mut env = Env::new(Backend::Redis).await;
+    let reject = env.proxy(&env.config("on_store_error: reject")).await;
+    let forward = env.proxy(&env.config("on_store_error: forward")).await;
+    assert_forwarded(&post(&base(&reject), "warm-r", BODY, &[]).await);
+    assert_forwarded(&post(&base(&forward), "warm-f", BODY, &[]).await);
+
+    env.redis_mut().kill();
+
+    let started = Instant::now();
+    let r = post(&base(&reject), "dead-r", BODY, &[]).await;
+    r.assert_problem(503, "store-unavailable");
+    assert!(started.elapsed() < Duration::from_secs(2), "bounded time");
+    assert_eq!(env.mock.calls("dead-r"), 0, "reject forwards nothing");
+
+    let f = post(&base(&forward), "dead-f", BODY, &[]).await;
+    assert_forwarded(&f);
+    assert_eq!(env.mock.calls("dead-f"), 1);
+    // Unprotected: the same key again runs again (that is what `forward` trades away).
+    let f2 = post(&base(&forward), "dead-f", BODY, &[]).await;
+    assert_forwarded(&f2);
+    assert_eq!(env.mock.calls("dead-f"), 2);
+
+    assert_eq!(
+        reject
+            .metrics()
+            .requests_count("create-booking", Outcome::StoreError),
+        1
+    );
+    assert_eq!(
+        forward
+            .metrics()
+            .requests_count("create-booking", Outcome::StoreError),
+        2
+    );
+    let text = forward.metrics().encode();
+    assert!(
+        text.contains(r#"idemproxy_unprotected_requests_total{route="create-booking"} 2"#),
+        "unprotected requests are counted:\n{text}"
+    );
+}
+
+/// Redis is restarted on the same port (empty): the proxy reconnects by itself, no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_proxy_recovers_without_restart() {
+    let mut env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let base = base(&proxy);
+    assert_forwarded(&post(&base, "before-restart", BODY, &[]).await);
+
+    env.redis_mut().restart();
+    let (key, first) = first_forwarded_after_outage(&env, &base, "after-restart", 50).await;
+    let again = post(&base, &key, BODY, &[]).await;
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls(&key), 1);
+}
+
+/// The store stalls after the upstream answered: the client gets its 201 anyway (while Redis
+/// is still paused), the save is retried in the background, and after Redis resumes a repeat
+/// is a replay — nothing lost, nothing run twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stall_after_the_upstream_answered_loses_nothing() {
+    let env = Env::new(Backend::Redis).await;
+    let yaml = env.config_with("lock_ttl: 3s", "timeout: 200ms");
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+    // Loads the scripts and the connection before the fault.
+    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+
+    let first = {
+        let base = base.clone();
+        tokio::spawn(
+            async move { post(&base, "stall-1", BODY, &[("X-Mock-Delay", "600ms")]).await },
+        )
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls("stall-1") == 1).await,
+        "claimed and forwarded"
+    );
+    let reached = Instant::now();
+    env.redis().pause();
+    // The upstream answers ~600ms after it got the request; the save times out 200ms later.
+    let answered =
+        tokio::time::timeout_at((reached + Duration::from_millis(1500)).into(), first).await;
+    env.redis().resume();
+    let first = answered
+        .expect("the client got its answer while the store was still stalled")
+        .expect("first request");
+    assert_forwarded(&first);
+
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let replay = loop {
+        let r = post(&base, "stall-1", BODY, &[]).await;
+        if r.status == 201 {
+            break r;
+        }
+        r.assert_problem(409, "request-in-progress");
+        assert!(
+            Instant::now() < deadline,
+            "the background save never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_replay_of(&replay, &first);
+    assert_eq!(env.mock.calls("stall-1"), 1, "nothing ran twice");
+    assert_eq!(proxy.metrics().lost_leases_count(), 0, "nothing lost");
+}
+
+/// A TCP relay in front of Redis that can hold what the proxy sends (Redis never sees it) and
+/// then cut every connection, losing what it held. Unlike SIGSTOP, where the commands queued
+/// while Redis is stopped still run when it resumes, a cut loses them: only a retry by the
+/// proxy can save the result.
+struct CutRelay {
+    addr: std::net::SocketAddr,
+    hold: Arc<AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CutRelay {
+    async fn start(redis_port: u16) -> CutRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the relay");
+        let addr = listener.local_addr().expect("relay addr");
+        let hold = Arc::new(AtomicBool::new(false));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let task = {
+            let hold = hold.clone();
+            let cut = cut.clone();
+            tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let hold = hold.clone();
+                    let mut cut = cut.subscribe();
+                    tokio::spawn(async move {
+                        let Ok(server) = TcpStream::connect(("127.0.0.1", redis_port)).await else {
+                            return;
+                        };
+                        let (cr, cw) = client.into_split();
+                        let (sr, sw) = server.into_split();
+                        // Whichever ends first (a side closed, or a cut) drops both sockets.
+                        tokio::select! {
+                            () = relay_pipe(cr, sw, Some(hold)) => {}
+                            () = relay_pipe(sr, cw, None) => {}
+                            _ = cut.changed() => {}
+                        }
+                    });
+                }
+            })
+        };
+        CutRelay {
+            addr,
+            hold,
+            cut,
+            task,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}/0", self.addr)
+    }
+
+    /// From now on, what the proxy sends is held back.
+    fn hold(&self) {
+        self.hold.store(true, Ordering::SeqCst);
+    }
+
+    /// Closes every connection, dropping what was held, and relays normally again.
+    fn cut(&self) {
+        self.cut.send_modify(|g| *g += 1);
+        self.hold.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for CutRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`; with `hold`, bytes read while it is set are kept back (forever, or
+/// until the connection is cut and they are dropped).
+async fn relay_pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    hold: Option<Arc<AtomicBool>>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if let Some(hold) = &hold {
+            while hold.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The save fails after the upstream answered and the command that carried it is lost (the
+/// connection to Redis is cut): the client still gets its 201, the proxy retries the save in
+/// the background with backoff while its lease is valid, and a repeat is then a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lost_save_is_retried_in_the_background() {
+    let env = Env::new(Backend::Redis).await;
+    let relay = CutRelay::start(env.redis().port()).await;
+    let yaml = env
+        .config_with("lock_ttl: 3s", "timeout: 200ms")
+        .replace(&env.redis().url(), &relay.url());
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+
+    let first = {
+        let base = base.clone();
+        tokio::spawn(async move { post(&base, "cut-1", BODY, &[("X-Mock-Delay", "600ms")]).await })
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls("cut-1") == 1).await,
+        "claimed and forwarded"
+    );
+    relay.hold();
+    let first = tokio::time::timeout(Duration::from_secs(3), first)
+        .await
+        .expect("the client got its answer while the store was unreachable")
+        .expect("first request");
+    assert_forwarded(&first);
+    // The save did not reach Redis: the key still holds the claim.
+    let mut conn = env.redis().conn();
+    let raw: Vec<u8> = ::redis::cmd("GET")
+        .arg(redis_key("cut-1"))
+        .query(&mut conn)
+        .expect("GET");
+    assert!(
+        matches!(
+            Entry::decode(&raw).expect("decodable"),
+            Entry::InFlight { .. }
+        ),
+        "the first save attempt must not have landed yet"
+    );
+    relay.cut();
+
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let replay = loop {
+        let r = post(&base, "cut-1", BODY, &[]).await;
+        if r.status == 201 {
+            break r;
+        }
+        assert!(
+            r.status == 409 || r.status == 503,
+            "while the save is retried: 409 or 503, got {} {:?}",
+            r.status,
+            r.body
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the background save never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_replay_of(&replay, &first);
+    assert_eq!(env.mock.calls("cut-1"), 1, "nothing ran twice");
+    assert_eq!(proxy.metrics().lost_leases_count(), 0, "nothing lost");
+}
+
+/// A record the proxy cannot decode — garbage, or a well-formed record of an unknown format
+/// version — is a store error: 503, never forwarded (not even with `on_store_error: forward`),
+/// never replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_undecodable_records_are_store_errors() {
+    let env = Env::new(Backend::Redis).await;
+    let reject = env.proxy(&env.config("")).await;
+    let forward = env.proxy(&env.config("on_store_error: forward")).await;
+    let mut conn = env.redis().conn();
+
+    // A real record, as the proxy wrote it, copied under another key with version byte 2.
+    let original = post(&base(&reject), "original", BODY, &[]).await;
+    assert_forwarded(&original);
+    let record: Vec<u8> = ::redis::cmd("GET")
+        .arg(redis_key("original"))
+        .query(&mut conn)
+        .expect("GET");
+    assert_eq!(&record[..4], b"IDP\x01", "the record's magic and version");
+    let mut future = record.clone();
+    future[3] = 0x02;
+    for (key, value) in [
+        ("garbage", b"\x00\xffnot a record at all".to_vec()),
+        ("future-version", future),
+    ] {
+        let _: () = ::redis::cmd("SET")
+            .arg(redis_key(key))
+            .arg(value)
+            .arg("PX")
+            .arg(60_000)
+            .query(&mut conn)
+            .expect("SET");
+        for (name, proxy) in [("reject", &reject), ("forward", &forward)] {
+            for attempt in 0..2 {
+                let r = post(&base(proxy), key, BODY, &[]).await;
+                r.assert_problem(503, "store-unavailable");
+                assert_eq!(
+                    r.header("idempotent-replayed"),
+                    "",
+                    "{key} via {name}, attempt {attempt}: never replayed"
+                );
+            }
+        }
+        assert_eq!(env.mock.calls(key), 0, "{key}: never forwarded");
+    }
+}
+
+/// At start the proxy reads `maxmemory-policy` and warns when Redis may evict keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_eviction_policy_is_warned_about_at_start() {
+    let mut env = Env::new(Backend::Memory).await;
+    env.redis = Some(RedisServer::start_with(&[
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]));
+    env.backend = Backend::Redis;
+    let p = ProxyProcess::spawn(&env.config(""));
+    let warned = eventually(Duration::from_secs(5), || {
+        p.log().lines().any(|l| {
+            l.contains("WARN") && l.contains("maxmemory-policy") && l.contains("allkeys-lru")
+        })
+    })
+    .await;
+    assert!(warned, "no eviction warning; log:\n{}", p.log());
+}
+
+/// …and does not warn on a `noeviction` Redis (the default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_noeviction_is_not_warned_about() {
+    let env = Env::new(Backend::Redis).await;
+    let p = ProxyProcess::spawn(&env.config(""));
+    // The check logs what it found; wait for that, then look for a warning.
+    let checked = eventually(Duration::from_secs(5), || {
+        p.log()
+            .lines()
+            .any(|l| l.contains("maxmemory-policy") && l.contains("noeviction"))
+    })
+    .await;
+    let log = p.log();
+    assert!(checked, "the policy check did not run; log:\n{log}");
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("WARN") && l.contains("maxmemory-policy")),
+        "warned on noeviction; log:\n{log}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown
+// ---------------------------------------------------------------------------------------------
+
+/// SIGTERM with a request in flight: no new connections, the request completes with its 201,
+/// its result is saved, the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sigterm_finishes_and_saves_the_request_in_flight() {
+    let env = Env::new(Backend::Redis).await;
+    let yaml = env.config("");
+    let mut p = ProxyProcess::spawn(&yaml);
+    let addr = p.addr;
+    let in_flight = {
+        let url = p.url("");
+        tokio::spawn(async move { post(&url, "term-1", BODY, &[("X-Mock-Delay", "1s")]).await })
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || env.mock.calls("term-1") == 1).await,
+        "the request reached the upstream"
+    );
+    p.signal("-TERM");
+
+    let refused = eventually(Duration::from_secs(2), || {
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err()
+    })
+    .await;
+    assert!(refused, "new connections are still accepted after SIGTERM");
+    assert!(
+        !in_flight.is_finished(),
+        "the listener closed while the request was still in flight"
+    );
+
+    let first = in_flight.await.expect("request in flight");
+    assert_forwarded(&first);
+    let code = p.wait(Duration::from_secs(5));
+    assert_eq!(code, Some(0), "exit code; log:\n{}", p.log());
+
+    let proxy = env.proxy(&yaml).await;
+    let again = post(&base(&proxy), "term-1", BODY, &[]).await;
+    assert_replay_of(&again, &first);
+    assert_eq!(env.mock.calls("term-1"), 1, "its result was saved");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several instances on one Redis
+// ---------------------------------------------------------------------------------------------
+
+/// Sends 50 identical requests at once, alternating between `a` and `b`.
+async fn fifty_duplicates(a: &TestProxy, b: &TestProxy, key: &'static str) -> Vec<Reply> {
+    let bases = [base(a), base(b)];
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let base = bases[i % 2].clone();
+            tokio::spawn(async move { post(&base, key, BODY, &[("X-Mock-Delay", "500ms")]).await })
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        replies.push(t.await.expect("request"));
+    }
+    replies
+}
+
+/// The one reply that came from the upstream.
+fn the_original(replies: &[Reply]) -> Reply {
+    let originals: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == 201 && r.header("idempotent-replayed").is_empty())
+        .collect();
+    assert_eq!(originals.len(), 1, "exactly one forwarded answer");
+    originals[0].clone()
+}
+
+/// Two instances, `on_conflict: reject`: one booking; every other answer a 409 or a
+/// byte-identical replay; a later repeat through either instance replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_two_instances_fifty_duplicates_one_booking() {
+    let env = Env::new(Backend::Redis).await;
+    let yaml = env.config("");
+    let a = env.proxy(&yaml).await;
+    let b = env.proxy(&yaml).await;
+    let replies = fifty_duplicates(&a, &b, "multi-1").await;
+    let original = the_original(&replies);
+    for r in &replies {
+        match r.status {
+            201 if r.header("idempotent-replayed").is_empty() => {}
+            201 => assert_replay_of(r, &original),
+            _ => {
+                r.assert_problem(409, "request-in-progress");
+            }
+        }
+    }
+    assert_eq!(env.mock.calls("multi-1"), 1, "exactly one booking");
+    for p in [&a, &b] {
+        let r = post(&base(p), "multi-1", BODY, &[]).await;
+        assert_replay_of(&r, &original);
+        assert_eq!(r.header("location"), original.header("location"));
+    }
+    assert_eq!(env.mock.calls("multi-1"), 1);
+    let conflicts = a
+        .metrics()
+        .requests_count("create-booking", Outcome::Conflict)
+        + b.metrics()
+            .requests_count("create-booking", Outcome::Conflict);
+    assert_eq!(
+        conflicts,
+        replies.iter().filter(|r| r.status == 409).count() as u64
+    );
+}
+
+/// Two instances, `on_conflict: wait`: every one of the 50 gets the same booking, byte for
+/// byte, the waiters on the other instance included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_two_instances_waiting_duplicates_all_get_the_booking() {
+    let env = Env::new(Backend::Redis).await;
+    let yaml = env.config("on_conflict: wait\nwait_timeout: 5s");
+    let a = env.proxy(&yaml).await;
+    let b = env.proxy(&yaml).await;
+    let replies = fifty_duplicates(&a, &b, "multi-wait").await;
+    let original = the_original(&replies);
+    for r in &replies {
+        assert_eq!(
+            r.status, 201,
+            "every waiter gets the result; body: {:?}",
+            r.body
+        );
+        assert_eq!(r.body, original.body, "byte-identical");
+    }
+    assert_eq!(env.mock.calls("multi-wait"), 1, "exactly one booking");
+}
