@@ -1100,7 +1100,10 @@ routes:
     fn an_empty_idempotency_section_means_every_default() {
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
         let c = Config::from_yaml(&yaml).expect("valid");
-        let i = c.routes.routes()[0].idempotency.as_ref().expect("idempotent");
+        let i = c.routes.routes()[0]
+            .idempotency
+            .as_ref()
+            .expect("idempotent");
         assert_eq!(i.lock_ttl, Duration::from_secs(10));
         let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
         let c = Config::from_yaml(&passthrough).expect("valid");

@@ -311,6 +311,15 @@ impl TestProxy {
                 let _ = stopped.await;
             },
         ));
+        // Warm the store connection (Redis connects lazily), so that a loaded machine's slow
+        // first connect does not turn a test's first request into a 503. A store that is down
+        // on purpose just fails these pings.
+        for _ in 0..20 {
+            if proxy.store().ping().await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         TestProxy {
             addr,
             proxy,
