@@ -1053,50 +1053,6 @@ routes:
 ";
 
     #[test]
-    fn defaults_are_the_documented_ones() {
-        let c = Config::from_yaml(MINIMAL).expect("valid");
-        assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
-        assert_eq!(c.log_format, LogFormat::Text);
-        assert_eq!(c.store.key_prefix, "idemproxy:");
-        assert_eq!(c.store.timeout, Duration::from_millis(500));
-        assert!(matches!(
-            c.store.backend,
-            BackendSettings::Memory {
-                max_entries: 1_000_000
-            }
-        ));
-        let up = &c.upstreams["booking"];
-        assert_eq!(up.connect_timeout, Duration::from_secs(2));
-        assert_eq!(up.timeout, Duration::from_secs(30));
-        let r = &c.routes.routes()[0];
-        assert!(r.methods.is_none());
-        let i = r.idempotency.as_ref().expect("idempotent");
-        assert_eq!(i.header, "idempotency-key");
-        assert!(i.required);
-        assert_eq!(i.ttl, Duration::from_secs(86400));
-        assert_eq!(i.lock_ttl, Duration::from_secs(10));
-        assert_eq!(i.scope, vec![HeaderName::from_static("authorization")]);
-        assert_eq!(
-            i.fingerprint,
-            vec![
-                FingerprintPart::Method,
-                FingerprintPart::Path,
-                FingerprintPart::Query,
-                FingerprintPart::Body
-            ]
-        );
-        assert_eq!(i.on_conflict, OnConflict::Reject);
-        assert_eq!(i.wait_timeout, Duration::from_secs(5));
-        assert_eq!(i.on_store_error, OnStoreError::Reject);
-        assert_eq!(i.retry_statuses, vec![429, 503]);
-        assert_eq!(i.on_unknown_outcome, OnUnknownOutcome::Keep);
-        assert_eq!(i.max_request_body, 1024 * 1024);
-        assert_eq!(i.max_response_body, 8 * 1024 * 1024);
-        assert!(!i.replay_set_cookie);
-        assert!(i.forward_key);
-    }
-
-    #[test]
     fn an_empty_idempotency_section_means_every_default() {
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
         let c = Config::from_yaml(&yaml).expect("valid");

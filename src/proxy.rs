@@ -33,7 +33,7 @@ use crate::body::{self, Body};
 use crate::config::{
     Config, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
 };
-use crate::fingerprint::{self, Fingerprint};
+use crate::fingerprint;
 use crate::key::{self, KeyError};
 use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
@@ -467,13 +467,11 @@ impl Exchange {
         };
         let up = &route.upstream;
         let lease = Lease::start(
-            proxy.store.clone(),
-            proxy.metrics.clone(),
-            route.settings.name.clone(),
+            &proxy,
+            &route.settings.name,
             self.store_key.clone(),
             self.held.clone(),
             idem.lock_ttl,
-            proxy.tasks.clone(),
         );
         let drop_key = (!idem.forward_key).then_some(&idem.header);
         let req = up.request(
@@ -560,31 +558,27 @@ impl Exchange {
 
     fn done(&self, outcome: Saved) -> Entry {
         Entry::Done {
-            fingerprint: *fingerprint_of(&self.held),
+            fingerprint: *self.held.entry.fingerprint(),
             outcome,
         }
     }
 }
 
-fn fingerprint_of(held: &Held) -> &Fingerprint {
-    held.entry.fingerprint()
-}
-
 /// A held claim: renews itself every `lock_ttl/3` until it is saved or released, and knows
 /// until when it may still be valid.
 struct Lease {
+    inner: Arc<LeaseInner>,
+    tasks: TaskTracker,
+    renewer: tokio::task::JoinHandle<()>,
+}
+
+struct LeaseInner {
     store: StoreHandle,
     metrics: Arc<Metrics>,
     route: String,
     key: String,
     held: Held,
     lock_ttl: Duration,
-    state: Arc<LeaseState>,
-    tasks: TaskTracker,
-    renewer: tokio::task::JoinHandle<()>,
-}
-
-struct LeaseState {
     /// Until when the lease is surely valid: the send time of the last successful claim or
     /// renewal plus `lock_ttl` (the send time, not the answer time, so it is never optimistic).
     valid_until: std::sync::Mutex<Instant>,
@@ -592,7 +586,74 @@ struct LeaseState {
     lost: AtomicBool,
 }
 
-impl LeaseState {
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // However the exchange ends (even by a panic), stop renewing: an orphaned renewer
+        // would keep the key blocked forever.
+        self.renewer.abort();
+    }
+}
+
+impl Lease {
+    fn start(proxy: &Proxy, route: &str, key: String, held: Held, lock_ttl: Duration) -> Lease {
+        let inner = Arc::new(LeaseInner {
+            store: proxy.store.clone(),
+            metrics: proxy.metrics.clone(),
+            route: route.to_owned(),
+            key,
+            held,
+            lock_ttl,
+            // The claim was sent just before this; `now` is optimistic by at most one round
+            // trip, which the first renewal (at a third of the lease) more than covers.
+            valid_until: std::sync::Mutex::new(Instant::now() + lock_ttl),
+            lost: AtomicBool::new(false),
+        });
+        let renewer = tokio::spawn(inner.clone().renew_every_third());
+        Lease {
+            inner,
+            tasks: proxy.tasks.clone(),
+            renewer,
+        }
+    }
+
+    /// Frees the key (owner only).
+    async fn release(self) {
+        self.renewer.abort();
+        let l = &self.inner;
+        match l.store.release(&l.key, &l.held).await {
+            Ok(true) => {}
+            Ok(false) => l.mark_lost("the claim was gone before release"),
+            // The claim will expire within lock_ttl; until then repeats get 409.
+            Err(e) => tracing::warn!(
+                route = %l.route,
+                error = %e,
+                "release failed; the claim expires within lock_ttl"
+            ),
+        }
+    }
+
+    /// Saves the finished entry with a compare-and-set on the token. If the store fails, the
+    /// save goes on in the background while the lease may still be valid; the caller answers
+    /// the client at once either way.
+    async fn save(self, done: Entry, ttl: Duration) {
+        self.renewer.abort();
+        let l = self.inner.clone();
+        match l.store.complete(&l.key, &l.held, &done, ttl).await {
+            Ok(true) => {}
+            Ok(false) => l.lost_or_saved(&done).await,
+            Err(e) => {
+                tracing::warn!(
+                    route = %l.route,
+                    error = %e,
+                    "saving the result failed; retrying in the background"
+                );
+                self.tasks.spawn(l.save_in_background(done, ttl));
+            }
+        }
+    }
+}
+
+impl LeaseInner {
     fn valid_until(&self) -> Instant {
         *self
             .valid_until
@@ -607,138 +668,64 @@ impl LeaseState {
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = until;
     }
 
-    fn mark_lost(&self, metrics: &Metrics, route: &str, key: &str, why: &str) {
+    fn mark_lost(&self, why: &str) {
         if !self.lost.swap(true, Ordering::SeqCst) {
             tracing::error!(
-                route,
-                key,
+                route = %self.route,
+                key = %self.key,
                 "lease lost: {why}; the result is not saved under this claim"
             );
-            metrics.lost_lease(route);
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        // However the exchange ends (even by a panic), stop renewing: an orphaned renewer
-        // would keep the key blocked forever.
-        self.renewer.abort();
-    }
-}
-
-impl Lease {
-    fn start(
-        store: StoreHandle,
-        metrics: Arc<Metrics>,
-        route: String,
-        key: String,
-        held: Held,
-        lock_ttl: Duration,
-        tasks: TaskTracker,
-    ) -> Lease {
-        // The claim was sent just before this; `now` is slightly optimistic by one round trip,
-        // which the first renewal (at a third of the lease) more than covers.
-        let state = Arc::new(LeaseState {
-            valid_until: std::sync::Mutex::new(Instant::now() + lock_ttl),
-            lost: AtomicBool::new(false),
-        });
-        let renewer = {
-            let (store, metrics, route, key, held, state) = (
-                store.clone(),
-                metrics.clone(),
-                route.clone(),
-                key.clone(),
-                held.clone(),
-                state.clone(),
-            );
-            tokio::spawn(async move {
-                let period = lock_ttl / 3;
-                let mut tick = tokio::time::interval_at(Instant::now() + period, period);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    let sent = Instant::now();
-                    match store.renew(&key, &held, lock_ttl).await {
-                        Ok(true) => state.extend(sent + lock_ttl),
-                        Ok(false) => {
-                            state.mark_lost(
-                                &metrics,
-                                &route,
-                                &key,
-                                "another request holds the key now",
-                            );
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!(route = %route, error = %e, "lease renewal failed; retrying");
-                        }
-                    }
-                }
-            })
-        };
-        Lease {
-            store,
-            metrics,
-            route,
-            key,
-            held,
-            lock_ttl,
-            state,
-            tasks,
-            renewer,
+            self.metrics.lost_lease(&self.route);
         }
     }
 
-    /// Frees the key (owner only).
-    async fn release(self) {
-        self.renewer.abort();
-        match self.store.release(&self.key, &self.held).await {
-            Ok(true) => {}
-            Ok(false) => self.state.mark_lost(
-                &self.metrics,
-                &self.route,
-                &self.key,
-                "claim gone before release",
-            ),
-            // The claim will expire within lock_ttl; until then repeats get 409.
-            Err(e) => {
-                tracing::warn!(route = %self.route, error = %e, "release failed; the claim expires within lock_ttl")
+    /// Renews the lease every `lock_ttl/3` until aborted or lost. A failed renewal is retried
+    /// at the next tick: two more chances before the lease can expire.
+    async fn renew_every_third(self: Arc<Self>) {
+        let period = self.lock_ttl / 3;
+        let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.renew_once().await == Some(false) {
+                self.mark_lost("another request holds the key now");
+                return;
             }
         }
     }
 
-    /// Saves the finished entry with a compare-and-set on the token. If the store fails, the
-    /// save goes on in the background while the lease may still be valid; the caller answers
-    /// the client at once either way.
-    async fn save(self, done: Entry, ttl: Duration) {
-        self.renewer.abort();
-        match self.store.complete(&self.key, &self.held, &done, ttl).await {
-            Ok(true) => {}
-            Ok(false) => self.lost_or_saved(&done).await,
+    /// One renewal: `Some(true)` renewed, `Some(false)` the key no longer holds our claim,
+    /// `None` the store failed (logged).
+    async fn renew_once(&self) -> Option<bool> {
+        let sent = Instant::now();
+        match self.store.renew(&self.key, &self.held, self.lock_ttl).await {
+            Ok(true) => {
+                self.extend(sent + self.lock_ttl);
+                Some(true)
+            }
+            Ok(false) => Some(false),
             Err(e) => {
-                tracing::warn!(route = %self.route, error = %e, "saving the result failed; retrying in the background");
-                let tasks = self.tasks.clone();
-                tasks.spawn(self.save_in_background(done, ttl));
+                tracing::warn!(route = %self.route, error = %e, "lease renewal failed; retrying");
+                None
             }
         }
     }
 
-    async fn save_in_background(self, done: Entry, ttl: Duration) {
+    /// Retries a failed save with backoff, renewing the lease meanwhile, for as long as the
+    /// lease may still be valid.
+    async fn save_in_background(self: Arc<Self>, done: Entry, ttl: Duration) {
         let mut backoff = Duration::from_millis(50);
         loop {
-            let valid_until = self.state.valid_until();
+            let valid_until = self.valid_until();
             let now = Instant::now();
             if now >= valid_until {
-                tracing::error!(route = %self.route, key = %self.key,
-                    "gave up saving the result: the lease expired; a retry of this key will run the operation again");
-                self.metrics.save_abandoned(&self.route);
-                self.state.mark_lost(
-                    &self.metrics,
-                    &self.route,
-                    &self.key,
-                    "expired while the store was failing",
+                tracing::error!(
+                    route = %self.route,
+                    key = %self.key,
+                    "gave up saving the result: the lease expired; a retry of this key will run the operation again"
                 );
+                self.metrics.save_abandoned(&self.route);
+                self.mark_lost("it expired while the store was failing");
                 return;
             }
             tokio::time::sleep(backoff.min(valid_until - now)).await;
@@ -749,13 +736,10 @@ impl Lease {
                     return;
                 }
                 Ok(false) => return self.lost_or_saved(&done).await,
+                // Keep the lease alive while the store comes back.
                 Err(_) => {
-                    // Keep the lease alive while the store comes back.
-                    let sent = Instant::now();
-                    match self.store.renew(&self.key, &self.held, self.lock_ttl).await {
-                        Ok(true) => self.state.extend(sent + self.lock_ttl),
-                        Ok(false) => return self.lost_or_saved(&done).await,
-                        Err(_) => {}
+                    if self.renew_once().await == Some(false) {
+                        return self.lost_or_saved(&done).await;
                     }
                 }
             }
@@ -770,11 +754,6 @@ impl Lease {
                 return;
             }
         }
-        self.state.mark_lost(
-            &self.metrics,
-            &self.route,
-            &self.key,
-            "the key was claimed by another request",
-        );
+        self.mark_lost("the key was claimed by another request");
     }
 }
