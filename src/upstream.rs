@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
-use http::{Request, Response, StatusCode, Uri};
+use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_rustls::HttpsConnector;
@@ -266,9 +266,6 @@ pub fn passthrough_response(resp: Response<Incoming>) -> Response<Body> {
     strip_hop_by_hop(&mut parts.headers);
     Response::from_parts(parts, body::boxed(incoming))
 }
-
-/// The status used for a response the proxy could not classify.
-pub const INTERNAL: StatusCode = StatusCode::INTERNAL_SERVER_ERROR;
 
 /// An error with its sources, joined: hyper's top-level messages alone ("client error
 /// (Connect)") do not say what happened.

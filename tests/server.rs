@@ -1,0 +1,89 @@
+//! The listener and the store wiring: HTTP/2 cleartext, request head limits, and Lua scripts
+//! that Redis forgot.
+
+mod common;
+
+use common::{Backend, Env, book, client, send};
+
+both_stores!(h2c_clients_get_forwarding_and_replays);
+
+/// The auto builder serves HTTP/2 with prior knowledge (h2c) next to HTTP/1.1.
+async fn h2c_clients_get_forwarding_and_replays(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .expect("h2c client");
+    let post = || {
+        h2.post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "h2-key")
+            .body(r#"{"seat":"1A"}"#)
+    };
+    let first = send(post()).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let again = send(post()).await;
+    assert_eq!(again.status, 201);
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.mock.calls("h2-key"), 1);
+    // And an HTTP/1.1 client sees the same record.
+    let h1 = book(&proxy, "h2-key", r#"{"seat":"1A"}"#).await;
+    assert_eq!(h1.body, first.body);
+    assert_eq!(h1.header("idempotent-replayed"), "true");
+}
+
+#[tokio::test]
+async fn too_many_or_too_large_request_headers_are_refused_before_anything_runs() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+
+    let mut many = client()
+        .post(proxy.url("/bookings"))
+        .header("Idempotency-Key", "many-headers");
+    for i in 0..150 {
+        many = many.header(format!("x-filler-{i}"), "1");
+    }
+    let refused = many.send().await.expect("an answer");
+    assert_eq!(refused.status().as_u16(), 431, "too many headers");
+
+    let huge = "v".repeat(100 * 1024);
+    let refused = client()
+        .post(proxy.url("/bookings"))
+        .header("Idempotency-Key", "huge-header")
+        .header("x-huge", huge)
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(refused.status().as_u16(), 431, "a 100 KiB header");
+    assert_eq!(env.mock.total(), 0, "nothing reached the upstream");
+
+    // The proxy still serves normal requests afterwards.
+    let ok = book(&proxy, "after-limits", "{}").await;
+    assert_eq!(ok.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_scripts_are_reloaded_after_script_flush() {
+    let env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let first = book(&proxy, "before-flush", "{}").await;
+    assert_eq!(first.status, 201);
+
+    // Redis forgets every cached script (as after a restart or failover with the same data).
+    let mut conn = env.redis().conn();
+    let flushed: String = ::redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut conn)
+        .expect("SCRIPT FLUSH");
+    assert_eq!(flushed, "OK");
+
+    // Completing needs the compare-and-set script: EVALSHA fails with NOSCRIPT and the script
+    // is loaded again. The replay proves the result was saved.
+    let second = book(&proxy, "after-flush", "{}").await;
+    assert_eq!(second.status, 201, "{:?}", second.body);
+    let replay = book(&proxy, "after-flush", "{}").await;
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+    assert_eq!(replay.body, second.body);
+    assert_eq!(env.mock.calls("after-flush"), 1);
+}
