@@ -17,6 +17,9 @@
 //! | `GET /_mock/calls?key=K` | `{"key":"K","calls":N}` | no |
 //! | `POST /_mock/reset` | zeroes every counter and forgets the stored bookings (ids keep growing) | no |
 //!
+//! Every JSON answer is compact, and object keys come in no particular order: read them as JSON,
+//! not as text. An embedded request body is re-serialized, not copied byte for byte.
+//!
 //! A counted request is recorded — the total, and the count of its `Idempotency-Key` value as
 //! received (a request without the header counts in the total only) — **as soon as its head and
 //! body have been read, before any delay or failure below**: a request that is later reset, cut
@@ -53,7 +56,6 @@
 //! ```
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -74,6 +76,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use serde_json::{Map, Value, json};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -137,7 +140,7 @@ struct Ledger {
     /// The last booking sequence number handed out. Not reset, so a booking id never names two
     /// different bookings in one process (a replayed `bk_3` can't be mistaken for a fresh one).
     last_seq: u64,
-    store: HashMap<String, Bytes>,
+    store: HashMap<String, Value>,
     last_request: Option<RecordedRequest>,
 }
 
@@ -237,22 +240,17 @@ impl MockUpstream {
     }
 
     fn create_booking(&self, request_body: &Bytes) -> Reply {
+        let request = body_json(request_body);
         let mut ledger = self.ledger();
         ledger.last_seq += 1;
         ledger.bookings += 1;
         let seq = ledger.last_seq;
         let id = format!("bk_{seq}");
-        let mut json = String::new();
-        json.push_str("{\"id\":");
-        push_json_str(&mut json, &id);
-        let _ = write!(json, ",\"seq\":{seq},\"request\":");
-        push_json_body(&mut json, request_body);
-        json.push('}');
-        let json = Bytes::from(json);
-        ledger.store.insert(id.clone(), json.clone());
+        let booking = json!({ "id": id, "seq": seq, "request": request });
+        let mut reply = Reply::json(StatusCode::CREATED, &booking);
+        ledger.store.insert(id.clone(), booking);
         drop(ledger);
 
-        let mut reply = Reply::json(StatusCode::CREATED, json);
         reply.insert(LOCATION, &format!("/bookings/{id}"));
         reply.insert(ETAG, &etag(&id));
         reply.insert(HeaderName::from_static(X_BOOKING_ID), &id);
@@ -260,38 +258,28 @@ impl MockUpstream {
     }
 
     fn get_booking(&self, id: &str) -> Reply {
-        let stored = self.ledger().store.get(id).cloned();
+        // Serialized under the lock: `Value` is not cheap to clone, its text is.
+        let stored = self
+            .ledger()
+            .store
+            .get(id)
+            .map(|booking| Reply::json(StatusCode::OK, booking));
         match stored {
-            Some(json) => {
-                let mut reply = Reply::json(StatusCode::OK, json);
+            Some(mut reply) => {
                 reply.insert(ETAG, &etag(id));
                 reply.insert(HeaderName::from_static(X_BOOKING_ID), id);
                 reply
             }
-            None => {
-                let mut json = String::from("{\"error\":\"booking not found\",\"id\":");
-                push_json_str(&mut json, id);
-                json.push('}');
-                Reply::json(StatusCode::NOT_FOUND, json.into())
-            }
+            None => Reply::json(
+                StatusCode::NOT_FOUND,
+                &json!({ "error": "booking not found", "id": id }),
+            ),
         }
     }
 
-    fn stats_json(&self) -> String {
+    fn stats_json(&self) -> Value {
         let stats = self.stats();
-        let mut json = format!(
-            "{{\"total\":{},\"bookings\":{},\"by_key\":{{",
-            stats.total, stats.bookings
-        );
-        for (i, (key, count)) in stats.by_key.iter().enumerate() {
-            if i > 0 {
-                json.push(',');
-            }
-            push_json_str(&mut json, key);
-            let _ = write!(json, ":{count}");
-        }
-        json.push_str("}}");
-        json
+        json!({ "total": stats.total, "bookings": stats.bookings, "by_key": stats.by_key })
     }
 }
 
@@ -561,19 +549,17 @@ fn route(state: &MockUpstream, parts: &Parts, body: &Bytes) -> Reply {
 
 fn control_reply(state: &MockUpstream, parts: &Parts, control: &str) -> Reply {
     match (&parts.method, control) {
-        (&Method::GET, "stats") => Reply::json(StatusCode::OK, state.stats_json().into()),
+        (&Method::GET, "stats") => Reply::json(StatusCode::OK, &state.stats_json()),
         (&Method::GET, "calls") => {
             let Some(key) = query_param(parts.uri.query().unwrap_or(""), "key") else {
                 return error_reply(StatusCode::BAD_REQUEST, "missing query parameter: key");
             };
-            let mut json = String::from("{\"key\":");
-            push_json_str(&mut json, &key);
-            let _ = write!(json, ",\"calls\":{}}}", state.calls(&key));
-            Reply::json(StatusCode::OK, json.into())
+            let calls = state.calls(&key);
+            Reply::json(StatusCode::OK, &json!({ "key": key, "calls": calls }))
         }
         (&Method::POST, "reset") => {
             state.reset();
-            Reply::json(StatusCode::OK, Bytes::from_static(b"{\"reset\":true}"))
+            Reply::json(StatusCode::OK, &json!({ "reset": true }))
         }
         (_, "stats" | "calls" | "reset") => {
             error_reply(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
@@ -583,34 +569,23 @@ fn control_reply(state: &MockUpstream, parts: &Parts, control: &str) -> Reply {
 }
 
 fn echo_reply(parts: &Parts, body: &Bytes) -> Reply {
-    let mut json = String::from("{\"method\":");
-    push_json_str(&mut json, parts.method.as_str());
-    json.push_str(",\"path\":");
-    push_json_str(&mut json, parts.uri.path());
-    json.push_str(",\"query\":");
-    match parts.uri.query() {
-        Some(query) => push_json_str(&mut json, query),
-        None => json.push_str("null"),
-    }
-    json.push_str(",\"headers\":{");
-    for (i, name) in parts.headers.keys().enumerate() {
-        if i > 0 {
-            json.push(',');
-        }
-        push_json_str(&mut json, name.as_str());
-        json.push_str(":[");
-        for (j, value) in parts.headers.get_all(name).iter().enumerate() {
-            if j > 0 {
-                json.push(',');
-            }
-            push_json_str(&mut json, &String::from_utf8_lossy(value.as_bytes()));
-        }
-        json.push(']');
-    }
-    json.push_str("},\"body\":");
-    push_json_body(&mut json, body);
-    json.push('}');
-    Reply::json(StatusCode::OK, json.into())
+    let headers: Map<String, Value> = parts
+        .headers
+        .keys()
+        .map(|name| {
+            let values = parts.headers.get_all(name).iter();
+            let values = values.map(|v| String::from_utf8_lossy(v.as_bytes()));
+            (name.as_str().to_owned(), values.collect())
+        })
+        .collect();
+    let echo = json!({
+        "method": parts.method.as_str(),
+        "path": parts.uri.path(),
+        "query": parts.uri.query(),
+        "headers": headers,
+        "body": body_json(body),
+    });
+    Reply::json(StatusCode::OK, &echo)
 }
 
 fn status_reply(status: StatusCode, parts: &Parts) -> Reply {
@@ -622,21 +597,27 @@ fn status_reply(status: StatusCode, parts: &Parts) -> Reply {
             body: MockBody::full(Bytes::new()),
         };
     }
-    let mut json = format!("{{\"status\":{},\"reason\":", status.as_u16());
-    push_json_str(&mut json, status.canonical_reason().unwrap_or(""));
-    json.push_str(",\"method\":");
-    push_json_str(&mut json, parts.method.as_str());
-    json.push_str(",\"path\":");
-    push_json_str(&mut json, parts.uri.path());
-    json.push_str(",\"mock\":\"X-Mock-Status\"}");
-    Reply::json(status, json.into())
+    let json = json!({
+        "status": status.as_u16(),
+        "reason": status.canonical_reason().unwrap_or(""),
+        "method": parts.method.as_str(),
+        "path": parts.uri.path(),
+        "mock": "X-Mock-Status",
+    });
+    Reply::json(status, &json)
 }
 
 fn error_reply(status: StatusCode, message: &str) -> Reply {
-    let mut json = String::from("{\"error\":");
-    push_json_str(&mut json, message);
-    json.push('}');
-    Reply::json(status, json.into())
+    Reply::json(status, &json!({ "error": message }))
+}
+
+/// A request body as it is embedded in a JSON answer: the parsed value if the body is JSON,
+/// else the body as a (lossy UTF-8) string. What serde_json can't hold as a [`Value`] counts as
+/// "not JSON": nesting deeper than its recursion limit (128), a number beyond `f64` (`1e400`),
+/// a lone surrogate escape.
+fn body_json(body: &[u8]) -> Value {
+    serde_json::from_slice(body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
 }
 
 /// The parsed `X-Mock-*` request headers.
@@ -719,13 +700,13 @@ struct Reply {
 }
 
 impl Reply {
-    fn json(status: StatusCode, json: Bytes) -> Self {
+    fn json(status: StatusCode, json: &Value) -> Self {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         Reply {
             status,
             headers,
-            body: MockBody::full(json),
+            body: MockBody::full(Bytes::from(json.to_string())),
         }
     }
 
@@ -938,189 +919,6 @@ impl Drop for ConnIo {
     }
 }
 
-/// Appends `s` as a JSON string literal.
-fn push_json_str(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
-
-/// Appends a request body: as JSON if it is valid JSON, else as a (lossy UTF-8) string.
-fn push_json_body(out: &mut String, body: &[u8]) {
-    match std::str::from_utf8(body) {
-        Ok(text) if is_json(text) => out.push_str(text.trim()),
-        Ok(text) => push_json_str(out, text),
-        Err(_) => push_json_str(out, &String::from_utf8_lossy(body)),
-    }
-}
-
-/// Whether `text` is one complete JSON value (RFC 8259), surrounding whitespace allowed.
-/// A small validator instead of a JSON dependency: the mock only needs to decide whether it can
-/// embed a body verbatim.
-fn is_json(text: &str) -> bool {
-    let mut parser = JsonCheck {
-        bytes: text.as_bytes(),
-        at: 0,
-    };
-    parser.value(0).is_some() && {
-        parser.whitespace();
-        parser.at == parser.bytes.len()
-    }
-}
-
-struct JsonCheck<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl JsonCheck<'_> {
-    /// Nesting deeper than this is treated as "not JSON" rather than risking the stack.
-    const MAX_DEPTH: usize = 128;
-
-    fn peek(&self) -> Option<u8> {
-        self.bytes.get(self.at).copied()
-    }
-
-    fn bump(&mut self) -> Option<u8> {
-        let b = self.peek()?;
-        self.at += 1;
-        Some(b)
-    }
-
-    fn eat(&mut self, b: u8) -> Option<()> {
-        (self.bump()? == b).then_some(())
-    }
-
-    fn whitespace(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.at += 1;
-        }
-    }
-
-    fn literal(&mut self, word: &[u8]) -> Option<()> {
-        let end = self.at.checked_add(word.len())?;
-        (self.bytes.get(self.at..end)? == word).then(|| self.at = end)
-    }
-
-    fn digits(&mut self) -> Option<()> {
-        let start = self.at;
-        while matches!(self.peek(), Some(b'0'..=b'9')) {
-            self.at += 1;
-        }
-        (self.at > start).then_some(())
-    }
-
-    fn value(&mut self, depth: usize) -> Option<()> {
-        if depth > Self::MAX_DEPTH {
-            return None;
-        }
-        self.whitespace();
-        match self.peek()? {
-            b'{' => {
-                self.at += 1;
-                self.whitespace();
-                if self.peek()? == b'}' {
-                    self.at += 1;
-                    return Some(());
-                }
-                loop {
-                    self.whitespace();
-                    self.string()?;
-                    self.whitespace();
-                    self.eat(b':')?;
-                    self.value(depth + 1)?;
-                    self.whitespace();
-                    match self.bump()? {
-                        b',' => continue,
-                        b'}' => return Some(()),
-                        _ => return None,
-                    }
-                }
-            }
-            b'[' => {
-                self.at += 1;
-                self.whitespace();
-                if self.peek()? == b']' {
-                    self.at += 1;
-                    return Some(());
-                }
-                loop {
-                    self.value(depth + 1)?;
-                    self.whitespace();
-                    match self.bump()? {
-                        b',' => continue,
-                        b']' => return Some(()),
-                        _ => return None,
-                    }
-                }
-            }
-            b'"' => self.string(),
-            b't' => self.literal(b"true"),
-            b'f' => self.literal(b"false"),
-            b'n' => self.literal(b"null"),
-            b'-' | b'0'..=b'9' => self.number(),
-            _ => None,
-        }
-    }
-
-    fn string(&mut self) -> Option<()> {
-        self.eat(b'"')?;
-        loop {
-            match self.bump()? {
-                b'"' => return Some(()),
-                b'\\' => match self.bump()? {
-                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
-                    b'u' => {
-                        for _ in 0..4 {
-                            if !self.bump()?.is_ascii_hexdigit() {
-                                return None;
-                            }
-                        }
-                    }
-                    _ => return None,
-                },
-                0x00..=0x1f => return None,
-                _ => {}
-            }
-        }
-    }
-
-    fn number(&mut self) -> Option<()> {
-        if self.peek() == Some(b'-') {
-            self.at += 1;
-        }
-        match self.peek()? {
-            b'0' => self.at += 1,
-            b'1'..=b'9' => self.digits()?,
-            _ => return None,
-        }
-        if self.peek() == Some(b'.') {
-            self.at += 1;
-            self.digits()?;
-        }
-        if matches!(self.peek(), Some(b'e' | b'E')) {
-            self.at += 1;
-            if matches!(self.peek(), Some(b'+' | b'-')) {
-                self.at += 1;
-            }
-            self.digits()?;
-        }
-        Some(())
-    }
-}
-
 /// The first value of `name` in a query string, percent-decoded (`+` as a space).
 fn query_param(query: &str, name: &str) -> Option<String> {
     query.split('&').find_map(|pair| {
@@ -1196,8 +994,8 @@ mod tests {
         Ok((parts.status, parts.headers, body))
     }
 
-    fn text(body: &Bytes) -> &str {
-        std::str::from_utf8(body).unwrap()
+    fn doc(body: &Bytes) -> Value {
+        serde_json::from_slice(body).unwrap()
     }
 
     #[tokio::test]
@@ -1224,11 +1022,11 @@ mod tests {
         assert_eq!(headers["content-type"], "application/json");
         assert!(headers.contains_key("etag"));
         assert_eq!(
-            text(&body),
-            r#"{"id":"bk_1","seq":1,"request":{"room": 12, "nights": [1, 2]}}"#
+            doc(&body),
+            json!({"id": "bk_1", "seq": 1, "request": {"room": 12, "nights": [1, 2]}})
         );
 
-        let (status, _, body) = send(
+        let (status, _, created) = send(
             &client,
             Method::POST,
             url.clone(),
@@ -1239,8 +1037,8 @@ mod tests {
         .unwrap();
         assert_eq!(status, StatusCode::CREATED);
         assert_eq!(
-            text(&body),
-            r#"{"id":"bk_2","seq":2,"request":"not \"json\""}"#
+            doc(&created),
+            json!({"id": "bk_2", "seq": 2, "request": "not \"json\""})
         );
         send(&client, Method::POST, url, &[("idempotency-key", "k2")], "")
             .await
@@ -1263,8 +1061,8 @@ mod tests {
         .unwrap();
         assert_eq!(status, StatusCode::OK);
         assert_eq!(headers["x-booking-id"], "bk_2");
-        assert!(text(&body).starts_with(r#"{"id":"bk_2","seq":2,"#));
-        let (status, _, _) = send(
+        assert_eq!(body, created, "the stored booking, byte for byte");
+        let (status, _, body) = send(
             &client,
             Method::GET,
             format!("{}/bookings/bk_99", mock.url()),
@@ -1274,6 +1072,10 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            doc(&body),
+            json!({"error": "booking not found", "id": "bk_99"})
+        );
         // GETs count too (no key): 3 + 2.
         assert_eq!(mock.total(), 5);
 
@@ -1331,8 +1133,14 @@ mod tests {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(headers["content-type"], "application/json");
         assert_eq!(
-            text(&body),
-            r#"{"status":503,"reason":"Service Unavailable","method":"POST","path":"/bookings","mock":"X-Mock-Status"}"#
+            doc(&body),
+            json!({
+                "status": 503,
+                "reason": "Service Unavailable",
+                "method": "POST",
+                "path": "/bookings",
+                "mock": "X-Mock-Status",
+            })
         );
         assert_eq!(mock.calls("k"), 1);
         assert_eq!(mock.bookings(), 0, "the route did not run");
@@ -1351,7 +1159,8 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert!(text(&body).contains("x-mock-delay"));
+        let error = doc(&body)["error"].as_str().unwrap().to_owned();
+        assert!(error.contains("x-mock-delay"), "{error}");
     }
 
     #[tokio::test]
@@ -1402,17 +1211,14 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, StatusCode::OK);
-        let body = text(&body);
-        assert!(
-            body.starts_with(r#"{"method":"PUT","path":"/echo/a","query":"b=1&c=%20","headers":{"#),
-            "{body}"
-        );
-        assert!(
-            body.contains(r#""idempotency-key":["\"quoted\""]"#),
-            "{body}"
-        );
-        assert!(body.contains(r#""x-forwarded-for":["10.0.0.1"]"#), "{body}");
-        assert!(body.ends_with(r#"},"body":"plain\ntext"}"#), "{body}");
+        let echo = doc(&body);
+        assert_eq!(echo["method"], "PUT");
+        assert_eq!(echo["path"], "/echo/a");
+        assert_eq!(echo["query"], "b=1&c=%20");
+        assert_eq!(echo["headers"]["idempotency-key"], json!(["\"quoted\""]));
+        assert_eq!(echo["headers"]["x-forwarded-for"], json!(["10.0.0.1"]));
+        assert_eq!(echo["body"], "plain\ntext");
+        assert_eq!(echo.as_object().unwrap().len(), 5, "{echo}");
         assert_eq!(mock.calls("\"quoted\""), 1);
         let last = mock.last_request().unwrap();
         assert_eq!(last.method, Method::PUT);
@@ -1518,8 +1324,8 @@ mod tests {
         .unwrap();
         assert_eq!(status, StatusCode::OK);
         assert_eq!(
-            text(&body),
-            r#"{"total":4,"bookings":3,"by_key":{"a":2,"b/c d":1}}"#
+            doc(&body),
+            json!({"total": 4, "bookings": 3, "by_key": {"a": 2, "b/c d": 1}})
         );
         let (_, _, body) = send(
             &client,
@@ -1530,8 +1336,8 @@ mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(text(&body), r#"{"key":"b/c d","calls":1}"#);
-        let (status, _, _) = send(
+        assert_eq!(doc(&body), json!({"key": "b/c d", "calls": 1}));
+        let (status, _, body) = send(
             &client,
             Method::POST,
             format!("{}/_mock/reset", mock.url()),
@@ -1541,6 +1347,7 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, StatusCode::OK);
+        assert_eq!(doc(&body), json!({"reset": true}));
         assert_eq!(mock.stats(), MockStats::default());
     }
 
@@ -1560,7 +1367,7 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, StatusCode::CREATED);
-        assert_eq!(text(&body), r#"{"id":"bk_1","seq":1,"request":{}}"#);
+        assert_eq!(doc(&body), json!({"id": "bk_1", "seq": 1, "request": {}}));
         assert_eq!(mock.calls("h2"), 1);
     }
 
@@ -1574,22 +1381,38 @@ mod tests {
     }
 
     #[test]
-    fn json_check() {
-        for ok in [
-            "{}",
-            " [1, -2.5e3, true, false, null, \"a\\u00e9\\n\"] ",
-            r#"{"a":{"b":[{}]}}"#,
-            "0",
-            "\"x\"",
+    fn request_bodies_embed_as_json_or_as_text() {
+        for (body, expected) in [
+            ("{}", json!({})),
+            (
+                " [1, -2.5e3, true, false, null, \"a\\u00e9\\n\"] ",
+                json!([1, -2500.0, true, false, null, "a\u{e9}\n"]),
+            ),
+            (r#"{"a":{"b":[{}]}}"#, json!({"a": {"b": [{}]}})),
+            ("0", json!(0)),
+            ("\"x\"", json!("x")),
         ] {
-            assert!(is_json(ok), "{ok}");
+            assert_eq!(body_json(body.as_bytes()), expected, "{body}");
         }
-        for bad in [
-            "", "{", "{a:1}", "01", "[1,]", "\"\\x\"", "1 2", "tru", "-", "1.",
+        for text in [
+            "",
+            "{",
+            "{a:1}",
+            "01",
+            "[1,]",
+            "\"\\x\"",
+            "1 2",
+            "tru",
+            "-",
+            "1.",
+            "1e400",
+            "\"\\ud800\"",
         ] {
-            assert!(!is_json(bad), "{bad}");
+            assert_eq!(body_json(text.as_bytes()), json!(text), "{text}");
         }
-        assert!(!is_json(&"[".repeat(1000)));
+        let deep = format!("{}{}", "[".repeat(1000), "]".repeat(1000));
+        assert_eq!(body_json(deep.as_bytes()), json!(deep), "too deep: text");
+        assert_eq!(body_json(b"a\xffb"), json!("a\u{fffd}b"), "lossy UTF-8");
     }
 
     #[test]

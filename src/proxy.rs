@@ -47,6 +47,11 @@ pub const REPLAYED: &str = "idempotent-replayed";
 /// How long a 409 asks the client to wait (`Retry-After`).
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// `on_conflict: wait` looks again after this long at first, doubling up to
+/// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead).
+const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
+const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
+
 /// A route with its upstream resolved.
 struct Route {
     settings: RouteSettings,
@@ -255,6 +260,7 @@ impl Proxy {
             fingerprint: fp,
         });
         let wait_until = Instant::now() + idem.wait_timeout;
+        let mut poll = FIRST_WAIT_POLL;
         loop {
             let existing = match self.store.claim(&store_key, &held, idem.lock_ttl).await {
                 Ok(Claim::Claimed) => break,
@@ -282,8 +288,13 @@ impl Proxy {
                         );
                     }
                     // Wait for the holder to finish, then claim again: a released or expired
-                    // claim is taken by this request, a finished one is replayed.
-                    self.store.wait_change(&store_key, wait_until - now).await;
+                    // claim is taken by this request, a finished one is replayed. Stores
+                    // that cannot wake us (Redis: the holder may be another instance) are
+                    // polled, backing off so a thousand waiters do not flood them.
+                    self.store
+                        .wait_change(&store_key, poll.min(wait_until - now))
+                        .await;
+                    poll = (poll * 2).min(MAX_WAIT_POLL);
                 }
             }
         }

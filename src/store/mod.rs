@@ -101,9 +101,10 @@ pub trait Store: Send + Sync + 'static {
     /// Reads the key.
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
     /// Returns when the key may have changed, or after `max` at the latest. The caller reads
-    /// the key again either way. The default polls.
+    /// the key again either way, and chooses `max` as its polling interval. The default just
+    /// sleeps: a shared store cannot know when another instance finishes.
     async fn wait_change(&self, _key: &str, max: Duration) {
-        tokio::time::sleep(max.min(Duration::from_millis(50))).await;
+        tokio::time::sleep(max).await;
     }
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;

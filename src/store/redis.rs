@@ -220,12 +220,6 @@ impl Store for RedisStore {
         }
     }
 
-    async fn wait_change(&self, _key: &str, max: Duration) {
-        // Other instances finish claims too, so there is nothing local to wake us: poll. The
-        // caller backs off by calling again; a short fixed interval keeps replays prompt.
-        tokio::time::sleep(max.min(Duration::from_millis(25))).await;
-    }
-
     async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         let _: String = redis::cmd("PING")
