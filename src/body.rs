@@ -32,3 +32,51 @@ where
 {
     b.map_err(Into::into).boxed_unsync()
 }
+
+/// Fails `body` with a timeout error if it has not ended by `deadline`: an upstream's
+/// `timeout` bounds the whole response, streamed bodies included, so a stalled upstream
+/// cannot hold a client connection forever.
+pub fn with_deadline(body: Body, deadline: tokio::time::Instant) -> Body {
+    Deadline {
+        inner: body,
+        sleep: Box::pin(tokio::time::sleep_until(deadline)),
+    }
+    .boxed_unsync()
+}
+
+struct Deadline {
+    inner: Body,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+/// The error a [`with_deadline`] body fails with.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream response did not complete within the upstream's timeout")]
+pub struct DeadlineExceeded;
+
+impl http_body::Body for Deadline {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        use std::task::Poll;
+        if let Poll::Ready(frame) = std::pin::Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(DeadlineExceeded)))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

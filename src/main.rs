@@ -7,7 +7,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use idemproxy::config::{Config, LogFormat};
-use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
 /// A reverse proxy that gives HTTP routes exactly-once effect through Idempotency-Key.
@@ -101,14 +100,14 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn serve(config: Config) -> ExitCode {
-    let listener = match TcpListener::bind(config.listen).await {
+    let listener = match idemproxy::server::bind(config.listen) {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(listen = %config.listen, error = %e, "cannot listen");
             return ExitCode::FAILURE;
         }
     };
-    match idemproxy::run(listener, config, idemproxy::shutdown::signal()).await {
+    match idemproxy::run(listener, config, stop_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "idemproxy stopped");
@@ -118,14 +117,14 @@ async fn serve(config: Config) -> ExitCode {
 }
 
 async fn demo(listen: SocketAddr, upstream_listen: SocketAddr) -> ExitCode {
-    let up = match TcpListener::bind(upstream_listen).await {
+    let up = match idemproxy::server::bind(upstream_listen) {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(%upstream_listen, error = %e, "cannot start the mock booking service (pass --upstream-listen)");
             return ExitCode::FAILURE;
         }
     };
-    let proxy = match TcpListener::bind(listen).await {
+    let proxy = match idemproxy::server::bind(listen) {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(%listen, error = %e, "cannot listen (pass --listen)");
@@ -152,7 +151,7 @@ async fn demo(listen: SocketAddr, upstream_listen: SocketAddr) -> ExitCode {
         },
     ));
     println!("{}", idemproxy::demo_instructions(addr, up_addr));
-    let result = idemproxy::run(proxy, config, idemproxy::shutdown::signal()).await;
+    let result = idemproxy::run(proxy, config, stop_signal()).await;
     let _ = stop_mock.send(());
     let _ = mock.await;
     match result {
@@ -162,4 +161,15 @@ async fn demo(listen: SocketAddr, upstream_listen: SocketAddr) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The first SIGTERM/SIGINT starts a graceful shutdown; a second one ends the process at once
+/// (an operator who presses Ctrl-C twice means it).
+async fn stop_signal() {
+    idemproxy::shutdown::signal().await;
+    tokio::spawn(async {
+        idemproxy::shutdown::signal().await;
+        tracing::warn!("second stop signal: exiting without waiting for requests in flight");
+        std::process::exit(130);
+    });
 }

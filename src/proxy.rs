@@ -192,7 +192,7 @@ impl Proxy {
         let result = up.send(req).await;
         self.metrics.upstream(up.name(), start.elapsed());
         match result {
-            Ok(resp) => (upstream::passthrough_response(resp), outcome),
+            Ok(resp) => (resp, outcome),
             Err(e) => self.upstream_failure(up, e),
         }
     }

@@ -40,6 +40,23 @@ pub enum RunError {
     Io(#[from] std::io::Error),
 }
 
+/// Pending connections the listener queues (the kernel caps it at `net.core.somaxconn`):
+/// a burst of a thousand clients retrying at once must not be refused at the door.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener with a deep accept queue and `SO_REUSEADDR` (a restart does not wait for
+/// the old process's connections to leave TIME_WAIT).
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Builds the store the configuration names. With Redis, checks the server's eviction policy
 /// in the background (it must not delay start, and Redis may be down).
 pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {

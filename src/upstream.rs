@@ -45,8 +45,8 @@ pub enum Bounded {
     Over {
         /// The bytes read so far.
         prefix: Bytes,
-        /// The rest of the body.
-        rest: Incoming,
+        /// The rest of the body, still bound by the upstream's timeout.
+        rest: Body,
     },
 }
 
@@ -196,9 +196,27 @@ impl Upstream {
         Ok(req)
     }
 
-    /// Sends a request and waits for the response head (within the timeout).
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+    /// Sends a request; the response head must arrive within the upstream's timeout, and its
+    /// body, streamed, fails if it has not ended by then either. Hop-by-hop headers are
+    /// removed from the response.
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let resp = self.head(req, deadline).await?;
+        let (mut parts, incoming) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        Ok(Response::from_parts(
+            parts,
+            body::with_deadline(body::boxed(incoming), deadline),
+        ))
+    }
+
+    /// Sends a request and waits for the response head until `deadline`.
+    async fn head(
+        &self,
+        req: Request<Body>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout_at(deadline, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
@@ -214,12 +232,7 @@ impl Upstream {
         limit: u64,
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let resp = match tokio::time::timeout_at(deadline, self.client.request(req)).await {
-            Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Ok(resp)) => resp,
-            Ok(Err(e)) if e.is_connect() => return Err(UpstreamError::Connect(error_chain(&e))),
-            Ok(Err(e)) => return Err(UpstreamError::Failed(error_chain(&e))),
-        };
+        let resp = self.head(req, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let mut buf = BytesMut::new();
@@ -242,7 +255,7 @@ impl Upstream {
                         parts,
                         Bounded::Over {
                             prefix: buf.freeze(),
-                            rest: incoming,
+                            rest: body::with_deadline(body::boxed(incoming), deadline),
                         },
                     ));
                 }
@@ -253,18 +266,10 @@ impl Upstream {
 }
 
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
-pub fn chain(prefix: Bytes, rest: Incoming) -> Body {
+pub fn chain(prefix: Bytes, rest: Body) -> Body {
     let head =
         futures_util::stream::once(async move { Ok::<_, body::BoxError>(Frame::data(prefix)) });
-    let tail = BodyStream::new(rest).map(|r| r.map_err(|e| Box::new(e) as body::BoxError));
-    body::boxed(StreamBody::new(head.chain(tail)))
-}
-
-/// A response head with a streamed upstream body, hop-by-hop headers removed.
-pub fn passthrough_response(resp: Response<Incoming>) -> Response<Body> {
-    let (mut parts, incoming) = resp.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    Response::from_parts(parts, body::boxed(incoming))
+    body::boxed(StreamBody::new(head.chain(BodyStream::new(rest))))
 }
 
 /// An error with its sources, joined: hyper's top-level messages alone ("client error

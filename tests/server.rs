@@ -87,3 +87,54 @@ async fn redis_scripts_are_reloaded_after_script_flush() {
     assert_eq!(replay.body, second.body);
     assert_eq!(env.mock.calls("after-flush"), 1);
 }
+
+/// An upstream that sends a response head and part of the body, then stalls for good.
+async fn stalling_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        // Bounded: the test makes one request.
+        for _ in 0..4 {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                let _ = sock
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                    .await;
+                tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+            });
+        }
+    });
+    addr
+}
+
+/// `upstreams.*.timeout` bounds the whole response on pass-through routes too: a body that
+/// stalls is cut off at the deadline instead of holding the client forever.
+#[tokio::test]
+async fn a_stalled_passthrough_body_is_cut_off_at_the_upstream_timeout() {
+    let up = stalling_upstream().await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nupstreams:\n  slow:\n    url: http://{up}\n    timeout: 500ms\nroutes:\n  - name: rest\n    path: /*\n    upstream: slow\n"
+    );
+    let proxy = common::TestProxy::start(&yaml).await;
+    let started = std::time::Instant::now();
+    let resp = client()
+        .get(proxy.url("/stream"))
+        .send()
+        .await
+        .expect("the head arrives");
+    assert_eq!(resp.status().as_u16(), 200);
+    let body = resp.bytes().await;
+    assert!(body.is_err(), "the body must fail, not complete: {body:?}");
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "cut off near the 500ms timeout, not after the upstream's 10s stall: {took:?}"
+    );
+}
