@@ -6,8 +6,9 @@
 //!   (`Store::claim`); nothing here checks first and acts after.
 //! - Everything the proxy refuses (400, 413, 422, 409) is decided before or instead of a claim,
 //!   so a refused request never holds a key.
-//! - The upstream call and the save run in a task of their own: a client that disconnects
-//!   drops only its wait for the answer, never the call or the save, so its retry is a replay.
+//! - The claim, the upstream call and the save run in a task of their own: a client that
+//!   disconnects drops only its wait for the answer, never a claim half made, the call or the
+//!   save, so its retry is a replay.
 //! - The holder renews its lease every `lock_ttl/3` while the upstream call runs, and writes
 //!   the result with a compare-and-set on its token. A holder that lost its lease (it stalled
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
@@ -259,48 +260,9 @@ impl Proxy {
             token: new_token(),
             fingerprint: fp,
         });
-        let wait_until = Instant::now() + idem.wait_timeout;
-        let mut poll = FIRST_WAIT_POLL;
-        loop {
-            let existing = match self.store.claim(&store_key, &held, idem.lock_ttl).await {
-                Ok(Claim::Claimed) => break,
-                Ok(Claim::Existing(entry)) => entry,
-                Err(e) => {
-                    return self
-                        .store_failure(route, idem, &parts, body, client, e)
-                        .await;
-                }
-            };
-            // The mismatch check comes first, in flight or finished.
-            if *existing.fingerprint() != fp {
-                return refuse(Problem::KeyReused, Outcome::Mismatch);
-            }
-            match existing {
-                Entry::Done { outcome, .. } => return replay(outcome),
-                Entry::InFlight { .. } => {
-                    let now = Instant::now();
-                    if idem.on_conflict == OnConflict::Reject || now >= wait_until {
-                        return refuse(
-                            Problem::InProgress {
-                                retry_after: RETRY_AFTER,
-                            },
-                            Outcome::Conflict,
-                        );
-                    }
-                    // Wait for the holder to finish, then claim again: a released or expired
-                    // claim is taken by this request, a finished one is replayed. Stores
-                    // that cannot wake us (Redis: the holder may be another instance) are
-                    // polled, backing off so a thousand waiters do not flood them.
-                    self.store
-                        .wait_change(&store_key, poll.min(wait_until - now))
-                        .await;
-                    poll = (poll * 2).min(MAX_WAIT_POLL);
-                }
-            }
-        }
-
-        // We hold the claim. Run the exchange in a task of its own so that a client that goes
-        // away cannot cancel the upstream call or the save.
+        // From the claim on, everything runs in a task of its own: a client that goes away
+        // can cancel neither a claim in flight (which would leave the key blocked until its
+        // lease expired) nor the upstream call and the save (its retry gets a replay).
         let (tx, rx) = oneshot::channel();
         let job = Exchange {
             proxy: self.clone(),
@@ -312,9 +274,8 @@ impl Proxy {
             held,
         };
         self.tasks.spawn(async move {
-            let answer = job.run().await;
             // The client may be gone; the result is saved either way.
-            let _ = tx.send(answer);
+            let _ = tx.send(job.claim_and_run().await);
         });
         match rx.await {
             Ok(answer) => answer,
@@ -469,6 +430,63 @@ struct Exchange {
 }
 
 impl Exchange {
+    /// Claims the key — or replays, refuses, or waits, per what the claim finds — and runs the
+    /// exchange when the claim is ours.
+    async fn claim_and_run(self) -> Answer {
+        let proxy = self.proxy.clone();
+        let route = &proxy.routes[self.route_index];
+        let Some(idem) = route.settings.idempotency.as_ref() else {
+            // Unreachable: only idempotent routes get here.
+            return refuse(Problem::NoRoute, Outcome::NoRoute);
+        };
+        let fp = *self.held.entry.fingerprint();
+        let wait_until = Instant::now() + idem.wait_timeout;
+        let mut poll = FIRST_WAIT_POLL;
+        loop {
+            let claim = proxy
+                .store
+                .claim(&self.store_key, &self.held, idem.lock_ttl)
+                .await;
+            let existing = match claim {
+                Ok(Claim::Claimed) => return self.run().await,
+                Ok(Claim::Existing(entry)) => entry,
+                Err(e) => {
+                    return proxy
+                        .store_failure(route, idem, &self.parts, self.body, self.client, e)
+                        .await;
+                }
+            };
+            // The mismatch check comes first, in flight or finished.
+            if *existing.fingerprint() != fp {
+                return refuse(Problem::KeyReused, Outcome::Mismatch);
+            }
+            match existing {
+                Entry::Done { outcome, .. } => return replay(outcome),
+                Entry::InFlight { .. } => {
+                    let now = Instant::now();
+                    if idem.on_conflict == OnConflict::Reject || now >= wait_until {
+                        return refuse(
+                            Problem::InProgress {
+                                retry_after: RETRY_AFTER,
+                            },
+                            Outcome::Conflict,
+                        );
+                    }
+                    // Wait for the holder to finish, then claim again: a released or expired
+                    // claim is taken by this request, a finished one is replayed. Stores
+                    // that cannot wake us (Redis: the holder may be another instance) are
+                    // polled, backing off so a thousand waiters do not flood them.
+                    proxy
+                        .store
+                        .wait_change(&self.store_key, poll.min(wait_until - now))
+                        .await;
+                    poll = (poll * 2).min(MAX_WAIT_POLL);
+                }
+            }
+        }
+    }
+
+    /// Forwards the claimed request, keeping the lease alive, and saves the result.
     async fn run(self) -> Answer {
         let proxy = self.proxy.clone();
         let route = &proxy.routes[self.route_index];
