@@ -172,11 +172,18 @@ impl Upstream {
         if let Some(name) = drop_header {
             headers.remove(name);
         }
+        // Append the client to the chain, keeping every earlier hop (the header may come as
+        // several lines).
+        let mut hops: Vec<&str> = headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .collect();
         let ip = client.ip().to_string();
-        let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-            Some(prev) if !prev.trim().is_empty() => format!("{prev}, {ip}"),
-            _ => ip,
-        };
+        hops.push(&ip);
+        let xff = hops.join(", ");
         if let Ok(v) = HeaderValue::from_str(&xff) {
             headers.insert("x-forwarded-for", v);
         }
@@ -288,6 +295,44 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_upstream_request_is_rebased_and_carries_forwarding_headers() {
+        let up = Upstream::new(&UpstreamSettings {
+            name: "booking".into(),
+            url: "http://127.0.0.1:9/api/".parse().expect("uri"),
+            connect_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        });
+        let (parts, ()) = Request::builder()
+            .method("POST")
+            .uri("/bookings?x=1")
+            .header("host", "shop.example")
+            .header("x-forwarded-for", "10.0.0.1")
+            .header("x-forwarded-for", "10.0.0.2")
+            .header("idempotency-key", "k")
+            .header("connection", "x-secret")
+            .header("x-secret", "1")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let client: SocketAddr = "127.0.0.7:5555".parse().expect("addr");
+        let key = HeaderName::from_static("idempotency-key");
+        let req = up
+            .request(&parts, body::empty(), client, Some(&key))
+            .expect("request");
+        assert_eq!(req.uri(), "http://127.0.0.1:9/api/bookings?x=1");
+        let h = req.headers();
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.7");
+        assert_eq!(h["x-forwarded-host"], "shop.example");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert!(
+            h.get("host").is_none(),
+            "the client sets the upstream's own Host"
+        );
+        assert!(h.get("idempotency-key").is_none(), "forward_key: false");
+        assert!(h.get("x-secret").is_none() && h.get("connection").is_none());
+    }
 
     #[test]
     fn hop_by_hop_headers_go_including_those_connection_names() {
