@@ -184,9 +184,15 @@ impl Problem {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         )];
-        if let Problem::InProgress { retry_after } = self {
+        let retry_after = match self {
+            Problem::InProgress { retry_after } => Some(*retry_after),
+            // A store outage is usually short; a client retrying with the same key is safe.
+            Problem::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
+            _ => None,
+        };
+        if let Some(after) = retry_after {
             // Whole seconds, at least 1 (Retry-After has no fractions).
-            let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             h.push((header::RETRY_AFTER, HeaderValue::from(secs)));
         }
         h
@@ -208,6 +214,86 @@ impl Problem {
             status: self.status(),
             headers: self.headers(),
             body: self.body(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Problem> {
+        vec![
+            Problem::NoRoute,
+            Problem::MissingKey {
+                header: HeaderName::from_static("idempotency-key"),
+            },
+            Problem::InvalidKey {
+                detail: "it is empty".into(),
+            },
+            Problem::BodyTooLarge { limit: 16 },
+            Problem::BadRequestBody {
+                detail: "connection reset".into(),
+            },
+            Problem::KeyReused,
+            Problem::InProgress {
+                retry_after: Duration::from_millis(1500),
+            },
+            Problem::NotReplayable {
+                status: StatusCode::CREATED,
+            },
+            Problem::StoreUnavailable {
+                detail: "timed out".into(),
+            },
+            Problem::UpstreamUnavailable {
+                upstream: "booking".into(),
+                detail: "connection refused".into(),
+            },
+            Problem::UpstreamTimeout {
+                upstream: "booking".into(),
+            },
+            Problem::UpstreamFailed {
+                upstream: "booking".into(),
+                detail: "reset".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_problem_is_a_complete_rfc9457_document_with_its_own_type() {
+        let mut types = std::collections::HashSet::new();
+        for p in all() {
+            let resp = p.response();
+            assert_eq!(resp.status(), p.status());
+            assert_eq!(
+                resp.headers()[header::CONTENT_TYPE],
+                "application/problem+json"
+            );
+            let doc: serde_json::Value = serde_json::from_slice(&p.body()).expect("JSON");
+            assert_eq!(doc["status"], p.status().as_u16());
+            let ty = doc["type"].as_str().expect("type");
+            assert!(ty.starts_with(TYPE_PREFIX) && ty.ends_with(p.slug()));
+            assert!(types.insert(ty.to_owned()), "{ty} is used twice");
+            assert!(!doc["title"].as_str().unwrap_or("").is_empty());
+            assert!(!doc["detail"].as_str().unwrap_or("").is_empty());
+            assert_eq!(p.saved().body, p.body(), "saved and sent documents agree");
+        }
+    }
+
+    #[test]
+    fn retry_after_on_409_in_progress_and_503_only() {
+        for p in all() {
+            let resp = p.response();
+            let retry = resp.headers().get(header::RETRY_AFTER);
+            match p {
+                Problem::InProgress { .. } => {
+                    assert_eq!(retry.map(|v| v.as_bytes()), Some(&b"2"[..]))
+                }
+                Problem::StoreUnavailable { .. } => {
+                    assert_eq!(retry.map(|v| v.as_bytes()), Some(&b"1"[..]))
+                }
+                _ => assert!(retry.is_none(), "{p:?}"),
+            }
         }
     }
 }
