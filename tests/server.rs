@@ -138,3 +138,38 @@ async fn a_stalled_passthrough_body_is_cut_off_at_the_upstream_timeout() {
         "cut off near the 500ms timeout, not after the upstream's 10s stall: {took:?}"
     );
 }
+
+/// The first SIGTERM drains requests in flight; a second one ends the process at once
+/// (exit code 130) instead of waiting out `shutdown_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stop_signal_exits_without_waiting() {
+    let env = Env::new(Backend::Memory).await;
+    let yaml = env
+        .config("")
+        .replace("shutdown_timeout: 10s", "shutdown_timeout: 60s");
+    let mut proxy = common::ProxyProcess::spawn(&yaml);
+    let slow = tokio::spawn(send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "slow")
+            .header("X-Mock-Delay", "20s")
+            .body("{}"),
+    ));
+    assert!(
+        common::eventually(std::time::Duration::from_secs(5), || env.mock.calls("slow")
+            == 1)
+        .await,
+        "the slow request reached the upstream"
+    );
+    proxy.signal("-TERM");
+    // Still draining: the first signal alone does not end the process.
+    assert_eq!(proxy.wait(std::time::Duration::from_millis(500)), None);
+    proxy.signal("-TERM");
+    assert_eq!(
+        proxy.wait(std::time::Duration::from_secs(5)),
+        Some(130),
+        "log: {}",
+        proxy.log()
+    );
+    slow.abort();
+}
