@@ -16,7 +16,10 @@ use std::time::Duration;
 use http::{HeaderName, Method, Uri};
 use serde::{Deserialize, Deserializer};
 
-use crate::route::{PathPattern, RouteTable};
+use crate::route::PathPattern;
+pub use crate::route::{
+    FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
+};
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
@@ -195,39 +198,6 @@ fn present_means_idempotent<'de, D: Deserializer<'de>>(
     Ok(Some(
         Option::<RawIdempotency>::deserialize(d)?.unwrap_or_default(),
     ))
-}
-
-/// What to do with a repeat that arrives while the first request is still in flight.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnConflict {
-    /// Answer 409 at once (the default).
-    #[default]
-    Reject,
-    /// Wait up to `wait_timeout` for the first one's result, then 409.
-    Wait,
-}
-
-/// What to do when the store cannot be reached.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnStoreError {
-    /// Answer 503 (the default).
-    #[default]
-    Reject,
-    /// Pass the request through without idempotency (logged and counted).
-    Forward,
-}
-
-/// What to do when the upstream may have acted but no complete response came.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnUnknownOutcome {
-    /// Save a 502/504 problem as the key's result: the operation never runs twice (the default).
-    #[default]
-    Keep,
-    /// Free the key so that a retry runs again.
-    Release,
 }
 
 /// `routes[i].idempotency:` as written.
@@ -464,7 +434,7 @@ pub struct Config {
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamSettings>,
     /// The compiled route table.
-    pub routes: RouteTable,
+    pub routes: Vec<RouteSettings>,
 }
 
 /// Which store, and how to reach it.
@@ -504,71 +474,6 @@ pub struct UpstreamSettings {
     pub connect_timeout: Duration,
     /// Deadline until the whole response has arrived.
     pub timeout: Duration,
-}
-
-/// One route, compiled.
-#[derive(Debug, Clone)]
-pub struct RouteSettings {
-    /// Unique name.
-    pub name: String,
-    /// Methods it matches; `None` matches every method.
-    pub methods: Option<Vec<Method>>,
-    /// The compiled path pattern.
-    pub path: PathPattern,
-    /// The upstream's name (a key of [`Config::upstreams`]).
-    pub upstream: String,
-    /// `None` for pass-through routes.
-    pub idempotency: Option<IdempotencySettings>,
-}
-
-/// One part of the request fingerprint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FingerprintPart {
-    /// The request method.
-    Method,
-    /// The request path.
-    Path,
-    /// The query string.
-    Query,
-    /// The request body.
-    Body,
-    /// The values of one request header.
-    Header(HeaderName),
-}
-
-/// Idempotency settings of one route, compiled.
-#[derive(Debug, Clone)]
-pub struct IdempotencySettings {
-    /// The key header.
-    pub header: HeaderName,
-    /// Missing key → 400 when true.
-    pub required: bool,
-    /// Replay window of a finished response.
-    pub ttl: Duration,
-    /// In-progress lease.
-    pub lock_ttl: Duration,
-    /// Headers whose values namespace the key.
-    pub scope: Vec<HeaderName>,
-    /// What the fingerprint covers.
-    pub fingerprint: Vec<FingerprintPart>,
-    /// Repeat while in flight.
-    pub on_conflict: OnConflict,
-    /// With `wait`, the bound.
-    pub wait_timeout: Duration,
-    /// Store unreachable.
-    pub on_store_error: OnStoreError,
-    /// Statuses that are not saved.
-    pub retry_statuses: Vec<u16>,
-    /// Unknown outcome.
-    pub on_unknown_outcome: OnUnknownOutcome,
-    /// Request body bound.
-    pub max_request_body: u64,
-    /// Saved response body bound.
-    pub max_response_body: u64,
-    /// Save `Set-Cookie`.
-    pub replay_set_cookie: bool,
-    /// Forward the key header upstream.
-    pub forward_key: bool,
 }
 
 /// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
@@ -705,7 +610,7 @@ impl RawConfig {
                 shutdown_timeout: self.shutdown_timeout,
                 store,
                 upstreams,
-                routes: RouteTable::new(routes),
+                routes,
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }
@@ -1056,14 +961,11 @@ routes:
     fn an_empty_idempotency_section_means_every_default() {
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
         let c = Config::from_yaml(&yaml).expect("valid");
-        let i = c.routes.routes()[0]
-            .idempotency
-            .as_ref()
-            .expect("idempotent");
+        let i = c.routes[0].idempotency.as_ref().expect("idempotent");
         assert_eq!(i.lock_ttl, Duration::from_secs(10));
         let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
         let c = Config::from_yaml(&passthrough).expect("valid");
-        assert!(c.routes.routes()[0].idempotency.is_none());
+        assert!(c.routes[0].idempotency.is_none());
     }
 
     #[test]

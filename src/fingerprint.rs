@@ -8,7 +8,7 @@
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
-use crate::config::FingerprintPart;
+use crate::route::FingerprintPart;
 
 /// A request fingerprint.
 pub type Fingerprint = [u8; 32];

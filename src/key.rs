@@ -9,6 +9,8 @@
 //! that no two different inputs hash the same bytes. Hashing also keeps store keys short and
 //! free of anything a client might smuggle into them.
 
+use std::sync::Arc;
+
 use http::{HeaderMap, HeaderName, HeaderValue};
 use sha2::{Digest, Sha256};
 
@@ -104,16 +106,13 @@ fn unquote_sf_string(bytes: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Builds the store key of an operation: `prefix + route + ":" + hex(SHA-256(...))` over the
-/// scope header values and the key, each length-prefixed (and absent headers marked as such, so
-/// an absent `Authorization` and an empty one are different callers).
-pub fn store_key(
-    prefix: &str,
-    route: &str,
-    scope: &[HeaderName],
-    headers: &HeaderMap,
-    key: &str,
-) -> String {
+/// The hash that names one operation within a route: SHA-256 over the scope header values and
+/// the key. Logs show it in hex, never the key itself.
+pub type KeyId = [u8; 32];
+
+/// Hashes the scope header values and the key, each length-prefixed (and absent headers marked
+/// as such, so an absent `Authorization` and an empty one are different callers).
+pub fn key_id(scope: &[HeaderName], headers: &HeaderMap, key: &str) -> KeyId {
     let mut h = Sha256::new();
     h.update(b"idemproxy-key-v1");
     h.update((scope.len() as u64).to_be_bytes());
@@ -133,13 +132,69 @@ pub fn store_key(
     }
     h.update((key.len() as u64).to_be_bytes());
     h.update(key.as_bytes());
-    let digest = h.finalize();
-    let mut out = String::with_capacity(prefix.len() + route.len() + 1 + 64);
-    out.push_str(prefix);
-    out.push_str(route);
-    out.push(':');
-    out.push_str(&hex::encode(digest));
-    out
+    h.finalize().into()
+}
+
+/// Builds the store key of an operation as text: `prefix + route + ":" + hex(key_id(...))`.
+pub fn store_key(
+    prefix: &str,
+    route: &str,
+    scope: &[HeaderName],
+    headers: &HeaderMap,
+    key: &str,
+) -> String {
+    StoreKey::new(namespace(prefix, route), 0, key_id(scope, headers, key)).text()
+}
+
+/// `prefix + route + ":"`: what every store key of a route starts with.
+pub fn namespace(prefix: &str, route: &str) -> Arc<str> {
+    format!("{prefix}{route}:").into()
+}
+
+/// Where one operation's record lives: its route's namespace and the key's hash.
+///
+/// Redis names it by text (`namespace + hex(id)`, so an operator can scan one route's records
+/// by prefix); the memory store by the route's number and the 32-byte id, a fixed-size key
+/// that needs no allocation and no second copy of the text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreKey {
+    namespace: Arc<str>,
+    route: u32,
+    id: KeyId,
+}
+
+impl StoreKey {
+    /// A key of the route numbered `route` whose namespace is `namespace`.
+    pub fn new(namespace: Arc<str>, route: u32, id: KeyId) -> StoreKey {
+        StoreKey {
+            namespace,
+            route,
+            id,
+        }
+    }
+
+    /// The route's number (its position in the configuration).
+    pub fn route(&self) -> u32 {
+        self.route
+    }
+
+    /// The key's hash.
+    pub fn id(&self) -> &KeyId {
+        &self.id
+    }
+
+    /// The key's hash in hex, as logs show it.
+    pub fn id_hex(&self) -> String {
+        hex::encode(self.id)
+    }
+
+    /// The whole key as text: `key_prefix + route + ":" + hex(id)`.
+    pub fn text(&self) -> String {
+        let mut out = String::with_capacity(self.namespace.len() + 64);
+        out.push_str(&self.namespace);
+        out.push_str(&hex::encode(self.id));
+        out
+    }
 }
 
 #[cfg(test)]

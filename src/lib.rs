@@ -6,16 +6,18 @@
 //!
 //! # Layout
 //! - [`config`]: the YAML file — serde structs with defaults, then validation and compilation.
-//! - [`route`]: the compiled route table (exact, `{param}` and trailing `/*` patterns).
-//! - [`key`]: parsing the key header; namespacing it into a hashed store key.
+//! - [`route`]: compiled routes — path patterns (exact, `{param}`, trailing `/*`) and each
+//!   route's upstream and idempotency policy.
+//! - [`key`]: parsing the key header; namespacing it into a hashed, fixed-size store key.
 //! - [`fingerprint`]: what makes two requests "the same".
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
-//! - [`proxy`]: the per-request flow — match, key, claim, forward, save | replay | refuse.
+//! - [`proxy`]: the per-request flow — match, then admission (key, body, fingerprint), the
+//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
 //! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
-//! - [`metrics`]: counters and histograms.
+//! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
 //! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.

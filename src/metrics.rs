@@ -1,6 +1,12 @@
 //! Counters and histograms, in Prometheus form (served by the admin listener in a later
 //! release; [`Metrics::encode`] gives the text today, and tests read the counters).
+//!
+//! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
+//! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
+//! operations have theirs in an array. The hot path then only increments: no label strings,
+//! no lookup in a family's map.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -12,6 +18,7 @@ use prometheus_client::registry::Registry;
 
 /// What happened to one request, as counted and logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
 pub enum Outcome {
     /// The first request with its key went upstream.
     Forwarded,
@@ -42,6 +49,23 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order (`ALL[o as usize] == o`).
+    pub const ALL: [Outcome; 13] = [
+        Outcome::Forwarded,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::MissingKey,
+        Outcome::InvalidKey,
+        Outcome::TooLarge,
+        Outcome::StoreError,
+        Outcome::UpstreamError,
+        Outcome::Passthrough,
+        Outcome::NotReplayable,
+        Outcome::NoRoute,
+        Outcome::BadRequest,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -58,6 +82,48 @@ impl Outcome {
             Outcome::NotReplayable => "not_replayable",
             Outcome::NoRoute => "no_route",
             Outcome::BadRequest => "bad_request",
+        }
+    }
+}
+
+/// A store operation, as timed and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum StoreOp {
+    /// `claim`.
+    Claim,
+    /// `renew`.
+    Renew,
+    /// `complete`.
+    Complete,
+    /// `release`.
+    Release,
+    /// `get`.
+    Get,
+    /// `ping`.
+    Ping,
+}
+
+impl StoreOp {
+    /// Every operation, in declaration order.
+    pub const ALL: [StoreOp; 6] = [
+        StoreOp::Claim,
+        StoreOp::Renew,
+        StoreOp::Complete,
+        StoreOp::Release,
+        StoreOp::Get,
+        StoreOp::Ping,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Renew => "renew",
+            StoreOp::Complete => "complete",
+            StoreOp::Release => "release",
+            StoreOp::Get => "get",
+            StoreOp::Ping => "ping",
         }
     }
 }
@@ -103,12 +169,48 @@ pub struct Metrics {
     requests: Family<RouteOutcome, Counter>,
     request_duration: Family<RouteOutcome, Histogram, Buckets>,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
-    store_duration: Family<OpLabel, Histogram, Buckets>,
-    store_errors: Family<OpLabel, Counter>,
     lost_leases: Family<RouteLabel, Counter>,
     unprotected: Family<RouteLabel, Counter>,
     saves_abandoned: Family<RouteLabel, Counter>,
-    lost_leases_total: AtomicU64,
+    lost_leases_total: Arc<AtomicU64>,
+    /// Per store operation: its duration histogram and its error counter.
+    store_ops: Vec<(Histogram, Counter)>,
+}
+
+/// One route's series, registered at start.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    requests: Vec<(Counter, Histogram)>,
+    lost_leases: Counter,
+    unprotected: Counter,
+    saves_abandoned: Counter,
+    lost_leases_total: Arc<AtomicU64>,
+}
+
+impl RouteMetrics {
+    /// Counts one finished request.
+    pub fn request(&self, outcome: Outcome, took: Duration) {
+        if let Some((count, duration)) = self.requests.get(outcome as usize) {
+            count.inc();
+            duration.observe(took.as_secs_f64());
+        }
+    }
+
+    /// Counts a lost lease.
+    pub fn lost_lease(&self) {
+        self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
+        self.lost_leases.inc();
+    }
+
+    /// Counts a request forwarded without protection.
+    pub fn unprotected(&self) {
+        self.unprotected.inc();
+    }
+
+    /// Counts a result given up on.
+    pub fn save_abandoned(&self) {
+        self.saves_abandoned.inc();
+    }
 }
 
 impl Default for Metrics {
@@ -169,78 +271,72 @@ impl Metrics {
             "Results that could not be saved before the lease was lost",
             saves_abandoned.clone(),
         );
+        let store_ops = StoreOp::ALL
+            .iter()
+            .map(|op| {
+                let labels = OpLabel { op: op.as_str() };
+                (
+                    store_duration.get_or_create(&labels).clone(),
+                    store_errors.get_or_create(&labels).clone(),
+                )
+            })
+            .collect();
         Metrics {
             registry,
+            store_ops,
             requests,
             request_duration,
             upstream_duration,
-            store_duration,
-            store_errors,
             lost_leases,
             unprotected,
             saves_abandoned,
-            lost_leases_total: AtomicU64::new(0),
+            lost_leases_total: Arc::new(AtomicU64::new(0)),
         }
     }
 
-    /// Counts one finished request.
-    pub fn request(&self, route: &str, outcome: Outcome, took: Duration) {
-        let labels = RouteOutcome {
+    /// Registers a route's series (every outcome) and hands them out.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let label = RouteLabel {
             route: route.to_owned(),
-            outcome: outcome.as_str(),
         };
-        self.requests.get_or_create(&labels).inc();
-        self.request_duration
-            .get_or_create(&labels)
-            .observe(took.as_secs_f64());
+        RouteMetrics {
+            requests: Outcome::ALL
+                .iter()
+                .map(|o| {
+                    let labels = RouteOutcome {
+                        route: route.to_owned(),
+                        outcome: o.as_str(),
+                    };
+                    (
+                        self.requests.get_or_create(&labels).clone(),
+                        self.request_duration.get_or_create(&labels).clone(),
+                    )
+                })
+                .collect(),
+            lost_leases: self.lost_leases.get_or_create(&label).clone(),
+            unprotected: self.unprotected.get_or_create(&label).clone(),
+            saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
+            lost_leases_total: self.lost_leases_total.clone(),
+        }
     }
 
-    /// Times one upstream call.
-    pub fn upstream(&self, upstream: &str, took: Duration) {
+    /// Registers an upstream's call duration histogram and hands it out.
+    pub fn upstream(&self, upstream: &str) -> Histogram {
         self.upstream_duration
             .get_or_create(&UpstreamLabel {
                 upstream: upstream.to_owned(),
             })
-            .observe(took.as_secs_f64());
+            .clone()
     }
 
     /// Times one store operation, counting failures.
-    pub fn store_op(&self, op: &'static str, took: Duration, failed: bool) {
-        let labels = OpLabel { op };
-        self.store_duration
-            .get_or_create(&labels)
-            .observe(took.as_secs_f64());
-        if failed {
-            self.store_errors.get_or_create(&labels).inc();
+    pub fn store_op(&self, op: StoreOp, took: Duration, failed: bool) {
+        if let Some((duration, errors)) = self.store_ops.get(op as usize) {
+            duration.observe(took.as_secs_f64());
+            if failed {
+                errors.inc();
+            }
         }
-    }
-
-    /// Counts a lost lease.
-    pub fn lost_lease(&self, route: &str) {
-        self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
-        self.lost_leases
-            .get_or_create(&RouteLabel {
-                route: route.to_owned(),
-            })
-            .inc();
-    }
-
-    /// Counts a request forwarded without protection.
-    pub fn unprotected(&self, route: &str) {
-        self.unprotected
-            .get_or_create(&RouteLabel {
-                route: route.to_owned(),
-            })
-            .inc();
-    }
-
-    /// Counts a result given up on.
-    pub fn save_abandoned(&self, route: &str) {
-        self.saves_abandoned
-            .get_or_create(&RouteLabel {
-                route: route.to_owned(),
-            })
-            .inc();
     }
 
     /// Requests counted for a route and outcome.
@@ -264,5 +360,39 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_and_op_tables_are_in_declaration_order() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i, "{o:?}");
+        }
+        for (i, op) in StoreOp::ALL.iter().enumerate() {
+            assert_eq!(*op as usize, i, "{op:?}");
+        }
+    }
+
+    #[test]
+    fn handed_out_series_are_the_registered_ones() {
+        let m = Metrics::new();
+        let r = m.route("create-booking");
+        r.request(Outcome::Replayed, Duration::from_millis(1));
+        r.request(Outcome::Replayed, Duration::from_millis(1));
+        assert_eq!(m.requests_count("create-booking", Outcome::Replayed), 2);
+        assert_eq!(m.requests_count("create-booking", Outcome::Forwarded), 0);
+        r.lost_lease();
+        assert_eq!(m.lost_leases_count(), 1);
+        m.store_op(StoreOp::Claim, Duration::from_millis(1), true);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"idemproxy_store_errors_total{op="claim"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"idemproxy_lost_leases_total{route="create-booking"} 1"#));
     }
 }

@@ -10,6 +10,7 @@ use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 
 use crate::body::{self, Body};
 use crate::record::SavedResponse;
+use crate::upstream::UpstreamError;
 
 /// The prefix of every problem `type`.
 pub const TYPE_PREFIX: &str = "urn:idemproxy:problem:";
@@ -78,6 +79,23 @@ pub enum Problem {
 }
 
 impl Problem {
+    /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
+    /// result).
+    pub fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
+        let upstream = upstream.to_owned();
+        match e {
+            UpstreamError::Connect(detail) => Problem::UpstreamUnavailable {
+                upstream,
+                detail: detail.clone(),
+            },
+            UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
+            UpstreamError::Failed(detail) => Problem::UpstreamFailed {
+                upstream,
+                detail: detail.clone(),
+            },
+        }
+    }
+
     /// The stable slug of this kind (the last part of its `type`).
     pub fn slug(&self) -> &'static str {
         match self {

@@ -148,9 +148,19 @@ impl Entry {
         }
     }
 
-    /// Decodes an entry. Any deviation from a known layout is an error.
+    /// Decodes an entry from a copy of `bytes`. Any deviation from a known layout is an error.
     pub fn decode(bytes: &[u8]) -> Result<Entry, DecodeError> {
-        let mut b = bytes;
+        Entry::decode_shared(&Bytes::copy_from_slice(bytes))
+    }
+
+    /// Decodes an entry whose header values and body share `bytes` instead of copying them
+    /// (a replay costs no copy of the saved response). Any deviation from a known layout is
+    /// an error.
+    pub fn decode_shared(bytes: &Bytes) -> Result<Entry, DecodeError> {
+        let all: &[u8] = bytes;
+        let mut b = all;
+        // Where `b` starts within `bytes`, to slice shared parts out of it.
+        let at = |b: &[u8]| all.len() - b.len();
         if b.len() < 5 || &b[..3] != MAGIC {
             return Err(DecodeError("not an idemproxy record"));
         }
@@ -177,14 +187,19 @@ impl Entry {
                             let name = HeaderName::from_bytes(name)
                                 .map_err(|_| DecodeError("invalid header name"))?;
                             let value_len = take_u32(&mut b)? as usize;
-                            let value = take_slice(&mut b, value_len)?;
-                            let value = HeaderValue::from_bytes(value)
-                                .map_err(|_| DecodeError("invalid header value"))?;
+                            let start = at(b);
+                            take_slice(&mut b, value_len)?;
+                            let value = HeaderValue::from_maybe_shared(
+                                bytes.slice(start..start + value_len),
+                            )
+                            .map_err(|_| DecodeError("invalid header value"))?;
                             headers.push((name, value));
                         }
                         let body_len = usize::try_from(take_u64(&mut b)?)
                             .map_err(|_| DecodeError("body length out of range"))?;
-                        let body = Bytes::copy_from_slice(take_slice(&mut b, body_len)?);
+                        let start = at(b);
+                        take_slice(&mut b, body_len)?;
+                        let body = bytes.slice(start..start + body_len);
                         Outcome::Response(SavedResponse {
                             status,
                             headers,
@@ -208,6 +223,11 @@ impl Entry {
         }
         Ok(entry)
     }
+}
+
+/// Whether encoded bytes are a claim in progress (without decoding the rest).
+pub fn is_in_flight(bytes: &[u8]) -> bool {
+    bytes.len() > 4 && &bytes[..3] == MAGIC && bytes[3] == VERSION && bytes[4] == b'P'
 }
 
 /// Why a stored record could not be decoded.

@@ -1,11 +1,13 @@
-//! The compiled route table: which route, if any, a request belongs to.
+//! Compiled routes: the path patterns, and what a route does (its upstream and idempotency
+//! policy), as validated from the configuration.
 //!
 //! Patterns are compiled once at start into segment lists, so matching a request allocates
 //! nothing. First match wins, in file order.
 
-use http::Method;
+use std::time::Duration;
 
-use crate::config::RouteSettings;
+use http::{HeaderName, Method};
+use serde::Deserialize;
 
 /// One segment of a path pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,29 +100,109 @@ impl PathPattern {
     }
 }
 
-/// The routes in file order.
-#[derive(Debug, Clone, Default)]
-pub struct RouteTable {
-    routes: Vec<RouteSettings>,
+/// One route, compiled.
+#[derive(Debug, Clone)]
+pub struct RouteSettings {
+    /// Unique name.
+    pub name: String,
+    /// Methods it matches; `None` matches every method.
+    pub methods: Option<Vec<Method>>,
+    /// The compiled path pattern.
+    pub path: PathPattern,
+    /// The upstream's name (a key of [`Config::upstreams`]).
+    pub upstream: String,
+    /// `None` for pass-through routes.
+    pub idempotency: Option<IdempotencySettings>,
 }
 
-impl RouteTable {
-    /// Wraps compiled routes.
-    pub fn new(routes: Vec<RouteSettings>) -> Self {
-        RouteTable { routes }
+impl RouteSettings {
+    /// Whether this route takes a request with this method and path (without query).
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.methods.as_ref().is_none_or(|ms| ms.contains(method)) && self.path.matches(path)
     }
+}
 
-    /// Every route, in file order.
-    pub fn routes(&self) -> &[RouteSettings] {
-        &self.routes
-    }
+/// One part of the request fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FingerprintPart {
+    /// The request method.
+    Method,
+    /// The request path.
+    Path,
+    /// The query string.
+    Query,
+    /// The request body.
+    Body,
+    /// The values of one request header.
+    Header(HeaderName),
+}
 
-    /// The index of the first route that matches, if any.
-    pub fn find(&self, method: &Method, path: &str) -> Option<usize> {
-        self.routes.iter().position(|r| {
-            r.methods.as_ref().is_none_or(|ms| ms.contains(method)) && r.path.matches(path)
-        })
-    }
+/// Idempotency settings of one route, compiled.
+#[derive(Debug, Clone)]
+pub struct IdempotencySettings {
+    /// The key header.
+    pub header: HeaderName,
+    /// Missing key → 400 when true.
+    pub required: bool,
+    /// Replay window of a finished response.
+    pub ttl: Duration,
+    /// In-progress lease.
+    pub lock_ttl: Duration,
+    /// Headers whose values namespace the key.
+    pub scope: Vec<HeaderName>,
+    /// What the fingerprint covers.
+    pub fingerprint: Vec<FingerprintPart>,
+    /// Repeat while in flight.
+    pub on_conflict: OnConflict,
+    /// With `wait`, the bound.
+    pub wait_timeout: Duration,
+    /// Store unreachable.
+    pub on_store_error: OnStoreError,
+    /// Statuses that are not saved.
+    pub retry_statuses: Vec<u16>,
+    /// Unknown outcome.
+    pub on_unknown_outcome: OnUnknownOutcome,
+    /// Request body bound.
+    pub max_request_body: u64,
+    /// Saved response body bound.
+    pub max_response_body: u64,
+    /// Save `Set-Cookie`.
+    pub replay_set_cookie: bool,
+    /// Forward the key header upstream.
+    pub forward_key: bool,
+}
+
+/// What to do with a repeat that arrives while the first request is still in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnConflict {
+    /// Answer 409 at once (the default).
+    #[default]
+    Reject,
+    /// Wait up to `wait_timeout` for the first one's result, then 409.
+    Wait,
+}
+
+/// What to do when the store cannot be reached.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Answer 503 (the default).
+    #[default]
+    Reject,
+    /// Pass the request through without idempotency (logged and counted).
+    Forward,
+}
+
+/// What to do when the upstream may have acted but no complete response came.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnknownOutcome {
+    /// Save a 502/504 problem as the key's result: the operation never runs twice (the default).
+    #[default]
+    Keep,
+    /// Free the key so that a retry runs again.
+    Release,
 }
 
 #[cfg(test)]

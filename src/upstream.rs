@@ -8,10 +8,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::fmt::Write as _;
+
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -19,6 +22,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use prometheus_client::metrics::histogram::Histogram;
 
 use crate::body::{self, Body};
 use crate::config::UpstreamSettings;
@@ -59,7 +63,13 @@ pub struct Upstream {
     base_path: String,
     client: Client<HttpsConnector<HttpConnector>, Body>,
     timeout: Duration,
+    /// `idemproxy_upstream_duration_seconds` of this upstream.
+    duration: Histogram,
 }
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// The headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the
 /// `Proxy-*` family. Never forwarded, saved or replayed.
@@ -102,7 +112,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 impl Upstream {
     /// Builds the client. TLS roots are the Mozilla set (webpki-roots).
-    pub fn new(settings: &UpstreamSettings) -> Upstream {
+    pub fn new(settings: &UpstreamSettings, duration: Histogram) -> Upstream {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(settings.connect_timeout));
@@ -128,6 +138,7 @@ impl Upstream {
             base_path: url.path().trim_end_matches('/').to_owned(),
             client,
             timeout: settings.timeout,
+            duration,
         }
     }
 
@@ -145,70 +156,88 @@ impl Upstream {
     /// hop-by-hop headers removed, `X-Forwarded-*` set, the key header kept or dropped.
     pub fn request(
         &self,
-        parts: &Parts,
+        parts: Parts,
         body: Body,
         client: SocketAddr,
         drop_header: Option<&HeaderName>,
     ) -> Result<Request<Body>, UpstreamError> {
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
-        let uri = Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(format!("{}{}", self.base_path, path_and_query))
-            .build()
-            .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))?;
-        let mut headers = parts.headers.clone();
+        let Parts {
+            method,
+            uri,
+            mut headers,
+            ..
+        } = parts;
         strip_hop_by_hop(&mut headers);
+        // HTTP/1 sends Host; HTTP/2 sends the authority in the URI.
         let host = headers.remove(header::HOST).or_else(|| {
-            parts
-                .uri
-                .authority()
+            uri.authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
+        let uri = self.rebase(&uri)?;
         if let Some(name) = drop_header {
             headers.remove(name);
         }
         // Append the client to the chain, keeping every earlier hop (the header may come as
         // several lines).
-        let mut hops: Vec<&str> = headers
-            .get_all("x-forwarded-for")
+        let mut xff = String::with_capacity(64);
+        for hop in headers
+            .get_all(X_FORWARDED_FOR)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .map(str::trim)
             .filter(|v| !v.is_empty())
-            .collect();
-        let ip = client.ip().to_string();
-        hops.push(&ip);
-        let xff = hops.join(", ");
-        if let Ok(v) = HeaderValue::from_str(&xff) {
-            headers.insert("x-forwarded-for", v);
+        {
+            xff.push_str(hop);
+            xff.push_str(", ");
         }
-        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+        // Writing into a String cannot fail.
+        let _ = write!(xff, "{}", client.ip());
+        if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(xff)) {
+            headers.insert(X_FORWARDED_FOR, v);
+        }
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
         match host {
             Some(h) => {
-                headers.insert("x-forwarded-host", h);
+                headers.insert(X_FORWARDED_HOST, h);
             }
             None => {
-                headers.remove("x-forwarded-host");
+                headers.remove(X_FORWARDED_HOST);
             }
         }
         let mut req = Request::new(body);
-        *req.method_mut() = parts.method.clone();
+        *req.method_mut() = method;
         *req.uri_mut() = uri;
         *req.headers_mut() = headers;
         Ok(req)
+    }
+
+    /// The request's path and query on the upstream: appended to the upstream URL's own path.
+    fn rebase(&self, uri: &Uri) -> Result<Uri, UpstreamError> {
+        let path_and_query = match (uri.path_and_query(), self.base_path.is_empty()) {
+            (Some(pq), true) => pq.clone(),
+            (pq, _) => {
+                let pq = pq.map(|pq| pq.as_str()).unwrap_or("/");
+                PathAndQuery::try_from(format!("{}{}", self.base_path, pq))
+                    .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))?
+            }
+        };
+        let mut out = http::uri::Parts::default();
+        out.scheme = Some(self.scheme.clone());
+        out.authority = Some(self.authority.clone());
+        out.path_and_query = Some(path_and_query);
+        Uri::from_parts(out)
+            .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))
     }
 
     /// Sends a request; the response head must arrive within the upstream's timeout, and its
     /// body, streamed, fails if it has not ended by then either. Hop-by-hop headers are
     /// removed from the response.
     pub async fn send(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        let resp = self.head(req, deadline).await?;
+        let start = tokio::time::Instant::now();
+        let deadline = start + self.timeout;
+        let resp = self.head(req, deadline).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        let resp = resp?;
         let (mut parts, incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         Ok(Response::from_parts(
@@ -238,7 +267,18 @@ impl Upstream {
         req: Request<Body>,
         limit: u64,
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
-        let deadline = tokio::time::Instant::now() + self.timeout;
+        let start = tokio::time::Instant::now();
+        let result = self.read_bounded(req, limit, start + self.timeout).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn read_bounded(
+        &self,
+        req: Request<Body>,
+        limit: u64,
+        deadline: tokio::time::Instant,
+    ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
         let resp = self.head(req, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -298,12 +338,15 @@ mod tests {
 
     #[tokio::test]
     async fn the_upstream_request_is_rebased_and_carries_forwarding_headers() {
-        let up = Upstream::new(&UpstreamSettings {
-            name: "booking".into(),
-            url: "http://127.0.0.1:9/api/".parse().expect("uri"),
-            connect_timeout: Duration::from_secs(1),
-            timeout: Duration::from_secs(1),
-        });
+        let up = Upstream::new(
+            &UpstreamSettings {
+                name: "booking".into(),
+                url: "http://127.0.0.1:9/api/".parse().expect("uri"),
+                connect_timeout: Duration::from_secs(1),
+                timeout: Duration::from_secs(1),
+            },
+            Histogram::new([0.1]),
+        );
         let (parts, ()) = Request::builder()
             .method("POST")
             .uri("/bookings?x=1")
@@ -319,7 +362,7 @@ mod tests {
         let client: SocketAddr = "127.0.0.7:5555".parse().expect("addr");
         let key = HeaderName::from_static("idempotency-key");
         let req = up
-            .request(&parts, body::empty(), client, Some(&key))
+            .request(parts, body::empty(), client, Some(&key))
             .expect("request");
         assert_eq!(req.uri(), "http://127.0.0.1:9/api/bookings?x=1");
         let h = req.headers();

@@ -431,10 +431,15 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
     let first = slow.await.expect("request task");
     assert_fresh(&first, 201);
 
+    let store_key = proxy
+        .proxy
+        .store_key("create-booking", &http::HeaderMap::new(), raw)
+        .expect("an idempotent route");
+    assert_eq!(store_key.text(), expected);
     let entry = proxy
         .proxy
         .store()
-        .get(&expected)
+        .get(&store_key)
         .await
         .expect("store read");
     assert!(
@@ -505,10 +510,15 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
         "pfx",
     );
     assert!(expected.starts_with("shop:idem:create-booking:"));
+    let store_key = proxy
+        .proxy
+        .store_key("create-booking", &http::HeaderMap::new(), "pfx")
+        .expect("an idempotent route");
+    assert_eq!(store_key.text(), expected);
     let entry = proxy
         .proxy
         .store()
-        .get(&expected)
+        .get(&store_key)
         .await
         .expect("store read");
     assert!(entry.is_some(), "the record lives under {expected}");

@@ -398,7 +398,7 @@ fn a_minimal_file_gets_the_documented_defaults() {
     assert_eq!(up.connect_timeout, Duration::from_secs(2));
     assert_eq!(up.timeout, Duration::from_secs(30));
 
-    let routes = c.routes.routes();
+    let routes = &c.routes;
     assert_eq!(routes.len(), 2);
     let r = &routes[0];
     assert_eq!(r.name, "create-booking");
@@ -478,7 +478,7 @@ fn values_are_read_as_written() {
     ));
     assert_eq!(c.store.key_prefix, "idp/");
     assert_eq!(c.store.timeout, Duration::from_secs(2));
-    let r = &c.routes.routes()[0];
+    let r = &c.routes[0];
     assert_eq!(
         r.methods.as_deref(),
         Some(&[http::Method::POST, http::Method::PUT][..])
@@ -533,10 +533,7 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
     let first = |c: &Config| {
         format!(
             "{:?}",
-            c.routes.routes()[0]
-                .idempotency
-                .as_ref()
-                .expect("idempotent")
+            c.routes[0].idempotency.as_ref().expect("idempotent")
         )
     };
     assert_eq!(first(&ex), first(&min), "idempotency section");

@@ -22,7 +22,7 @@ use idemproxy::mock::{self, MockUpstream};
 use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
-use idemproxy::store::{Claim, Held, Store, StoreHandle};
+use idemproxy::store::{Claim, Held, Store, StoreHandle, StoreKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -324,7 +324,11 @@ async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
         None => Arc::new(MemoryStore::new(1000)),
     };
     let store = StoreHandle::new(inner, timeout, Arc::new(Metrics::new()));
-    let key = "idemproxy:create-booking:stale-holder";
+    let key = &StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [9; 32],
+    );
     let fp = [7u8; 32];
     let a = Held::new(Entry::InFlight {
         token: [1; 16],
@@ -368,7 +372,7 @@ async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
     let from_b = done(fp, r#"{"id":"from B"}"#);
     assert!(
         !store
-            .complete(key, &a, &from_a, long)
+            .complete(key, &a, &from_a.encode(), long)
             .await
             .expect("A completes"),
         "A's save must not land"
@@ -383,13 +387,13 @@ async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
 
     assert!(
         store
-            .complete(key, &b, &from_b, long)
+            .complete(key, &b, &from_b.encode(), long)
             .await
             .expect("B completes")
     );
     assert!(
         !store
-            .complete(key, &a, &from_a, long)
+            .complete(key, &a, &from_a.encode(), long)
             .await
             .expect("A completes late")
     );

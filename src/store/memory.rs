@@ -1,253 +1,410 @@
 //! The embedded store: one process, no Redis, the same semantics.
 //!
-//! A `HashMap` under a `std::sync::Mutex`. Every operation is one short critical section with
-//! no `.await` inside, so a std mutex is right here (as in mini-redis's `db.rs`): it is cheaper
-//! than an async one, and holding it across an await is impossible by construction. Because
-//! the whole check-and-set happens under the lock, a claim is as atomic as Redis's `SET NX`.
+//! The records live in [`SHARDS`] hash maps, each under its own `std::sync::Mutex`. Every
+//! operation is one short critical section on one shard with no `.await` inside, so a std mutex
+//! is right here (as in mini-redis's `db.rs`): it is cheaper than an async one, and holding it
+//! across an await is impossible by construction. Because the whole check-and-set happens under
+//! the shard's lock, a claim is as atomic as Redis's `SET NX`.
 //!
-//! Expiry: each record has a deadline, kept in a min-heap next to the map. Expired records are
-//! dropped lazily before every claim and by a sweeper task, and never counted as live. The
-//! `max_entries` bound is enforced on claims only, after expired records are gone: a full store
-//! refuses new claims (a store error, so 503 or forward) and never evicts a live record — an
-//! evicted record is a forgotten operation.
+//! Why it is shaped like this (a million records must fit in a few hundred MiB, and a claim must
+//! never stall behind a growing map):
+//! - A map key is the route's number and the key's 32-byte hash: fixed size, inline, no second
+//!   copy of any text. The hash is already uniform, so the map hashes it by taking eight of its
+//!   bytes instead of running SipHash.
+//! - A record is its encoded bytes in one exact-size allocation (`Arc<[u8]>`), copied out of
+//!   whatever buffers the response was read into: a saved header value that was a slice of an
+//!   8 KiB read buffer would otherwise keep that whole buffer alive. Replays share the bytes.
+//! - Sharding keeps each map small, so a map that grows rehashes a sixty-fourth of the records
+//!   while holding one lock, and the other shards go on serving.
 //!
-//! Waiters (`on_conflict: wait`) are woken in-process by a per-key [`Notify`] when the claim
-//! is completed or released.
+//! Expiry: each record has a deadline (milliseconds since the store started). An expired record
+//! is treated as absent at once, and its memory is reclaimed by a sweeper that visits every
+//! shard once a second, and by a full sweep when the store is at its bound. The `max_entries`
+//! bound is enforced on claims only, after expired records are gone: a full store refuses new
+//! claims (a store error, so 503 or forward) and never evicts a live record — an evicted record
+//! is a forgotten operation.
+//!
+//! Waiters (`on_conflict: wait`) are woken in-process by a per-key [`Notify`], made only for keys
+//! that someone waits on, when the claim is completed, released or expires.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Claim, Held, Store, StoreError};
-use crate::record::Entry;
+use super::{Held, Store, StoreError, StoreKey};
+use crate::key::KeyId;
+use crate::record;
 
-/// How often the sweeper drops expired records when there is no traffic to do it.
+/// How many independently locked maps the records are spread over.
+const SHARDS: usize = 64;
+
+/// How often the sweeper visits every shard to reclaim expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// A record's place: the route's number and the key's hash.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MapKey {
+    route: u32,
+    id: KeyId,
+}
+
+impl MapKey {
+    fn of(key: &StoreKey) -> MapKey {
+        MapKey {
+            route: key.route(),
+            id: *key.id(),
+        }
+    }
+
+    fn shard(&self) -> usize {
+        usize::from(self.id[0]) % SHARDS
+    }
+}
+
+impl Hash for MapKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // The id is a SHA-256 output: any eight of its bytes are already a uniform hash. Bytes
+        // 8..16 are independent of byte 0, which picks the shard.
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(&self.id[8..16]);
+        let route = u64::from(self.route).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        state.write_u64(u64::from_le_bytes(eight) ^ route);
+    }
+}
+
+/// Passes on the one `u64` that [`MapKey`]'s `Hash` writes.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by `MapKey`; fold anything else in rather than drop it.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type IdMap<V> = HashMap<MapKey, V, BuildHasherDefault<IdHasher>>;
+
 struct Slot {
-    entry: Entry,
-    expires: Instant,
-    /// Bumped on every write, so stale heap items are recognised and skipped.
-    generation: u64,
-    /// Woken when this in-progress claim is completed or released.
-    notify: Option<Arc<Notify>>,
+    /// Milliseconds since the store started; the record is live while `now < expires`.
+    expires: u64,
+    /// The encoded record.
+    record: Arc<[u8]>,
 }
 
 #[derive(Default)]
-struct Inner {
-    map: HashMap<String, Slot>,
-    expiries: BinaryHeap<Reverse<(Instant, u64, String)>>,
-    next_generation: u64,
+struct Shard {
+    map: IdMap<Slot>,
+    /// Keys that `on_conflict: wait` requests are waiting on.
+    waiters: IdMap<Arc<Notify>>,
 }
 
-impl Inner {
-    fn purge_expired(&mut self, now: Instant) {
-        while let Some(Reverse((at, generation, _))) = self.expiries.peek() {
-            if *at > now {
-                break;
-            }
-            let generation = *generation;
-            let Some(Reverse((_, _, key))) = self.expiries.pop() else {
-                break;
-            };
-            if self
-                .map
-                .get(&key)
-                .is_some_and(|s| s.generation == generation && s.expires <= now)
-            {
-                if let Some(slot) = self.map.remove(&key) {
-                    wake(&slot);
-                }
-            }
-        }
-    }
-
+impl Shard {
     /// The live slot under `key`, if any (an expired one is treated as absent).
-    fn live(&mut self, key: &str, now: Instant) -> Option<&mut Slot> {
-        self.map.get_mut(key).filter(|s| s.expires > now)
-    }
-
-    fn put(&mut self, key: &str, entry: Entry, ttl: Duration, now: Instant) -> u64 {
-        self.next_generation += 1;
-        let generation = self.next_generation;
-        let expires = now + ttl;
-        self.expiries
-            .push(Reverse((expires, generation, key.to_owned())));
-        let notify = matches!(entry, Entry::InFlight { .. }).then(|| Arc::new(Notify::new()));
-        if let Some(old) = self.map.insert(
-            key.to_owned(),
-            Slot {
-                entry,
-                expires,
-                generation,
-                notify,
-            },
-        ) {
-            wake(&old);
-        }
-        generation
-    }
-
-    fn touch(&mut self, key: &str, ttl: Duration, now: Instant) {
-        self.next_generation += 1;
-        let generation = self.next_generation;
-        if let Some(slot) = self.map.get_mut(key) {
-            slot.expires = now + ttl;
-            slot.generation = generation;
-            self.expiries
-                .push(Reverse((slot.expires, generation, key.to_owned())));
-        }
+    fn live(&self, key: &MapKey, now: u64) -> Option<&Slot> {
+        self.map.get(key).filter(|s| s.expires > now)
     }
 
     /// Whether `held` is what the key holds now (the compare of compare-and-set).
-    fn holds(&mut self, key: &str, held: &Held, now: Instant) -> bool {
-        self.live(key, now).is_some_and(|s| s.entry == held.entry)
+    fn holds(&mut self, key: &MapKey, held: &Held, now: u64) -> Option<&mut Slot> {
+        self.map
+            .get_mut(key)
+            .filter(|s| s.expires > now && *s.record == *held.encoded)
+    }
+
+    fn wake(&mut self, key: &MapKey) {
+        if let Some(n) = self.waiters.remove(key) {
+            n.notify_waiters();
+        }
+    }
+
+    /// Drops expired records; returns how many.
+    fn purge_expired(&mut self, now: u64) -> u64 {
+        let before = self.map.len();
+        let waiters = &mut self.waiters;
+        self.map.retain(|k, s| {
+            let live = s.expires > now;
+            if !live {
+                if let Some(n) = waiters.remove(k) {
+                    n.notify_waiters();
+                }
+            }
+            live
+        });
+        (before - self.map.len()) as u64
     }
 }
 
-fn wake(slot: &Slot) {
-    if let Some(n) = &slot.notify {
-        n.notify_waiters();
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    /// Time zero of every deadline.
+    epoch: Instant,
+    /// Records held, expired ones not yet swept included.
+    held: AtomicU64,
+    max_entries: u64,
+}
+
+impl Inner {
+    fn shard(&self, key: &MapKey) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[key.shard()])
     }
+
+    fn now(&self) -> u64 {
+        millis(self.epoch.elapsed())
+    }
+
+    /// Takes one place under the bound, if there is one left.
+    fn reserve(&self) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_entries).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn forget(&self, n: u64) {
+        self.held.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Drops every expired record, one shard at a time.
+    fn purge_all(&self) {
+        for shard in self.shards.iter() {
+            let now = self.now();
+            let gone = lock(shard).purge_expired(now);
+            self.forget(gone);
+        }
+    }
+
+    /// One claim attempt: `Ok(None)` claimed, `Ok(Some(record))` taken, `Err(())` the store is
+    /// at its bound.
+    fn try_claim(&self, key: &MapKey, held: &Held, lease: Duration) -> Result<Option<Bytes>, ()> {
+        let mut shard = self.shard(key);
+        let now = self.now();
+        let slot = Slot {
+            expires: now.saturating_add(millis(lease)),
+            record: Arc::from(&held.encoded[..]),
+        };
+        match shard.map.entry(*key) {
+            MapEntry::Occupied(o) if o.get().expires > now => Ok(Some(shared(&o.get().record))),
+            // An expired record is absent: take its place (the count does not change).
+            MapEntry::Occupied(mut o) => {
+                o.insert(slot);
+                shard.wake(key);
+                Ok(None)
+            }
+            MapEntry::Vacant(v) => {
+                if !self.reserve() {
+                    return Err(());
+                }
+                v.insert(slot);
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Zero-copy bytes of a record: replays share the stored buffer.
+fn shared(record: &Arc<[u8]>) -> Bytes {
+    Bytes::from_owner(ArcBytes(record.clone()))
+}
+
+struct ArcBytes(Arc<[u8]>);
+
+impl AsRef<[u8]> for ArcBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Milliseconds, saturating (a duration too long for a `u64` of milliseconds is "forever").
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The embedded in-memory store.
 pub struct MemoryStore {
-    inner: Arc<Mutex<Inner>>,
-    max_entries: u64,
+    inner: Arc<Inner>,
 }
 
 impl MemoryStore {
     /// A store that keeps at most `max_entries` live records. Starts the sweeper on the
     /// current Tokio runtime; it stops when the store is dropped.
     pub fn new(max_entries: u64) -> MemoryStore {
-        let inner = Arc::new(Mutex::new(Inner::default()));
-        let weak: Weak<Mutex<Inner>> = Arc::downgrade(&inner);
+        let inner = Arc::new(Inner {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            epoch: Instant::now(),
+            held: AtomicU64::new(0),
+            max_entries,
+        });
+        let weak: Weak<Inner> = Arc::downgrade(&inner);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SWEEP_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                let Some(inner) = weak.upgrade() else { return };
-                lock(&inner).purge_expired(Instant::now());
+                for i in 0..SHARDS {
+                    let Some(inner) = weak.upgrade() else { return };
+                    let now = inner.now();
+                    let gone = lock(&inner.shards[i]).purge_expired(now);
+                    inner.forget(gone);
+                    drop(inner);
+                    // One shard at a time, letting requests run in between.
+                    tokio::task::yield_now().await;
+                }
             }
         });
-        MemoryStore { inner, max_entries }
+        MemoryStore { inner }
     }
 
     /// How many records are held now, expired ones not yet swept included.
     pub fn len(&self) -> usize {
-        lock(&self.inner).map.len()
+        usize::try_from(self.inner.held.load(Ordering::Acquire)).unwrap_or(usize::MAX)
     }
 
     /// Whether no record is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The bound on records held (`store.max_entries`).
+    pub fn max_entries(&self) -> u64 {
+        self.inner.max_entries
+    }
 }
 
-/// Locks the map. A panic while holding the lock cannot leave a half-written record (every
-/// critical section writes at most one map slot and one heap item), so a poisoned lock is
-/// still safe to use.
-fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+/// Locks a shard. A panic while holding the lock cannot leave a half-written record (every
+/// critical section writes at most one map slot), so a poisoned lock is still safe to use.
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn claim(&self, key: &str, held: &Held, lease: Duration) -> Result<Claim, StoreError> {
-        let now = Instant::now();
-        let mut inner = lock(&self.inner);
-        inner.purge_expired(now);
-        if let Some(slot) = inner.live(key, now) {
-            return Ok(Claim::Existing(slot.entry.clone()));
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let key = MapKey::of(key);
+        if let Ok(found) = self.inner.try_claim(&key, held, lease) {
+            return Ok(found);
         }
-        if inner.map.len() as u64 >= self.max_entries {
-            return Err(StoreError::Full(self.max_entries));
-        }
-        inner.put(key, held.entry.clone(), lease, now);
-        Ok(Claim::Claimed)
+        // At the bound: reclaim expired records, then try once more.
+        self.inner.purge_all();
+        self.inner
+            .try_claim(&key, held, lease)
+            .map_err(|()| StoreError::Full(self.inner.max_entries))
     }
 
-    async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError> {
-        let now = Instant::now();
-        let mut inner = lock(&self.inner);
-        if !inner.holds(key, held, now) {
-            return Ok(false);
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let key = MapKey::of(key);
+        let mut shard = self.inner.shard(&key);
+        let now = self.inner.now();
+        match shard.holds(&key, held, now) {
+            Some(slot) => {
+                slot.expires = now.saturating_add(millis(lease));
+                Ok(true)
+            }
+            None => Ok(false),
         }
-        inner.touch(key, lease, now);
-        Ok(true)
     }
 
     async fn complete(
         &self,
-        key: &str,
+        key: &StoreKey,
         held: &Held,
-        done: &Entry,
+        done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let now = Instant::now();
-        let mut inner = lock(&self.inner);
-        if !inner.holds(key, held, now) {
+        let key = MapKey::of(key);
+        let mut shard = self.inner.shard(&key);
+        let now = self.inner.now();
+        let Some(slot) = shard.holds(&key, held, now) else {
             return Ok(false);
-        }
-        inner.put(key, done.clone(), ttl, now);
-        Ok(true)
-    }
-
-    async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError> {
-        let now = Instant::now();
-        let mut inner = lock(&self.inner);
-        if !inner.holds(key, held, now) {
-            return Ok(false);
-        }
-        if let Some(slot) = inner.map.remove(key) {
-            wake(&slot);
-        }
-        Ok(true)
-    }
-
-    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        let now = Instant::now();
-        let mut inner = lock(&self.inner);
-        Ok(inner.live(key, now).map(|s| s.entry.clone()))
-    }
-
-    async fn wait_change(&self, key: &str, max: Duration) {
-        let notify = {
-            let mut inner = lock(&self.inner);
-            match inner.live(key, Instant::now()) {
-                Some(Slot {
-                    notify: Some(n),
-                    expires,
-                    ..
-                }) => Some((n.clone(), *expires)),
-                _ => None,
-            }
         };
-        let Some((notify, expires)) = notify else {
-            return;
+        slot.expires = now.saturating_add(millis(ttl));
+        slot.record = Arc::from(&done[..]);
+        shard.wake(&key);
+        Ok(true)
+    }
+
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        let key = MapKey::of(key);
+        let mut shard = self.inner.shard(&key);
+        let now = self.inner.now();
+        if shard.holds(&key, held, now).is_none() {
+            return Ok(false);
+        }
+        shard.map.remove(&key);
+        shard.wake(&key);
+        drop(shard);
+        self.inner.forget(1);
+        Ok(true)
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+        let key = MapKey::of(key);
+        let shard = self.inner.shard(&key);
+        Ok(shard
+            .live(&key, self.inner.now())
+            .map(|s| shared(&s.record)))
+    }
+
+    async fn wait_change(&self, key: &StoreKey, max: Duration) {
+        let key = MapKey::of(key);
+        let (notify, expires) = {
+            let mut shard = self.inner.shard(&key);
+            let now = self.inner.now();
+            let Some(expires) = shard
+                .live(&key, now)
+                .filter(|s| record::is_in_flight(&s.record))
+                .map(|s| s.expires)
+            else {
+                return;
+            };
+            (shard.waiters.entry(key).or_default().clone(), expires)
         };
         let notified = notify.notified();
         tokio::pin!(notified);
         // Register before re-checking, so a wake between the check and the await is not lost.
         notified.as_mut().enable();
         let still_in_flight = {
-            let mut inner = lock(&self.inner);
-            inner
-                .live(key, Instant::now())
-                .is_some_and(|s| matches!(s.entry, Entry::InFlight { .. }))
+            let shard = self.inner.shard(&key);
+            shard
+                .live(&key, self.inner.now())
+                .is_some_and(|s| record::is_in_flight(&s.record))
         };
         if !still_in_flight {
             return;
         }
         // Also wake when the lease would expire (a dead holder never notifies).
-        let until = Instant::now() + max;
-        let deadline = until.min(expires + Duration::from_millis(1));
+        let lease_end =
+            self.inner.epoch + Duration::from_millis(expires) + Duration::from_millis(1);
+        let deadline = (Instant::now() + max).min(lease_end);
         let _ = tokio::time::timeout_at(deadline, notified).await;
     }
 
@@ -259,8 +416,27 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{Outcome, new_token};
+    use crate::metrics::Metrics;
+    use crate::record::{Entry, Outcome, new_token};
+    use crate::store::{Claim, StoreHandle};
     use http::StatusCode;
+
+    fn store(max_entries: u64) -> (StoreHandle, Arc<MemoryStore>) {
+        let memory = Arc::new(MemoryStore::new(max_entries));
+        let handle = StoreHandle::new(
+            memory.clone(),
+            Duration::from_secs(1),
+            Arc::new(Metrics::new()),
+        );
+        (handle, memory)
+    }
+
+    /// Keys `n` land in different shards for different `n`.
+    fn k(n: u8) -> StoreKey {
+        let mut id = [n; 32];
+        id[0] = n;
+        StoreKey::new("test:r:".into(), 0, id)
+    }
 
     fn held(fp: u8) -> Held {
         Held::new(Entry::InFlight {
@@ -280,75 +456,141 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn claim_is_exclusive_and_expires() {
-        let s = MemoryStore::new(10);
+        let (s, _) = store(10);
         let a = held(1);
         let b = held(1);
         let lease = Duration::from_secs(1);
-        assert_eq!(s.claim("k", &a, lease).await.ok(), Some(Claim::Claimed));
+        assert_eq!(s.claim(&k(1), &a, lease).await.ok(), Some(Claim::Claimed));
         assert_eq!(
-            s.claim("k", &b, lease).await.ok(),
+            s.claim(&k(1), &b, lease).await.ok(),
             Some(Claim::Existing(a.entry.clone()))
         );
         tokio::time::advance(Duration::from_millis(1001)).await;
         // a's lease expired: b may claim, and a may no longer complete.
-        assert_eq!(s.claim("k", &b, lease).await.ok(), Some(Claim::Claimed));
-        assert_eq!(s.complete("k", &a, &done(1), lease).await.ok(), Some(false));
-        assert_eq!(s.renew("k", &a, lease).await.ok(), Some(false));
-        assert_eq!(s.release("k", &a).await.ok(), Some(false));
-        assert_eq!(s.complete("k", &b, &done(1), lease).await.ok(), Some(true));
-        assert_eq!(s.get("k").await.ok(), Some(Some(done(1))));
+        assert_eq!(s.claim(&k(1), &b, lease).await.ok(), Some(Claim::Claimed));
+        let d = done(1).encode();
+        assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(false));
+        assert_eq!(s.renew(&k(1), &a, lease).await.ok(), Some(false));
+        assert_eq!(s.release(&k(1), &a).await.ok(), Some(false));
+        assert_eq!(s.complete(&k(1), &b, &d, lease).await.ok(), Some(true));
+        assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn routes_namespace_the_same_id() {
+        let (s, _) = store(10);
+        let lease = Duration::from_secs(1);
+        let other_route = StoreKey::new("test:r2:".into(), 1, *k(1).id());
+        assert_eq!(
+            s.claim(&k(1), &held(1), lease).await.ok(),
+            Some(Claim::Claimed)
+        );
+        assert_eq!(
+            s.claim(&other_route, &held(1), lease).await.ok(),
+            Some(Claim::Claimed)
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn renew_extends_the_lease() {
-        let s = MemoryStore::new(10);
+        let (s, _) = store(10);
         let a = held(1);
         let lease = Duration::from_secs(1);
-        assert_eq!(s.claim("k", &a, lease).await.ok(), Some(Claim::Claimed));
+        assert_eq!(s.claim(&k(1), &a, lease).await.ok(), Some(Claim::Claimed));
         for _ in 0..5 {
             tokio::time::advance(Duration::from_millis(500)).await;
-            assert_eq!(s.renew("k", &a, lease).await.ok(), Some(true));
+            assert_eq!(s.renew(&k(1), &a, lease).await.ok(), Some(true));
         }
         assert!(matches!(
-            s.claim("k", &held(1), lease).await,
+            s.claim(&k(1), &held(1), lease).await,
             Ok(Claim::Existing(_))
         ));
     }
 
     #[tokio::test(start_paused = true)]
     async fn full_store_refuses_new_claims_and_never_evicts() {
-        let s = MemoryStore::new(2);
+        let (s, memory) = store(2);
         let lease = Duration::from_secs(10);
-        assert!(s.claim("a", &held(1), lease).await.is_ok());
-        assert!(s.claim("b", &held(1), lease).await.is_ok());
+        assert!(s.claim(&k(1), &held(1), lease).await.is_ok());
+        assert!(s.claim(&k(2), &held(1), lease).await.is_ok());
         assert!(matches!(
-            s.claim("c", &held(1), lease).await,
+            s.claim(&k(3), &held(1), lease).await,
             Err(StoreError::Full(2))
         ));
-        assert!(s.get("a").await.ok().flatten().is_some());
-        // Once records expire, there is room again.
+        assert!(s.get(&k(1)).await.ok().flatten().is_some());
+        // Nobody but the holder can release a claim.
+        let a = held(1);
+        assert!(s.release(&k(1), &held(1)).await.is_ok_and(|r| !r));
         tokio::time::advance(Duration::from_secs(11)).await;
+        // Once records expire, there is room again, whatever the sweeper has done so far.
+        assert_eq!(s.claim(&k(3), &a, lease).await.ok(), Some(Claim::Claimed));
+        assert_eq!(memory.len(), 1);
+        assert!(s.release(&k(3), &a).await.is_ok_and(|r| r));
+        assert!(memory.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_reclaims_expired_records() {
+        let (s, memory) = store(1000);
+        let lease = Duration::from_millis(100);
+        for n in 0..200u8 {
+            assert!(s.claim(&k(n), &held(1), lease).await.is_ok());
+        }
+        assert_eq!(memory.len(), 200);
+        tokio::time::sleep(SWEEP_EVERY * 2).await;
+        assert_eq!(memory.len(), 0, "every expired record was swept");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ttl_beyond_any_clock_means_forever_not_a_panic() {
+        let (s, _) = store(10);
+        let a = held(1);
+        assert!(s.claim(&k(1), &a, Duration::MAX).await.is_ok());
+        assert_eq!(s.renew(&k(1), &a, Duration::MAX).await.ok(), Some(true));
+        let d = done(1).encode();
         assert_eq!(
-            s.claim("c", &held(1), lease).await.ok(),
-            Some(Claim::Claimed)
+            s.complete(&k(1), &a, &d, Duration::MAX).await.ok(),
+            Some(true)
         );
-        assert_eq!(s.len(), 1);
+        tokio::time::advance(Duration::from_secs(86_400 * 365)).await;
+        assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_saved_record_is_one_compact_copy() {
+        let (s, memory) = store(10);
+        let a = held(1);
+        assert!(s.claim(&k(1), &a, Duration::from_secs(1)).await.is_ok());
+        // A record encoded into a much larger buffer: the store keeps only its own bytes.
+        let d = done(1).encode();
+        let mut big = bytes::BytesMut::with_capacity(64 * 1024);
+        big.extend_from_slice(&d);
+        let big = big.freeze();
+        assert!(
+            s.complete(&k(1), &a, &big, Duration::from_secs(1))
+                .await
+                .is_ok()
+        );
+        let shard = memory.inner.shard(&MapKey::of(&k(1)));
+        let slot = shard.map.get(&MapKey::of(&k(1))).expect("the record");
+        assert_eq!(slot.record.len(), d.len());
     }
 
     #[tokio::test(start_paused = true)]
     async fn waiters_wake_on_completion() {
-        let s = Arc::new(MemoryStore::new(10));
+        let (s, _) = store(10);
         let a = held(1);
         let lease = Duration::from_secs(10);
-        assert!(s.claim("k", &a, lease).await.is_ok());
+        assert!(s.claim(&k(1), &a, lease).await.is_ok());
         let s2 = s.clone();
         let waiter = tokio::spawn(async move {
             let start = Instant::now();
-            s2.wait_change("k", Duration::from_secs(5)).await;
+            s2.wait_change(&k(1), Duration::from_secs(5)).await;
             start.elapsed()
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(s.complete("k", &a, &done(1), lease).await.ok(), Some(true));
+        let d = done(1).encode();
+        assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(true));
         let waited = waiter.await.expect("waiter");
         assert!(
             waited < Duration::from_secs(1),

@@ -21,7 +21,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::metrics::Metrics;
+pub use crate::key::StoreKey;
+use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, Entry};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
@@ -81,29 +82,39 @@ impl Held {
 }
 
 /// A store backend. Implementations make each method one atomic step on one key.
+///
+/// Backends keep and return records as their encoded bytes: [`StoreHandle`] encodes and
+/// decodes, so an undecodable record is refused in one place, and the memory store keeps one
+/// compact buffer per record.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Claims `key` for `lease` if it is free; otherwise returns what it holds.
-    async fn claim(&self, key: &str, held: &Held, lease: Duration) -> Result<Claim, StoreError>;
+    /// Claims `key` for `lease` if it is free (`None`); otherwise returns what it holds.
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError>;
     /// Extends the lease if `held` still holds the key. `false`: the lease was lost.
-    async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError>;
-    /// Replaces the claim by the finished entry, kept for `ttl`, if `held` still holds the key.
-    /// `false`: the lease was lost and nothing was written.
+    async fn renew(&self, key: &StoreKey, held: &Held, lease: Duration)
+    -> Result<bool, StoreError>;
+    /// Replaces the claim by the finished record `done`, kept for `ttl`, if `held` still holds
+    /// the key. `false`: the lease was lost and nothing was written.
     async fn complete(
         &self,
-        key: &str,
+        key: &StoreKey,
         held: &Held,
-        done: &Entry,
+        done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError>;
     /// Deletes the claim if `held` still holds the key.
-    async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError>;
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError>;
     /// Reads the key.
-    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError>;
     /// Returns when the key may have changed, or after `max` at the latest. The caller reads
     /// the key again either way, and chooses `max` as its polling interval. The default just
     /// sleeps: a shared store cannot know when another instance finishes.
-    async fn wait_change(&self, _key: &str, max: Duration) {
+    async fn wait_change(&self, _key: &StoreKey, max: Duration) {
         tokio::time::sleep(max).await;
     }
     /// Checks that the store answers.
@@ -135,14 +146,14 @@ impl StoreHandle {
 
     async fn timed<T>(
         &self,
-        op: &'static str,
+        op: StoreOp,
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let start = tokio::time::Instant::now();
         let result = match tokio::time::timeout(self.timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout {
-                op,
+                op: op.as_str(),
                 after: self.timeout,
             }),
         };
@@ -150,52 +161,71 @@ impl StoreHandle {
         result
     }
 
-    /// See [`Store::claim`].
+    /// See [`Store::claim`]; decodes what the key holds.
     pub async fn claim(
         &self,
-        key: &str,
+        key: &StoreKey,
         held: &Held,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        self.timed("claim", self.inner.claim(key, held, lease))
-            .await
+        let found = self
+            .timed(StoreOp::Claim, self.inner.claim(key, held, lease))
+            .await?;
+        match found {
+            None => Ok(Claim::Claimed),
+            Some(bytes) => Ok(Claim::Existing(Entry::decode_shared(&bytes)?)),
+        }
     }
 
     /// See [`Store::renew`].
-    pub async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError> {
-        self.timed("renew", self.inner.renew(key, held, lease))
+    pub async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Renew, self.inner.renew(key, held, lease))
             .await
     }
 
-    /// See [`Store::complete`].
+    /// See [`Store::complete`]; `done` is encoded once, by the caller, so a retried
+    /// completion writes the very same bytes.
     pub async fn complete(
         &self,
-        key: &str,
+        key: &StoreKey,
         held: &Held,
-        done: &Entry,
+        done: &Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.timed("complete", self.inner.complete(key, held, done, ttl))
-            .await
+        self.timed(
+            StoreOp::Complete,
+            self.inner.complete(key, held, done.clone(), ttl),
+        )
+        .await
     }
 
     /// See [`Store::release`].
-    pub async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError> {
-        self.timed("release", self.inner.release(key, held)).await
+    pub async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Release, self.inner.release(key, held))
+            .await
     }
 
-    /// See [`Store::get`].
-    pub async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        self.timed("get", self.inner.get(key)).await
+    /// See [`Store::get`]; decodes the record.
+    pub async fn get(&self, key: &StoreKey) -> Result<Option<Entry>, StoreError> {
+        let found = self.timed(StoreOp::Get, self.inner.get(key)).await?;
+        match found {
+            None => Ok(None),
+            Some(bytes) => Ok(Some(Entry::decode_shared(&bytes)?)),
+        }
     }
 
     /// See [`Store::wait_change`].
-    pub async fn wait_change(&self, key: &str, max: Duration) {
+    pub async fn wait_change(&self, key: &StoreKey, max: Duration) {
         self.inner.wait_change(key, max).await;
     }
 
     /// See [`Store::ping`].
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.timed("ping", self.inner.ping()).await
+        self.timed(StoreOp::Ping, self.inner.ping()).await
     }
 }

@@ -17,8 +17,10 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
 
-use super::{Claim, Held, Store, StoreError};
-use crate::record::Entry;
+use bytes::Bytes;
+
+use super::{Held, Store, StoreError, StoreKey};
+use crate::record::DecodeError;
 
 const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -47,10 +49,20 @@ pub struct RedisStore {
     release: Script,
 }
 
+/// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
+/// record, like one that does not decode (SPEC §4.5): something else wrote there, and an
+/// operation may have run under the key, so it is never forwarded.
 fn backend(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
-    move |e| StoreError::Backend {
-        op,
-        source: Box::new(e),
+    move |e| {
+        if e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE") {
+            return StoreError::Corrupt(DecodeError(
+                "the key holds another Redis type (WRONGTYPE)",
+            ));
+        }
+        StoreError::Backend {
+            op,
+            source: Box::new(e),
+        }
     }
 }
 
@@ -147,11 +159,16 @@ impl RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
-    async fn claim(&self, key: &str, held: &Held, lease: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
         let mut conn = self.conn.clone();
         // One atomic step: set if absent, and return the previous value if there was one.
         let previous: Option<Vec<u8>> = redis::cmd("SET")
-            .arg(key)
+            .arg(key.text())
             .arg(held.encoded.as_ref())
             .arg("NX")
             .arg("PX")
@@ -160,17 +177,19 @@ impl Store for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(backend("claim"))?;
-        match previous {
-            None => Ok(Claim::Claimed),
-            Some(bytes) => Ok(Claim::Existing(Entry::decode(&bytes)?)),
-        }
+        Ok(previous.map(Bytes::from))
     }
 
-    async fn renew(&self, key: &str, held: &Held, lease: Duration) -> Result<bool, StoreError> {
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         let n: i64 = self
             .renew
-            .key(key)
+            .key(key.text())
             .arg(held.encoded.as_ref())
             .arg(millis(lease))
             .invoke_async(&mut conn)
@@ -181,17 +200,17 @@ impl Store for RedisStore {
 
     async fn complete(
         &self,
-        key: &str,
+        key: &StoreKey,
         held: &Held,
-        done: &Entry,
+        done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         let n: i64 = self
             .complete
-            .key(key)
+            .key(key.text())
             .arg(held.encoded.as_ref())
-            .arg(done.encode().as_ref())
+            .arg(done.as_ref())
             .arg(millis(ttl))
             .invoke_async(&mut conn)
             .await
@@ -199,11 +218,11 @@ impl Store for RedisStore {
         Ok(n == 1)
     }
 
-    async fn release(&self, key: &str, held: &Held) -> Result<bool, StoreError> {
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         let n: i64 = self
             .release
-            .key(key)
+            .key(key.text())
             .arg(held.encoded.as_ref())
             .invoke_async(&mut conn)
             .await
@@ -211,13 +230,10 @@ impl Store for RedisStore {
         Ok(n == 1)
     }
 
-    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
         let mut conn = self.conn.clone();
-        let value: Option<Vec<u8>> = conn.get(key).await.map_err(backend("get"))?;
-        match value {
-            None => Ok(None),
-            Some(bytes) => Ok(Some(Entry::decode(&bytes)?)),
-        }
+        let value: Option<Vec<u8>> = conn.get(key.text()).await.map_err(backend("get"))?;
+        Ok(value.map(Bytes::from))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -1,0 +1,103 @@
+//! Admission: what a request on an idempotent route must show before anything is claimed — a
+//! valid key, a body within bounds — and the fingerprint that tells a repeat from a different
+//! request. Every refusal here happens before the claim, so it holds no key.
+
+use bytes::Bytes;
+use http::header;
+use http::request::Parts;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::Route;
+use crate::body::{self, Body};
+use crate::fingerprint::{self, Fingerprint};
+use crate::key::{self, KeyError, StoreKey};
+use crate::metrics::Outcome;
+use crate::problem::Problem;
+use crate::route::IdempotencySettings;
+use crate::upstream;
+
+/// A request that may be claimed.
+pub(super) struct Admitted {
+    pub parts: Parts,
+    pub body: Bytes,
+    pub key: StoreKey,
+    pub fingerprint: Fingerprint,
+}
+
+/// What admission decided.
+pub(super) enum Admission {
+    /// Claim it.
+    Admitted(Admitted),
+    /// No key on a route that does not require one: plain traffic.
+    NoKey(Parts, Body),
+    /// Refused, nothing claimed.
+    Refused(Problem, Outcome),
+}
+
+/// Reads the key, the body and the fingerprint.
+pub(super) async fn admit(
+    route: &Route,
+    idem: &IdempotencySettings,
+    parts: Parts,
+    incoming: Incoming,
+) -> Admission {
+    let raw_key = match key::from_headers(&parts.headers, &idem.header) {
+        Ok(k) => k,
+        Err(KeyError::Missing(_)) if !idem.required => {
+            return Admission::NoKey(parts, body::boxed(incoming));
+        }
+        Err(KeyError::Missing(header)) => {
+            return Admission::Refused(Problem::MissingKey { header }, Outcome::MissingKey);
+        }
+        Err(e) => {
+            return Admission::Refused(
+                Problem::InvalidKey {
+                    detail: e.to_string(),
+                },
+                Outcome::InvalidKey,
+            );
+        }
+    };
+    let body = match read_body(&parts, incoming, idem.max_request_body).await {
+        Ok(b) => b,
+        Err(p) => {
+            let outcome = if matches!(p, Problem::BodyTooLarge { .. }) {
+                Outcome::TooLarge
+            } else {
+                Outcome::BadRequest
+            };
+            return Admission::Refused(p, outcome);
+        }
+    };
+    let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
+    let id = key::key_id(&idem.scope, &parts.headers, &raw_key);
+    Admission::Admitted(Admitted {
+        key: StoreKey::new(route.namespace.clone(), route.number, id),
+        parts,
+        body,
+        fingerprint,
+    })
+}
+
+/// Reads the request body, refusing more than `limit` bytes (413) before anything is claimed.
+async fn read_body(parts: &Parts, incoming: Incoming, limit: u64) -> Result<Bytes, Problem> {
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(Problem::BodyTooLarge { limit });
+    }
+    let limited = Limited::new(incoming, usize::try_from(limit).unwrap_or(usize::MAX));
+    match limited.collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Problem::BodyTooLarge { limit })
+        }
+        Err(e) => Err(Problem::BadRequestBody {
+            detail: upstream::error_chain(e.as_ref()),
+        }),
+    }
+}

@@ -1,0 +1,266 @@
+//! The exchange: claim the key, forward the claimed request, and decide what its answer means
+//! for the key — complete it with the result, or release it so that a retry runs again.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use http::header;
+use tokio::time::Instant;
+
+use super::admission::Admitted;
+use super::lease::Lease;
+use super::replay::{replay, saved_headers};
+use super::{Answer, Proxy, Route, forward_plain, refuse};
+use crate::body;
+use crate::metrics::Outcome;
+use crate::problem::Problem;
+use crate::record::{Entry, Outcome as Saved, SavedResponse, new_token};
+use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
+use crate::store::{Claim, Held, StoreError};
+use crate::upstream::{self, Bounded, UpstreamError};
+
+/// How long a 409 asks the client to wait (`Retry-After`).
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// `on_conflict: wait` looks again after this long at first, doubling up to
+/// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead).
+const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
+const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
+
+/// One admitted request, from its claim to its answer.
+pub(super) struct Exchange {
+    proxy: Arc<Proxy>,
+    route: Arc<Route>,
+    idem: Arc<IdempotencySettings>,
+    request: Admitted,
+    client: SocketAddr,
+    held: Held,
+}
+
+impl Exchange {
+    pub fn new(
+        proxy: Arc<Proxy>,
+        route: Arc<Route>,
+        idem: Arc<IdempotencySettings>,
+        request: Admitted,
+        client: SocketAddr,
+    ) -> Exchange {
+        let held = Held::new(Entry::InFlight {
+            token: new_token(),
+            fingerprint: request.fingerprint,
+        });
+        Exchange {
+            proxy,
+            route,
+            idem,
+            request,
+            client,
+            held,
+        }
+    }
+
+    /// Claims the key — or replays, refuses, or waits, per what the claim finds — and runs the
+    /// exchange when the claim is ours.
+    pub async fn claim_and_run(self) -> Answer {
+        let idem = self.idem.clone();
+        let store = self.proxy.store.clone();
+        let wait_until = Instant::now() + idem.wait_timeout;
+        let mut poll = FIRST_WAIT_POLL;
+        loop {
+            let sent = Instant::now();
+            let existing = match store
+                .claim(&self.request.key, &self.held, idem.lock_ttl)
+                .await
+            {
+                Ok(Claim::Claimed) => return self.run(sent).await,
+                Ok(Claim::Existing(entry)) => entry,
+                Err(e) => return self.store_failure(e).await,
+            };
+            // The mismatch check comes first, in flight or finished.
+            if *existing.fingerprint() != self.request.fingerprint {
+                return refuse(Problem::KeyReused, Outcome::Mismatch);
+            }
+            match existing {
+                Entry::Done { outcome, .. } => return replay(outcome),
+                Entry::InFlight { .. } => {
+                    let now = Instant::now();
+                    if idem.on_conflict == OnConflict::Reject || now >= wait_until {
+                        return refuse(
+                            Problem::InProgress {
+                                retry_after: RETRY_AFTER,
+                            },
+                            Outcome::Conflict,
+                        );
+                    }
+                    // Wait for the holder to finish, then claim again: a released or expired
+                    // claim is taken by this request, a finished one is replayed. Stores
+                    // that cannot wake us (Redis: the holder may be another instance) are
+                    // polled, backing off so a thousand waiters do not flood them.
+                    store
+                        .wait_change(&self.request.key, poll.min(wait_until - now))
+                        .await;
+                    poll = (poll * 2).min(MAX_WAIT_POLL);
+                }
+            }
+        }
+    }
+
+    /// The store failed before this request held the key.
+    async fn store_failure(self, e: StoreError) -> Answer {
+        let route = &self.route;
+        // An undecodable record means an operation may have run under this key: forwarding
+        // could run it twice, whatever `on_store_error` says.
+        let policy = if matches!(e, StoreError::Corrupt(_)) {
+            OnStoreError::Reject
+        } else {
+            self.idem.on_store_error
+        };
+        match policy {
+            OnStoreError::Reject => {
+                tracing::warn!(route = %route.settings.name, key = %self.request.key.id_hex(), error = %e, "store error: 503");
+                refuse(
+                    Problem::StoreUnavailable {
+                        detail: e.to_string(),
+                    },
+                    Outcome::StoreError,
+                )
+            }
+            OnStoreError::Forward => {
+                tracing::warn!(
+                    route = %route.settings.name,
+                    key = %self.request.key.id_hex(),
+                    error = %e,
+                    "store error: forwarding WITHOUT idempotency (on_store_error: forward)"
+                );
+                route.metrics.unprotected();
+                let Admitted { parts, body, .. } = self.request;
+                let (resp, _) = forward_plain(route, parts, body::full(body), self.client).await;
+                (resp, Outcome::StoreError)
+            }
+        }
+    }
+
+    /// Forwards the claimed request, keeping the lease alive, and completes or releases the
+    /// claim according to the answer.
+    async fn run(self, claimed_at: Instant) -> Answer {
+        let Exchange {
+            proxy,
+            route,
+            idem,
+            request,
+            client,
+            held,
+        } = self;
+        let Admitted {
+            parts,
+            body,
+            key,
+            fingerprint,
+        } = request;
+        let up = &route.upstream;
+        let mut lease = Lease::new(
+            proxy.store.clone(),
+            route.metrics.clone(),
+            route.name.clone(),
+            key,
+            held,
+            idem.lock_ttl,
+            claimed_at,
+        );
+        let drop_key = (!idem.forward_key).then_some(&idem.header);
+        let result = match up.request(parts, body::full(body), client, drop_key) {
+            Ok(req) => {
+                lease
+                    .renewing(up.call_bounded(req, idem.max_response_body))
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        let done = |outcome| Entry::Done {
+            fingerprint,
+            outcome,
+        };
+
+        match result {
+            Ok((parts, Bounded::Complete(bytes))) => {
+                let status = parts.status.as_u16();
+                if idem.retry_statuses.contains(&status) {
+                    // Not the operation's result: free the key so that a retry runs again.
+                    lease.release().await;
+                } else {
+                    let saved = SavedResponse {
+                        status: parts.status,
+                        headers: saved_headers(&parts.headers, &idem),
+                        body: bytes.clone(),
+                    };
+                    lease
+                        .complete(done(Saved::Response(saved)), idem.ttl, &proxy.tasks)
+                        .await;
+                }
+                (first_response(parts, bytes), Outcome::Forwarded)
+            }
+            Ok((parts, Bounded::Over { prefix, rest })) => {
+                let status = parts.status;
+                if idem.retry_statuses.contains(&status.as_u16()) {
+                    lease.release().await;
+                } else {
+                    tracing::warn!(
+                        route = %route.settings.name,
+                        limit = idem.max_response_body,
+                        "response larger than max_response_body: it reaches this client but cannot be replayed"
+                    );
+                    lease
+                        .complete(
+                            done(Saved::NotReplayable { status }),
+                            idem.ttl,
+                            &proxy.tasks,
+                        )
+                        .await;
+                }
+                (
+                    Response::from_parts(parts, upstream::chain(prefix, rest)),
+                    Outcome::Forwarded,
+                )
+            }
+            Err(e @ UpstreamError::Connect(_)) => {
+                // Nothing was sent: the operation did not happen; free the key.
+                tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "upstream connect failed; claim released");
+                lease.release().await;
+                refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)
+            }
+            Err(e) => {
+                let problem = Problem::of_upstream(up.name(), &e);
+                match idem.on_unknown_outcome {
+                    OnUnknownOutcome::Keep => {
+                        tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e,
+                            "outcome unknown; saving {} as the key's result (on_unknown_outcome: keep)", problem.status().as_u16());
+                        lease
+                            .complete(
+                                done(Saved::Response(problem.saved())),
+                                idem.ttl,
+                                &proxy.tasks,
+                            )
+                            .await;
+                    }
+                    OnUnknownOutcome::Release => {
+                        tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e,
+                            "outcome unknown; claim released (on_unknown_outcome: release)");
+                        lease.release().await;
+                    }
+                }
+                refuse(problem, Outcome::UpstreamError)
+            }
+        }
+    }
+}
+
+/// The first client's response: the upstream's head, and exactly the body it read.
+fn first_response(parts: http::response::Parts, bytes: Bytes) -> Response<crate::body::Body> {
+    let mut resp = Response::from_parts(parts, body::full(bytes));
+    // The body is whole: hyper sets its length.
+    resp.headers_mut().remove(header::CONTENT_LENGTH);
+    resp
+}

@@ -1,0 +1,246 @@
+//! The per-request flow: match a route, then either pass the request through or run it under
+//! idempotency — admission, the exchange, the lease, replay — in the modules named after those
+//! steps.
+//!
+//! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
+//! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
+//! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
+//! - [`replay`]: a saved response, as the repeat gets it.
+//!
+//! The rules that keep an operation from running twice, and where they live:
+//! - The claim is the only way to get permission to forward, and it is one atomic store step
+//!   (`Store::claim`); nothing here checks first and acts after.
+//! - Everything the proxy refuses (400, 413, 422, 409) is decided before or instead of a claim,
+//!   so a refused request never holds a key.
+//! - The claim, the upstream call and the completion run in a task of their own: a client that
+//!   disconnects drops only its wait for the answer, never a claim half made, the call or the
+//!   completion, so its retry is a replay.
+//! - The holder renews its lease every `lock_ttl/3` while the upstream call runs, and writes
+//!   the result with a compare-and-set on its token. A holder that lost its lease (it stalled
+//!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
+//! - If the completion fails because the store stalls, the client still gets the upstream's
+//!   answer and the completion is retried in the background for as long as the lease may still
+//!   be valid.
+
+mod admission;
+mod exchange;
+mod lease;
+mod replay;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderMap, Request, Response};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{self, Body};
+use crate::config::Config;
+use crate::key::{self, StoreKey};
+use crate::metrics::{Metrics, Outcome, RouteMetrics};
+use crate::problem::Problem;
+use crate::route::{IdempotencySettings, RouteSettings};
+use crate::store::StoreHandle;
+use crate::upstream::Upstream;
+
+pub use replay::REPLAYED;
+
+/// A route resolved once at start: everything a request on it needs, in one value.
+struct Route {
+    /// The route's name, for logs.
+    name: Arc<str>,
+    settings: RouteSettings,
+    /// The idempotency policy (`None`: a pass-through route), shared with exchange tasks.
+    idempotency: Option<Arc<IdempotencySettings>>,
+    /// The route's upstream: one pooled client per upstream, shared by its routes.
+    upstream: Arc<Upstream>,
+    /// The route's metric series, registered at start.
+    metrics: RouteMetrics,
+    /// `key_prefix + name + ":"`: what every store key of the route starts with.
+    namespace: Arc<str>,
+    /// The route's position in the file, which namespaces its keys in the memory store.
+    number: u32,
+}
+
+/// The proxy: routes, upstream clients, the store, metrics, and the tracker of background
+/// tasks (upstream calls and completions) that shutdown waits for.
+pub struct Proxy {
+    config: Config,
+    routes: Vec<Arc<Route>>,
+    /// The series of requests that match no route.
+    unrouted: RouteMetrics,
+    store: StoreHandle,
+    metrics: Arc<Metrics>,
+    tasks: TaskTracker,
+}
+
+/// What a handler produced: the response and the outcome to count and log.
+type Answer = (Response<Body>, Outcome);
+
+fn refuse(p: Problem, outcome: Outcome) -> Answer {
+    (p.response(), outcome)
+}
+
+impl Proxy {
+    /// Builds the proxy over a store: resolves every route's upstream, policy and metrics.
+    pub fn new(config: Config, store: StoreHandle, metrics: Arc<Metrics>) -> Proxy {
+        let upstreams: std::collections::BTreeMap<&str, Arc<Upstream>> = config
+            .upstreams
+            .iter()
+            .map(|(name, s)| {
+                (
+                    name.as_str(),
+                    Arc::new(Upstream::new(s, metrics.upstream(name))),
+                )
+            })
+            .collect();
+        let routes = config
+            .routes
+            .iter()
+            .zip(0u32..)
+            .filter_map(|(r, number)| {
+                // Validation guarantees every route's upstream exists.
+                let upstream = upstreams.get(r.upstream.as_str())?.clone();
+                Some(Arc::new(Route {
+                    name: r.name.as_str().into(),
+                    settings: r.clone(),
+                    idempotency: r.idempotency.clone().map(Arc::new),
+                    upstream,
+                    metrics: metrics.route(&r.name),
+                    namespace: key::namespace(&config.store.key_prefix, &r.name),
+                    number,
+                }))
+            })
+            .collect();
+        Proxy {
+            unrouted: metrics.route(""),
+            config,
+            routes,
+            store,
+            metrics,
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    /// The background tasks (upstream calls, completions) that must finish before the process
+    /// exits.
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The store.
+    pub fn store(&self) -> &StoreHandle {
+        &self.store
+    }
+
+    /// The store key of `key` on the route named `route`, for a caller whose scope headers
+    /// are among `headers`; `None` when no idempotent route has that name.
+    pub fn store_key(&self, route: &str, headers: &HeaderMap, key: &str) -> Option<StoreKey> {
+        let r = self.routes.iter().find(|r| r.settings.name == route)?;
+        let idem = r.idempotency.as_ref()?;
+        let id = key::key_id(&idem.scope, headers, key);
+        Some(StoreKey::new(r.namespace.clone(), r.number, id))
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Handles one request. Never fails: every failure is an HTTP answer.
+    pub async fn handle(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<Body> {
+        let start = Instant::now();
+        let method = req.method().clone();
+        let uri = req.uri().clone();
+        let Some(route) = self
+            .routes
+            .iter()
+            .find(|r| r.settings.matches(&method, uri.path()))
+        else {
+            self.unrouted.request(Outcome::NoRoute, start.elapsed());
+            tracing::debug!(%method, path = uri.path(), "no route");
+            return Problem::NoRoute.response();
+        };
+        let (parts, incoming) = req.into_parts();
+        let (resp, outcome) = match &route.idempotency {
+            None => forward_plain(route, parts, body::boxed(incoming), client).await,
+            Some(idem) => self.idempotent(route, idem, parts, incoming, client).await,
+        };
+        let took = start.elapsed();
+        route.metrics.request(outcome, took);
+        tracing::info!(
+            route = %route.settings.name,
+            %method,
+            path = uri.path(),
+            status = resp.status().as_u16(),
+            outcome = outcome.as_str(),
+            took_ms = took.as_secs_f64() * 1000.0,
+            "request"
+        );
+        resp
+    }
+
+    /// A request on an idempotent route: admitted (or refused, or passed through without a
+    /// key), then claimed and run in a task of its own.
+    async fn idempotent(
+        self: &Arc<Self>,
+        route: &Arc<Route>,
+        idem: &Arc<IdempotencySettings>,
+        parts: Parts,
+        incoming: Incoming,
+        client: SocketAddr,
+    ) -> Answer {
+        let admitted = match admission::admit(route, idem, parts, incoming).await {
+            admission::Admission::Admitted(a) => a,
+            admission::Admission::NoKey(parts, body) => {
+                return forward_plain(route, parts, body, client).await;
+            }
+            admission::Admission::Refused(problem, outcome) => return refuse(problem, outcome),
+        };
+        // From the claim on, everything runs in a task of its own: a client that goes away
+        // can cancel neither a claim in flight (which would leave the key blocked until its
+        // lease expired) nor the upstream call and the completion (its retry gets a replay).
+        let exchange =
+            exchange::Exchange::new(self.clone(), route.clone(), idem.clone(), admitted, client);
+        match self.tasks.spawn(exchange.claim_and_run()).await {
+            Ok(answer) => answer,
+            Err(e) => {
+                tracing::error!(route = %route.settings.name, error = %e, "exchange task ended without an answer");
+                refuse(
+                    Problem::UpstreamFailed {
+                        upstream: route.upstream.name().to_owned(),
+                        detail: "internal error".into(),
+                    },
+                    Outcome::UpstreamError,
+                )
+            }
+        }
+    }
+}
+
+/// A plain proxied request: streamed both ways.
+async fn forward_plain(route: &Route, parts: Parts, body: Body, client: SocketAddr) -> Answer {
+    let up = &route.upstream;
+    let result = match up.request(parts, body, client, None) {
+        Ok(req) => up.send(req).await,
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(resp) => (resp, Outcome::Passthrough),
+        Err(e) => {
+            tracing::warn!(upstream = up.name(), error = %e, "upstream call failed");
+            refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)
+        }
+    }
+}
