@@ -18,7 +18,7 @@ use crate::route::IdempotencySettings;
 use crate::upstream;
 
 /// A request that may be claimed.
-pub(super) struct Admitted {
+pub(crate) struct Admitted {
     pub parts: Parts,
     pub body: Bytes,
     pub key: StoreKey,
@@ -42,24 +42,12 @@ pub(super) async fn admit(
     parts: Parts,
     incoming: Incoming,
 ) -> Admission {
-    let raw_key = match key::from_headers(&parts.headers, &idem.header) {
-        Ok(k) => k,
-        Err(KeyError::Missing(_)) if !idem.required => {
-            return Admission::NoKey(parts, body::boxed(incoming));
-        }
-        Err(KeyError::Missing(header)) => {
-            return Admission::Refused(Problem::MissingKey { header }, Outcome::MissingKey);
-        }
-        Err(e) => {
-            return Admission::Refused(
-                Problem::InvalidKey {
-                    detail: e.to_string(),
-                },
-                Outcome::InvalidKey,
-            );
-        }
+    let raw_key = match check_head(idem, &parts) {
+        Ok(Some(k)) => k,
+        Ok(None) => return Admission::NoKey(parts, body::boxed(incoming)),
+        Err((problem, outcome)) => return Admission::Refused(problem, outcome),
     };
-    let body = match read_body(&parts, incoming, idem.max_request_body).await {
+    let body = match read_body(incoming, idem.max_request_body).await {
         Ok(b) => b,
         Err(p) => {
             let outcome = if matches!(p, Problem::BodyTooLarge { .. }) {
@@ -80,16 +68,47 @@ pub(super) async fn admit(
     })
 }
 
-/// Reads the request body, refusing more than `limit` bytes (413) before anything is claimed.
-async fn read_body(parts: &Parts, incoming: Incoming, limit: u64) -> Result<Bytes, Problem> {
+/// What the request head alone decides, before any body byte is read or anything is claimed:
+/// `Ok(Some(key))` to go on with this key, `Ok(None)` for plain traffic (no key on a route that
+/// does not require one), or a refusal. Pure, so the fuzz target runs it on arbitrary heads.
+pub fn check_head(
+    idem: &IdempotencySettings,
+    parts: &Parts,
+) -> Result<Option<String>, (Problem, Outcome)> {
+    let raw_key = match key::from_headers(&parts.headers, &idem.header) {
+        Ok(k) => k,
+        Err(KeyError::Missing(_)) if !idem.required => return Ok(None),
+        Err(KeyError::Missing(header)) => {
+            return Err((Problem::MissingKey { header }, Outcome::MissingKey));
+        }
+        Err(e) => {
+            return Err((
+                Problem::InvalidKey {
+                    detail: e.to_string(),
+                },
+                Outcome::InvalidKey,
+            ));
+        }
+    };
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(Problem::BodyTooLarge { limit });
+    if declared.is_some_and(|n| n > idem.max_request_body) {
+        return Err((
+            Problem::BodyTooLarge {
+                limit: idem.max_request_body,
+            },
+            Outcome::TooLarge,
+        ));
     }
+    Ok(Some(raw_key))
+}
+
+/// Reads the request body, refusing more than `limit` bytes (413) before anything is claimed
+/// (a declared `Content-Length` over the limit was refused by [`check_head`] already).
+async fn read_body(incoming: Incoming, limit: u64) -> Result<Bytes, Problem> {
     let limited = Limited::new(incoming, usize::try_from(limit).unwrap_or(usize::MAX));
     match limited.collect().await {
         Ok(c) => Ok(c.to_bytes()),

@@ -22,7 +22,7 @@
 //!   answer and the completion is retried in the background for as long as the lease may still
 //!   be valid.
 
-mod admission;
+pub mod admission;
 mod exchange;
 mod lease;
 mod replay;
