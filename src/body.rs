@@ -35,11 +35,13 @@ where
 
 /// Fails `body` with a timeout error if it has not ended by `deadline`: an upstream's
 /// `timeout` bounds the whole response, streamed bodies included, so a stalled upstream
-/// cannot hold a client connection forever.
-pub fn with_deadline(body: Body, deadline: tokio::time::Instant) -> Body {
+/// cannot hold a client connection forever; `limits.body_read_timeout` bounds a client's
+/// streamed request body the same way. `what` names the body in the error.
+pub fn with_deadline(body: Body, deadline: tokio::time::Instant, what: &'static str) -> Body {
     Deadline {
         inner: body,
         sleep: Box::pin(tokio::time::sleep_until(deadline)),
+        what,
     }
     .boxed_unsync()
 }
@@ -47,12 +49,13 @@ pub fn with_deadline(body: Body, deadline: tokio::time::Instant) -> Body {
 struct Deadline {
     inner: Body,
     sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    what: &'static str,
 }
 
 /// The error a [`with_deadline`] body fails with.
 #[derive(Debug, thiserror::Error)]
-#[error("the upstream response did not complete within the upstream's timeout")]
-pub struct DeadlineExceeded;
+#[error("{0} did not complete in time")]
+pub struct DeadlineExceeded(pub &'static str);
 
 impl http_body::Body for Deadline {
     type Data = Bytes;
@@ -67,7 +70,7 @@ impl http_body::Body for Deadline {
             return Poll::Ready(frame);
         }
         match self.sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(DeadlineExceeded)))),
+            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(DeadlineExceeded(self.what))))),
             Poll::Pending => Poll::Pending,
         }
     }

@@ -90,6 +90,50 @@ pub struct RawConfig {
     /// Routes, first match wins.
     #[serde(default)]
     pub routes: Vec<RawRoute>,
+    /// Bounds on what clients may hold: connections, slow requests, detached work.
+    #[serde(default)]
+    pub limits: RawLimits,
+}
+
+/// `limits:` as written: what hostile or broken clients may hold at most.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// Open client connections at most; past it, new connections wait in the accept queue.
+    /// Default 10000.
+    #[serde(default = "defaults::max_connections")]
+    pub max_connections: u32,
+    /// How long a client may take to send a request head, and how long an idle keep-alive
+    /// connection stays open. Default 10s.
+    #[serde(default = "defaults::header_read_timeout", with = "duration")]
+    pub header_read_timeout: Duration,
+    /// How long a client may take to send a whole request body, on every route. Default 30s.
+    #[serde(default = "defaults::body_read_timeout", with = "duration")]
+    pub body_read_timeout: Duration,
+    /// Idempotent exchanges still running after their client left, at most; past it, new
+    /// idempotent requests get a 503 before anything is claimed. Default 1000.
+    #[serde(default = "defaults::max_detached_exchanges")]
+    pub max_detached_exchanges: u32,
+    /// Results whose completion is being retried in the background, at most; past it (or past
+    /// `max_pending_save_bytes`) the oldest is given up. Default 1000.
+    #[serde(default = "defaults::max_pending_saves")]
+    pub max_pending_saves: u32,
+    /// Bytes of those results, at most. Default 64MiB.
+    #[serde(default = "defaults::max_pending_save_bytes", with = "byte_size")]
+    pub max_pending_save_bytes: u64,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        RawLimits {
+            max_connections: defaults::max_connections(),
+            header_read_timeout: defaults::header_read_timeout(),
+            body_read_timeout: defaults::body_read_timeout(),
+            max_detached_exchanges: defaults::max_detached_exchanges(),
+            max_pending_saves: defaults::max_pending_saves(),
+            max_pending_save_bytes: defaults::max_pending_save_bytes(),
+        }
+    }
 }
 
 /// Log line format.
@@ -169,6 +213,10 @@ pub struct RawUpstream {
     /// Deadline until the whole response has arrived. Default 30s.
     #[serde(default = "defaults::upstream_timeout", with = "duration")]
     pub timeout: Duration,
+    /// A pooled connection idle this long is never reused (SPEC §4.3). Default 1s: shorter
+    /// than the 2s after which gunicorn drops idle connections, and Node's 5s. `0s`: no pooling.
+    #[serde(default = "defaults::pool_idle_timeout", with = "duration")]
+    pub pool_idle_timeout: Duration,
 }
 
 /// `routes[i]:` as written.
@@ -296,6 +344,27 @@ pub mod defaults {
     }
     pub(crate) fn upstream_timeout() -> Duration {
         Duration::from_secs(30)
+    }
+    pub(crate) fn pool_idle_timeout() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub(crate) fn max_connections() -> u32 {
+        10_000
+    }
+    pub(crate) fn header_read_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub(crate) fn body_read_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub(crate) fn max_detached_exchanges() -> u32 {
+        1000
+    }
+    pub(crate) fn max_pending_saves() -> u32 {
+        1000
+    }
+    pub(crate) fn max_pending_save_bytes() -> u64 {
+        64 * 1024 * 1024
     }
     pub(crate) fn header() -> String {
         "Idempotency-Key".to_owned()
@@ -433,8 +502,27 @@ pub struct Config {
     pub store: StoreSettings,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamSettings>,
-    /// The compiled route table.
+    /// The compiled routes, in file order.
     pub routes: Vec<RouteSettings>,
+    /// Bounds on what clients may hold.
+    pub limits: Limits,
+}
+
+/// What hostile or broken clients may hold at most (see [`RawLimits`] for each field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open client connections at most.
+    pub max_connections: u32,
+    /// Deadline of a request head, and of an idle keep-alive connection.
+    pub header_read_timeout: Duration,
+    /// Deadline of a whole request body.
+    pub body_read_timeout: Duration,
+    /// Exchanges still running after their client left, at most.
+    pub max_detached_exchanges: u32,
+    /// Completions retried in the background, at most.
+    pub max_pending_saves: u32,
+    /// Bytes of those, at most.
+    pub max_pending_save_bytes: u64,
 }
 
 /// Which store, and how to reach it.
@@ -474,6 +562,8 @@ pub struct UpstreamSettings {
     pub connect_timeout: Duration,
     /// Deadline until the whole response has arrived.
     pub timeout: Duration,
+    /// A pooled connection idle this long is not reused.
+    pub pool_idle_timeout: Duration,
 }
 
 /// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
@@ -566,6 +656,13 @@ impl RawConfig {
             );
         }
 
+        at_most(
+            &mut err,
+            "shutdown_timeout",
+            self.shutdown_timeout,
+            bounds::SHUTDOWN_TIMEOUT,
+        );
+        validate_limits(&self.limits, &mut err);
         let store = validate_store(&self.store, &mut err);
 
         let mut upstreams = BTreeMap::new();
@@ -611,13 +708,133 @@ impl RawConfig {
                 store,
                 upstreams,
                 routes,
+                limits: Limits {
+                    max_connections: self.limits.max_connections,
+                    header_read_timeout: self.limits.header_read_timeout,
+                    body_read_timeout: self.limits.body_read_timeout,
+                    max_detached_exchanges: self.limits.max_detached_exchanges,
+                    max_pending_saves: self.limits.max_pending_saves,
+                    max_pending_save_bytes: self.limits.max_pending_save_bytes,
+                },
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }
     }
 }
 
+/// The largest value each duration and size may take. Generous for any real deployment, and
+/// small enough that deadlines computed from them cannot overflow a clock or Redis's `PX`.
+pub mod bounds {
+    use std::time::Duration;
+
+    const DAY: u64 = 24 * 3600;
+    const MIB: u64 = 1024 * 1024;
+
+    /// `shutdown_timeout`.
+    pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `store.timeout`.
+    pub const STORE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// `store.max_entries`.
+    pub const MAX_ENTRIES: u64 = 100_000_000;
+    /// `upstreams.*.connect_timeout`.
+    pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
+    /// `upstreams.*.timeout`.
+    pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `upstreams.*.pool_idle_timeout`.
+    pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `idempotency.ttl`: a year.
+    pub const TTL: Duration = Duration::from_secs(365 * DAY);
+    /// `idempotency.lock_ttl`.
+    pub const LOCK_TTL: Duration = Duration::from_secs(DAY);
+    /// `idempotency.wait_timeout`.
+    pub const WAIT_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `idempotency.max_request_body` and `max_response_body`.
+    pub const BODY: u64 = 1024 * MIB;
+    /// `limits.max_connections`, `max_detached_exchanges`, `max_pending_saves`.
+    pub const COUNT: u64 = 1_000_000;
+    /// `limits.header_read_timeout`.
+    pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(600);
+    /// `limits.body_read_timeout`.
+    pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `limits.max_pending_save_bytes`.
+    pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
+}
+
+/// Refuses a duration above `max`, naming the field and the bound.
+fn at_most(err: &mut impl FnMut(String, String), path: &str, value: Duration, max: Duration) {
+    if value > max {
+        err(
+            path.to_owned(),
+            format!("is too long: at most {}", whole_unit(max)),
+        );
+    }
+}
+
+/// A bound in the largest whole unit: `365d`, `1h`, `10m`, `90s`.
+fn whole_unit(d: Duration) -> String {
+    let secs = d.as_secs();
+    for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+        if secs >= n && secs % n == 0 {
+            return format!("{}{unit}", secs / n);
+        }
+    }
+    format!("{secs}s")
+}
+
+/// Refuses a count or size above `max`, naming the field and the bound.
+fn count_at_most(err: &mut impl FnMut(String, String), path: &str, value: u64, max: u64) {
+    if value > max {
+        err(
+            path.to_owned(),
+            format!("{value} is too large: at most {max}"),
+        );
+    }
+}
+
+fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
+    for (field, value) in [
+        ("limits.max_connections", l.max_connections),
+        ("limits.max_pending_saves", l.max_pending_saves),
+    ] {
+        if value == 0 {
+            err(field.into(), "must be at least 1".into());
+        }
+        count_at_most(err, field, u64::from(value), bounds::COUNT);
+    }
+    count_at_most(
+        err,
+        "limits.max_detached_exchanges",
+        u64::from(l.max_detached_exchanges),
+        bounds::COUNT,
+    );
+    for (field, value, max) in [
+        (
+            "limits.header_read_timeout",
+            l.header_read_timeout,
+            bounds::HEADER_READ_TIMEOUT,
+        ),
+        (
+            "limits.body_read_timeout",
+            l.body_read_timeout,
+            bounds::BODY_READ_TIMEOUT,
+        ),
+    ] {
+        if value.is_zero() {
+            err(field.into(), "must be greater than zero".into());
+        }
+        at_most(err, field, value, max);
+    }
+    count_at_most(
+        err,
+        "limits.max_pending_save_bytes",
+        l.max_pending_save_bytes,
+        bounds::PENDING_SAVE_BYTES,
+    );
+}
+
 fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<StoreSettings> {
+    at_most(err, "store.timeout", s.timeout, bounds::STORE_TIMEOUT);
+    count_at_most(err, "store.max_entries", s.max_entries, bounds::MAX_ENTRIES);
     let mut ok = true;
     if s.timeout.is_zero() {
         err("store.timeout".into(), "must be greater than zero".into());
@@ -693,6 +910,24 @@ fn validate_upstream(
     err: &mut impl FnMut(String, String),
 ) -> Option<UpstreamSettings> {
     let mut ok = true;
+    at_most(
+        err,
+        &format!("{path}.connect_timeout"),
+        up.connect_timeout,
+        bounds::CONNECT_TIMEOUT,
+    );
+    at_most(
+        err,
+        &format!("{path}.timeout"),
+        up.timeout,
+        bounds::UPSTREAM_TIMEOUT,
+    );
+    at_most(
+        err,
+        &format!("{path}.pool_idle_timeout"),
+        up.pool_idle_timeout,
+        bounds::POOL_IDLE_TIMEOUT,
+    );
     if up.connect_timeout.is_zero() {
         err(
             format!("{path}.connect_timeout"),
@@ -732,6 +967,7 @@ fn validate_upstream(
             url,
             connect_timeout: up.connect_timeout,
             timeout: up.timeout,
+            pool_idle_timeout: up.pool_idle_timeout,
         }),
         _ => None,
     }
@@ -847,6 +1083,31 @@ fn validate_idempotency(
     err: &mut impl FnMut(String, String),
 ) -> Option<IdempotencySettings> {
     let mut ok = true;
+    at_most(err, &format!("{path}.ttl"), i.ttl, bounds::TTL);
+    at_most(
+        err,
+        &format!("{path}.lock_ttl"),
+        i.lock_ttl,
+        bounds::LOCK_TTL,
+    );
+    at_most(
+        err,
+        &format!("{path}.wait_timeout"),
+        i.wait_timeout,
+        bounds::WAIT_TIMEOUT,
+    );
+    count_at_most(
+        err,
+        &format!("{path}.max_request_body"),
+        i.max_request_body,
+        bounds::BODY,
+    );
+    count_at_most(
+        err,
+        &format!("{path}.max_response_body"),
+        i.max_response_body,
+        bounds::BODY,
+    );
     let header = header_name(&i.header, format!("{path}.header"), err);
     ok &= header.is_some();
     if i.ttl.is_zero() {

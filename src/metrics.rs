@@ -13,6 +13,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -44,13 +45,18 @@ pub enum Outcome {
     NotReplayable,
     /// No route matched (404).
     NoRoute,
-    /// The request body could not be read (400).
+    /// The request could not be read or used: its body (400, 408), or a `Connection` header
+    /// naming a header idempotency relies on (400).
     BadRequest,
+    /// Too many exchanges are running after their clients left (503); nothing claimed.
+    Overloaded,
+    /// The proxy failed inside (500).
+    Internal,
 }
 
 impl Outcome {
     /// Every outcome, in declaration order (`ALL[o as usize] == o`).
-    pub const ALL: [Outcome; 13] = [
+    pub const ALL: [Outcome; 15] = [
         Outcome::Forwarded,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -64,6 +70,8 @@ impl Outcome {
         Outcome::NotReplayable,
         Outcome::NoRoute,
         Outcome::BadRequest,
+        Outcome::Overloaded,
+        Outcome::Internal,
     ];
 
     /// The label value.
@@ -82,6 +90,8 @@ impl Outcome {
             Outcome::NotReplayable => "not_replayable",
             Outcome::NoRoute => "no_route",
             Outcome::BadRequest => "bad_request",
+            Outcome::Overloaded => "overloaded",
+            Outcome::Internal => "internal",
         }
     }
 }
@@ -175,6 +185,12 @@ pub struct Metrics {
     lost_leases_total: Arc<AtomicU64>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
+    /// Completions being retried in the background, and their bytes.
+    pub pending_saves: Gauge,
+    /// Bytes of the results those completions hold.
+    pub pending_save_bytes: Gauge,
+    /// Exchanges still running after their client left.
+    pub detached_exchanges: Gauge,
 }
 
 /// One route's series, registered at start.
@@ -268,8 +284,26 @@ impl Metrics {
         );
         registry.register(
             "idemproxy_saves_abandoned",
-            "Results that could not be saved before the lease was lost",
+            "Results given up on: the lease was lost while the store failed, or the pending-save bounds were reached",
             saves_abandoned.clone(),
+        );
+        let pending_saves = Gauge::default();
+        let pending_save_bytes = Gauge::default();
+        let detached_exchanges = Gauge::default();
+        registry.register(
+            "idemproxy_pending_saves",
+            "Results whose save is being retried in the background (the store refused or timed out)",
+            pending_saves.clone(),
+        );
+        registry.register(
+            "idemproxy_pending_save_bytes",
+            "Bytes held by results whose save is being retried",
+            pending_save_bytes.clone(),
+        );
+        registry.register(
+            "idemproxy_detached_exchanges",
+            "Idempotent exchanges still running after their client left",
+            detached_exchanges.clone(),
         );
         let store_ops = StoreOp::ALL
             .iter()
@@ -284,6 +318,9 @@ impl Metrics {
         Metrics {
             registry,
             store_ops,
+            pending_saves,
+            pending_save_bytes,
+            detached_exchanges,
             requests,
             request_duration,
             upstream_duration,

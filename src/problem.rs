@@ -76,6 +76,21 @@ pub enum Problem {
         /// Why.
         detail: String,
     },
+    /// A header the proxy reads for idempotency is named in `Connection`, which would strip it
+    /// before the upstream (400).
+    HopByHopConflict {
+        /// The header.
+        header: HeaderName,
+    },
+    /// The client did not send the whole body within `limits.body_read_timeout` (408).
+    BodyTimeout {
+        /// The deadline.
+        after: Duration,
+    },
+    /// Too many exchanges are still running after their clients left (503); nothing claimed.
+    Overloaded,
+    /// The proxy failed inside (500); it may not have finished the exchange.
+    Internal,
 }
 
 impl Problem {
@@ -111,6 +126,10 @@ impl Problem {
             Problem::UpstreamUnavailable { .. } => "upstream-unavailable",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
             Problem::UpstreamFailed { .. } => "upstream-failed",
+            Problem::HopByHopConflict { .. } => "hop-by-hop-conflict",
+            Problem::BodyTimeout { .. } => "request-body-timeout",
+            Problem::Overloaded => "overloaded",
+            Problem::Internal => "internal-error",
         }
     }
 
@@ -129,6 +148,10 @@ impl Problem {
                 StatusCode::BAD_GATEWAY
             }
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Problem::HopByHopConflict { .. } => StatusCode::BAD_REQUEST,
+            Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Problem::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -146,6 +169,12 @@ impl Problem {
             Problem::UpstreamUnavailable { .. } => "Upstream unavailable",
             Problem::UpstreamTimeout { .. } => "Upstream timed out",
             Problem::UpstreamFailed { .. } => "Upstream failed",
+            Problem::HopByHopConflict { .. } => {
+                "A header idempotency relies on is named in Connection"
+            }
+            Problem::BodyTimeout { .. } => "Request body not received in time",
+            Problem::Overloaded => "Too much unfinished work",
+            Problem::Internal => "Internal proxy error",
         }
     }
 
@@ -182,6 +211,15 @@ impl Problem {
             Problem::UpstreamFailed { upstream, detail } => format!(
                 "The connection to upstream {upstream} failed after the request was sent ({detail}); it may have performed the operation."
             ),
+            Problem::HopByHopConflict { header } => format!(
+                "The Connection header names {header}, which this route reads for the idempotency key, its scope or its fingerprint; a hop-by-hop header would not reach the upstream. Nothing was done."
+            ),
+            Problem::BodyTimeout { after } => format!(
+                "The request body did not arrive within {}s; nothing was done. Retry with the same key.",
+                after.as_secs_f64()
+            ),
+            Problem::Overloaded => "The proxy is finishing too many requests whose clients left; nothing was done. Retry later with the same key.".into(),
+            Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
         }
     }
 
@@ -205,7 +243,7 @@ impl Problem {
         let retry_after = match self {
             Problem::InProgress { retry_after } => Some(*retry_after),
             // A store outage is usually short; a client retrying with the same key is safe.
-            Problem::StoreUnavailable { .. } => Some(Duration::from_secs(1)),
+            Problem::StoreUnavailable { .. } | Problem::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
         };
         if let Some(after) = retry_after {
@@ -274,6 +312,14 @@ mod tests {
                 upstream: "booking".into(),
                 detail: "reset".into(),
             },
+            Problem::HopByHopConflict {
+                header: HeaderName::from_static("idempotency-key"),
+            },
+            Problem::BodyTimeout {
+                after: Duration::from_secs(30),
+            },
+            Problem::Overloaded,
+            Problem::Internal,
         ]
     }
 
@@ -299,7 +345,7 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_on_409_in_progress_and_503_only() {
+    fn retry_after_on_409_in_progress_and_503s_only() {
         for p in all() {
             let resp = p.response();
             let retry = resp.headers().get(header::RETRY_AFTER);
@@ -307,7 +353,7 @@ mod tests {
                 Problem::InProgress { .. } => {
                     assert_eq!(retry.map(|v| v.as_bytes()), Some(&b"2"[..]))
                 }
-                Problem::StoreUnavailable { .. } => {
+                Problem::StoreUnavailable { .. } | Problem::Overloaded => {
                     assert_eq!(retry.map(|v| v.as_bytes()), Some(&b"1"[..]))
                 }
                 _ => assert!(retry.is_none(), "{p:?}"),

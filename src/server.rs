@@ -7,6 +7,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use hyper::service::service_fn;
@@ -14,6 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
@@ -22,8 +24,6 @@ use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
 use crate::store::{Store, StoreError, StoreHandle};
 
-/// How long a client may take to send a request head.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most this many request headers.
 const MAX_HEADERS: usize = 100;
 /// At most this many bytes of request head (HTTP/1.1 buffer; HTTP/2 header list).
@@ -93,11 +93,13 @@ pub async fn serve(
     proxy: Arc<Proxy>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let limits = proxy.config().limits;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        // Bounds a request head, and an idle keep-alive connection waiting for the next one.
+        .header_read_timeout(limits.header_read_timeout)
         .max_headers(MAX_HEADERS)
         .max_buf_size(MAX_HEAD_BYTES);
     builder
@@ -110,8 +112,19 @@ pub async fn serve(
         "idemproxy listening on http://{}",
         listener.local_addr()?
     );
+    // At most `max_connections` open: past it, accepting pauses and new connections wait in
+    // the kernel's queue, so a flood of idle sockets cannot exhaust memory or file descriptors.
+    let slots = Arc::new(Semaphore::new(limits.max_connections as usize));
     tokio::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(s) => s,
+                // The semaphore is never closed.
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -126,7 +139,10 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let proxy_for_conn = proxy.clone();
+        let started = Arc::new(AtomicBool::new(false));
+        let first = started.clone();
         let svc = service_fn(move |req| {
+            first.store(true, Ordering::Relaxed);
             let proxy = proxy_for_conn.clone();
             async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
         });
@@ -135,8 +151,24 @@ pub async fn serve(
                 .serve_connection(TokioIo::new(stream), svc)
                 .into_owned(),
         );
+        let first_request_by = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let _slot = slot;
+            tokio::pin!(conn);
+            // hyper bounds a head once it is reading one, but not the bytes before it knows
+            // HTTP/1 from HTTP/2: a client that connects and stays silent is closed here.
+            let result = tokio::select! {
+                r = &mut conn => r,
+                () = tokio::time::sleep(first_request_by) => {
+                    if started.load(Ordering::Relaxed) {
+                        conn.await
+                    } else {
+                        tracing::debug!(%peer, "no request within limits.header_read_timeout: closing");
+                        return;
+                    }
+                }
+            };
+            if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
@@ -159,5 +191,6 @@ pub async fn serve(
             tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway")
         }
     }
+    proxy.log_pending_saves();
     Ok(())
 }

@@ -3,18 +3,18 @@
 //! request. Every refusal here happens before the claim, so it holds no key.
 
 use bytes::Bytes;
-use http::header;
+use http::header::{self, HeaderMap, HeaderName};
 use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::Route;
-use crate::body::{self, Body};
+use crate::config::Limits;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::route::IdempotencySettings;
+use crate::route::{FingerprintPart, IdempotencySettings};
 use crate::upstream;
 
 /// A request that may be claimed.
@@ -30,7 +30,7 @@ pub(super) enum Admission {
     /// Claim it.
     Admitted(Admitted),
     /// No key on a route that does not require one: plain traffic.
-    NoKey(Parts, Body),
+    NoKey(Parts, Incoming),
     /// Refused, nothing claimed.
     Refused(Problem, Outcome),
 }
@@ -41,13 +41,19 @@ pub(super) async fn admit(
     idem: &IdempotencySettings,
     parts: Parts,
     incoming: Incoming,
+    limits: &Limits,
 ) -> Admission {
     let raw_key = match check_head(idem, &parts) {
         Ok(Some(k)) => k,
-        Ok(None) => return Admission::NoKey(parts, body::boxed(incoming)),
+        Ok(None) => return Admission::NoKey(parts, incoming),
         Err((problem, outcome)) => return Admission::Refused(problem, outcome),
     };
-    let body = match read_body(incoming, idem.max_request_body).await {
+    let read = read_body(incoming, idem.max_request_body);
+    let body = match tokio::time::timeout(limits.body_read_timeout, read)
+        .await
+        .unwrap_or(Err(Problem::BodyTimeout {
+            after: limits.body_read_timeout,
+        })) {
         Ok(b) => b,
         Err(p) => {
             let outcome = if matches!(p, Problem::BodyTooLarge { .. }) {
@@ -90,6 +96,9 @@ pub fn check_head(
             ));
         }
     };
+    if let Some(header) = named_in_connection(idem, &parts.headers) {
+        return Err((Problem::HopByHopConflict { header }, Outcome::BadRequest));
+    }
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -104,6 +113,28 @@ pub fn check_head(
         ));
     }
     Ok(Some(raw_key))
+}
+
+/// The first header that idempotency reads (the key header, a scope header, a fingerprinted
+/// header) and that `Connection` names as hop-by-hop. Such a header would be stripped before the
+/// upstream although the key, its namespace or the fingerprint came from it: the upstream would
+/// run an operation the proxy recorded under other terms, so the request is refused.
+fn named_in_connection(idem: &IdempotencySettings, headers: &HeaderMap) -> Option<HeaderName> {
+    let used = |name: &HeaderName| {
+        *name == idem.header
+            || idem.scope.contains(name)
+            || idem
+                .fingerprint
+                .iter()
+                .any(|p| matches!(p, FingerprintPart::Header(h) if h == name))
+    };
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .find(|name| used(name))
 }
 
 /// Reads the request body, refusing more than `limit` bytes (413) before anything is claimed

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::admission::Admitted;
 use super::lease::Lease;
 use super::replay::{replay, saved_headers};
-use super::{Answer, Proxy, Route, forward_plain, refuse};
+use super::{Answer, Attachment, Proxy, Route, forward_plain, refuse};
 use crate::body;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
@@ -38,6 +38,8 @@ pub(super) struct Exchange {
     request: Admitted,
     client: SocketAddr,
     held: Held,
+    /// Whether the client still waits: a waiter whose client left stops polling.
+    attachment: Arc<Attachment>,
 }
 
 impl Exchange {
@@ -47,6 +49,7 @@ impl Exchange {
         idem: Arc<IdempotencySettings>,
         request: Admitted,
         client: SocketAddr,
+        attachment: Arc<Attachment>,
     ) -> Exchange {
         let held = Held::new(Entry::InFlight {
             token: new_token(),
@@ -59,6 +62,7 @@ impl Exchange {
             request,
             client,
             held,
+            attachment,
         }
     }
 
@@ -69,6 +73,9 @@ impl Exchange {
         let store = self.proxy.store.clone();
         let wait_until = Instant::now() + idem.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
+        // Whether a claim has shown this key held by another request. From then on the
+        // operation is running or done, so a store error must never forward (SPEC §4.5).
+        let mut seen_held = false;
         loop {
             let sent = Instant::now();
             let existing = match store
@@ -77,8 +84,9 @@ impl Exchange {
             {
                 Ok(Claim::Claimed) => return self.run(sent).await,
                 Ok(Claim::Existing(entry)) => entry,
-                Err(e) => return self.store_failure(e).await,
+                Err(e) => return self.store_failure(e, seen_held).await,
             };
+            seen_held = true;
             // The mismatch check comes first, in flight or finished.
             if *existing.fingerprint() != self.request.fingerprint {
                 return refuse(Problem::KeyReused, Outcome::Mismatch);
@@ -87,7 +95,11 @@ impl Exchange {
                 Entry::Done { outcome, .. } => return replay(outcome),
                 Entry::InFlight { .. } => {
                     let now = Instant::now();
-                    if idem.on_conflict == OnConflict::Reject || now >= wait_until {
+                    // A waiter whose client left has nobody to answer: stop polling.
+                    if idem.on_conflict == OnConflict::Reject
+                        || now >= wait_until
+                        || self.attachment.is_gone()
+                    {
                         return refuse(
                             Problem::InProgress {
                                 retry_after: RETRY_AFTER,
@@ -108,12 +120,14 @@ impl Exchange {
         }
     }
 
-    /// The store failed before this request held the key.
-    async fn store_failure(self, e: StoreError) -> Answer {
+    /// The store failed before this request held the key. `seen_held`: an earlier claim
+    /// showed the key held by another request.
+    async fn store_failure(self, e: StoreError, seen_held: bool) -> Answer {
         let route = &self.route;
-        // An undecodable record means an operation may have run under this key: forwarding
-        // could run it twice, whatever `on_store_error` says.
-        let policy = if matches!(e, StoreError::Corrupt(_)) {
+        // An undecodable record, or a key seen held, means an operation may have run (or be
+        // running) under this key: forwarding could run it twice, whatever `on_store_error`
+        // says.
+        let policy = if matches!(e, StoreError::Corrupt(_)) || seen_held {
             OnStoreError::Reject
         } else {
             self.idem.on_store_error
@@ -137,7 +151,9 @@ impl Exchange {
                 );
                 route.metrics.unprotected();
                 let Admitted { parts, body, .. } = self.request;
-                let (resp, _) = forward_plain(route, parts, body::full(body), self.client).await;
+                let drop_key = (!self.idem.forward_key).then_some(&self.idem.header);
+                let (resp, _) =
+                    forward_plain(route, parts, body::full(body), self.client, drop_key).await;
                 (resp, Outcome::StoreError)
             }
         }
@@ -153,6 +169,7 @@ impl Exchange {
             request,
             client,
             held,
+            attachment: _,
         } = self;
         let Admitted {
             parts,
@@ -171,10 +188,14 @@ impl Exchange {
             claimed_at,
         );
         let drop_key = (!idem.forward_key).then_some(&idem.header);
-        let result = match up.request(parts, body::full(body), client, drop_key) {
+        // Under `release` the upstream is trusted to honour the forwarded key, so a request
+        // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
+        // an unknown outcome.
+        let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+        let result = match up.request(parts, body, client, drop_key) {
             Ok(req) => {
                 lease
-                    .renewing(up.call_bounded(req, idem.max_response_body))
+                    .renewing(up.call_bounded(req, idem.max_response_body, resend))
                     .await
             }
             Err(e) => Err(e),
@@ -197,7 +218,12 @@ impl Exchange {
                         body: bytes.clone(),
                     };
                     lease
-                        .complete(done(Saved::Response(saved)), idem.ttl, &proxy.tasks)
+                        .complete(
+                            done(Saved::Response(saved)),
+                            idem.ttl,
+                            &proxy.tasks,
+                            &proxy.pending,
+                        )
                         .await;
                 }
                 (first_response(parts, bytes), Outcome::Forwarded)
@@ -217,6 +243,7 @@ impl Exchange {
                             done(Saved::NotReplayable { status }),
                             idem.ttl,
                             &proxy.tasks,
+                            &proxy.pending,
                         )
                         .await;
                 }
@@ -242,6 +269,7 @@ impl Exchange {
                                 done(Saved::Response(problem.saved())),
                                 idem.ttl,
                                 &proxy.tasks,
+                                &proxy.pending,
                             )
                             .await;
                     }

@@ -5,22 +5,27 @@
 //! in a task of its own: nothing can outlive the exchange and keep a key blocked, and a request
 //! costs one spawned task, not two.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use super::pending::PendingSaves;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
 use crate::record::Entry;
 use crate::store::{Held, StoreHandle};
 
+/// Once a failing save has backed off this far, it is retried at this steady pace.
+const SLOWEST_RETRY: Duration = Duration::from_secs(5);
+
 /// A held claim, and until when it is surely valid.
 pub(super) struct Lease {
     store: StoreHandle,
     metrics: RouteMetrics,
-    route: std::sync::Arc<str>,
+    route: Arc<str>,
     key: StoreKey,
     held: Held,
     lock_ttl: Duration,
@@ -36,7 +41,7 @@ impl Lease {
     pub fn new(
         store: StoreHandle,
         metrics: RouteMetrics,
-        route: std::sync::Arc<str>,
+        route: Arc<str>,
         key: StoreKey,
         held: Held,
         lock_ttl: Duration,
@@ -107,9 +112,16 @@ impl Lease {
     }
 
     /// Completes the claim with the finished entry (compare-and-set on the token). If the store
-    /// fails, the completion goes on in the background (tracked by `tasks`) while the lease may
-    /// still be valid; the caller answers the client at once either way.
-    pub async fn complete(mut self, done: Entry, ttl: Duration, tasks: &TaskTracker) {
+    /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
+    /// `pending`) while the lease may still be valid; the caller answers the client at once
+    /// either way.
+    pub async fn complete(
+        mut self,
+        done: Entry,
+        ttl: Duration,
+        tasks: &TaskTracker,
+        pending: &Arc<PendingSaves>,
+    ) {
         let encoded = done.encode();
         match self
             .store
@@ -125,7 +137,22 @@ impl Lease {
                     error = %e,
                     "completing the claim failed; retrying in the background"
                 );
-                tasks.spawn(self.complete_in_background(done, encoded, ttl));
+                let ticket = pending.admit(
+                    self.route.clone(),
+                    self.key.id_hex(),
+                    encoded.len() as u64,
+                    self.metrics.clone(),
+                );
+                let pending = pending.clone();
+                tasks.spawn(async move {
+                    let give_up = ticket.give_up.clone();
+                    tokio::select! {
+                        () = self.complete_in_background(done, encoded, ttl) => {}
+                        // Given up to make room: logged and counted by `pending`.
+                        () = give_up.cancelled() => {}
+                    }
+                    pending.finish(&ticket);
+                });
             }
         }
     }
@@ -143,9 +170,11 @@ impl Lease {
     }
 
     /// Retries a failed completion with backoff, renewing the lease meanwhile, for as long as
-    /// the lease may still be valid.
-    async fn complete_in_background(mut self, done: Entry, encoded: Bytes, ttl: Duration) {
-        let mut backoff = Duration::from_millis(50);
+    /// the lease may still be valid. The backoff doubles up to a steady slow pace (every
+    /// [`SLOWEST_RETRY`], or a third of the lease if that is shorter, so renewals keep up).
+    async fn complete_in_background(&mut self, done: Entry, encoded: Bytes, ttl: Duration) {
+        let slowest = SLOWEST_RETRY.min(self.lock_ttl / 3);
+        let mut backoff = Duration::from_millis(50).min(slowest);
         loop {
             let now = Instant::now();
             if now >= self.valid_until {
@@ -159,7 +188,7 @@ impl Lease {
                 return;
             }
             tokio::time::sleep(backoff.min(self.valid_until - now)).await;
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            backoff = (backoff * 2).min(slowest);
             match self
                 .store
                 .complete(&self.key, &self.held, &encoded, ttl)
@@ -186,11 +215,133 @@ impl Lease {
     /// The compare-and-set failed: either an earlier attempt whose answer was lost did complete
     /// (the record is ours), or the lease was lost to another request.
     async fn lost_or_completed(&mut self, done: &Entry) {
-        if let Ok(Some(current)) = self.store.get(&self.key).await {
-            if current == *done {
-                return;
-            }
+        match self.store.get(&self.key).await {
+            Ok(Some(current)) if current == *done => {}
+            Ok(_) => self.mark_lost("the key was claimed by another request"),
+            // Only the confirming read failed: the lease may well be ours and saved. Not
+            // counted as lost (that would send operators after a loss that did not happen).
+            Err(e) => tracing::warn!(
+                route = %self.route,
+                key = %self.key.id_hex(),
+                error = %e,
+                "the save was refused and reading the key back failed: whether the lease was lost is unknown"
+            ),
         }
-        self.mark_lost("the key was claimed by another request");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::record::new_token;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Store, StoreError};
+    use async_trait::async_trait;
+
+    /// A store whose compare-and-set always misses and whose reads fail: the lease cannot tell
+    /// whether it was lost.
+    struct ReadsFail(MemoryStore);
+
+    #[async_trait]
+    impl Store for ReadsFail {
+        async fn claim(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            lease: Duration,
+        ) -> Result<Option<Bytes>, StoreError> {
+            self.0.claim(key, held, lease).await
+        }
+        async fn renew(&self, _: &StoreKey, _: &Held, _: Duration) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        async fn complete(
+            &self,
+            _: &StoreKey,
+            _: &Held,
+            _: Bytes,
+            _: Duration,
+        ) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        async fn release(&self, _: &StoreKey, _: &Held) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        async fn get(&self, _: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+            Err(StoreError::Timeout {
+                op: "get",
+                after: Duration::from_millis(1),
+            })
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    fn lease(store: StoreHandle, metrics: &Metrics) -> Lease {
+        let held = Held::new(Entry::InFlight {
+            token: new_token(),
+            fingerprint: [1; 32],
+        });
+        Lease::new(
+            store,
+            metrics.route("r"),
+            "r".into(),
+            StoreKey::new("p:r:".into(), 0, [2; 32]),
+            held,
+            Duration::from_secs(10),
+            Instant::now(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_refused_save_whose_confirming_read_fails_is_not_counted_as_a_lost_lease() {
+        let metrics = Arc::new(Metrics::new());
+        let store = StoreHandle::new(
+            Arc::new(ReadsFail(MemoryStore::new(10))),
+            Duration::from_secs(1),
+            metrics.clone(),
+        );
+        let done = Entry::Done {
+            fingerprint: [1; 32],
+            outcome: crate::record::Outcome::NotReplayable {
+                status: http::StatusCode::OK,
+            },
+        };
+        let pending = Arc::new(PendingSaves::new(
+            10,
+            1024,
+            Default::default(),
+            Default::default(),
+        ));
+        lease(store.clone(), &metrics)
+            .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
+            .await;
+        assert_eq!(metrics.lost_leases_count(), 0, "unknown, not lost");
+    }
+
+    #[tokio::test]
+    async fn a_refused_save_whose_key_holds_another_record_is_a_lost_lease() {
+        let metrics = Arc::new(Metrics::new());
+        let memory = MemoryStore::new(10);
+        let store = StoreHandle::new(Arc::new(memory), Duration::from_secs(1), metrics.clone());
+        // Never claimed: the compare-and-set misses and the key holds nothing of ours.
+        let done = Entry::Done {
+            fingerprint: [1; 32],
+            outcome: crate::record::Outcome::NotReplayable {
+                status: http::StatusCode::OK,
+            },
+        };
+        let pending = Arc::new(PendingSaves::new(
+            10,
+            1024,
+            Default::default(),
+            Default::default(),
+        ));
+        lease(store, &metrics)
+            .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
+            .await;
+        assert_eq!(metrics.lost_leases_count(), 1);
     }
 }

@@ -25,10 +25,12 @@
 pub mod admission;
 mod exchange;
 mod lease;
+mod pending;
 mod replay;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use http::request::Parts;
 use http::{HeaderMap, Request, Response};
@@ -44,6 +46,8 @@ use crate::problem::Problem;
 use crate::route::{IdempotencySettings, RouteSettings};
 use crate::store::StoreHandle;
 use crate::upstream::Upstream;
+
+use self::pending::PendingSaves;
 
 pub use replay::REPLAYED;
 
@@ -74,6 +78,8 @@ pub struct Proxy {
     store: StoreHandle,
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
+    /// Completions being retried in the background, bounded.
+    pending: Arc<PendingSaves>,
 }
 
 /// What a handler produced: the response and the outcome to count and log.
@@ -114,8 +120,15 @@ impl Proxy {
                 }))
             })
             .collect();
+        let limits = config.limits;
         Proxy {
             unrouted: metrics.route(""),
+            pending: Arc::new(PendingSaves::new(
+                limits.max_pending_saves,
+                limits.max_pending_save_bytes,
+                metrics.pending_saves.clone(),
+                metrics.pending_save_bytes.clone(),
+            )),
             config,
             routes,
             store,
@@ -128,6 +141,11 @@ impl Proxy {
     /// exits.
     pub fn tasks(&self) -> &TaskTracker {
         &self.tasks
+    }
+
+    /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
+    pub fn log_pending_saves(&self) {
+        self.pending.log_pending();
     }
 
     /// The metrics.
@@ -174,7 +192,10 @@ impl Proxy {
         };
         let (parts, incoming) = req.into_parts();
         let (resp, outcome) = match &route.idempotency {
-            None => forward_plain(route, parts, body::boxed(incoming), client).await,
+            None => {
+                let body = self.body_with_deadline(incoming);
+                forward_plain(route, parts, body, client, None).await
+            }
             Some(idem) => self.idempotent(route, idem, parts, incoming, client).await,
         };
         let took = start.elapsed();
@@ -191,6 +212,16 @@ impl Proxy {
         resp
     }
 
+    /// A client's streamed request body, cut off at `limits.body_read_timeout`.
+    fn body_with_deadline(&self, incoming: Incoming) -> Body {
+        let deadline = Instant::now() + self.config.limits.body_read_timeout;
+        body::with_deadline(
+            body::boxed(incoming),
+            deadline,
+            "the request body (limits.body_read_timeout)",
+        )
+    }
+
     /// A request on an idempotent route: admitted (or refused, or passed through without a
     /// key), then claimed and run in a task of its own.
     async fn idempotent(
@@ -201,38 +232,117 @@ impl Proxy {
         incoming: Incoming,
         client: SocketAddr,
     ) -> Answer {
-        let admitted = match admission::admit(route, idem, parts, incoming).await {
+        let limits = &self.config.limits;
+        let admitted = match admission::admit(route, idem, parts, incoming, limits).await {
             admission::Admission::Admitted(a) => a,
-            admission::Admission::NoKey(parts, body) => {
-                return forward_plain(route, parts, body, client).await;
+            admission::Admission::NoKey(parts, incoming) => {
+                let body = self.body_with_deadline(incoming);
+                return forward_plain(route, parts, body, client, None).await;
             }
             admission::Admission::Refused(problem, outcome) => return refuse(problem, outcome),
         };
+        // Exchanges that outlive their clients cost memory and upstream capacity with nobody
+        // waiting; past the bound, refuse before anything is claimed.
+        if self.metrics.detached_exchanges.get() >= i64::from(limits.max_detached_exchanges) {
+            tracing::warn!(route = %route.name, "too many exchanges running after their clients left: 503");
+            return refuse(Problem::Overloaded, Outcome::Overloaded);
+        }
         // From the claim on, everything runs in a task of its own: a client that goes away
         // can cancel neither a claim in flight (which would leave the key blocked until its
         // lease expired) nor the upstream call and the completion (its retry gets a replay).
-        let exchange =
-            exchange::Exchange::new(self.clone(), route.clone(), idem.clone(), admitted, client);
-        match self.tasks.spawn(exchange.claim_and_run()).await {
-            Ok(answer) => answer,
-            Err(e) => {
-                tracing::error!(route = %route.settings.name, error = %e, "exchange task ended without an answer");
-                refuse(
-                    Problem::UpstreamFailed {
-                        upstream: route.upstream.name().to_owned(),
-                        detail: "internal error".into(),
-                    },
-                    Outcome::UpstreamError,
-                )
-            }
+        let client_gone = Arc::new(Attachment::default());
+        let exchange = exchange::Exchange::new(
+            self.clone(),
+            route.clone(),
+            idem.clone(),
+            admitted,
+            client,
+            client_gone.clone(),
+        );
+        let detached = self.metrics.detached_exchanges.clone();
+        let task = {
+            let client_gone = client_gone.clone();
+            let detached = detached.clone();
+            self.tasks.spawn(async move {
+                let answer = exchange.claim_and_run().await;
+                if client_gone.finish() {
+                    detached.dec();
+                }
+                answer
+            })
+        };
+        // Dropped with this future when the client leaves: counts the exchange as detached.
+        let _watch = ClientWatch {
+            attachment: client_gone,
+            detached,
+        };
+        answer_of(task.await, &route.name)
+    }
+}
+
+/// The answer of an exchange task. One that ended without an answer (a panic) is the proxy's
+/// own failure, a 500 of its own type: not an upstream error, which would tell the client the
+/// upstream may have acted.
+fn answer_of(joined: Result<Answer, tokio::task::JoinError>, route: &str) -> Answer {
+    joined.unwrap_or_else(|e| {
+        tracing::error!(route, error = %e, "exchange task ended without an answer");
+        refuse(Problem::Internal, Outcome::Internal)
+    })
+}
+
+/// Whether the client still waits for an exchange: `ATTACHED`, then `GONE` (the client left
+/// first) or `FINISHED` (the exchange ended first). Each side moves it once.
+#[derive(Default)]
+pub(crate) struct Attachment(AtomicU8);
+
+const ATTACHED: u8 = 0;
+const GONE: u8 = 1;
+const FINISHED: u8 = 2;
+
+impl Attachment {
+    /// The client left; `true` if the exchange was still running.
+    fn leave(&self) -> bool {
+        self.0
+            .compare_exchange(ATTACHED, GONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The exchange ended; `true` if its client had left before.
+    fn finish(&self) -> bool {
+        self.0.swap(FINISHED, Ordering::AcqRel) == GONE
+    }
+
+    /// Whether the client has left.
+    pub(crate) fn is_gone(&self) -> bool {
+        self.0.load(Ordering::Acquire) == GONE
+    }
+}
+
+/// Counts an exchange as detached when its client's request future is dropped first.
+struct ClientWatch {
+    attachment: Arc<Attachment>,
+    detached: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for ClientWatch {
+    fn drop(&mut self) {
+        if self.attachment.leave() {
+            self.detached.inc();
         }
     }
 }
 
-/// A plain proxied request: streamed both ways.
-async fn forward_plain(route: &Route, parts: Parts, body: Body, client: SocketAddr) -> Answer {
+/// A plain proxied request: streamed both ways. `drop_key` names a header not to forward
+/// (the key header of a route with `forward_key: false`).
+async fn forward_plain(
+    route: &Route,
+    parts: Parts,
+    body: Body,
+    client: SocketAddr,
+    drop_key: Option<&http::HeaderName>,
+) -> Answer {
     let up = &route.upstream;
-    let result = match up.request(parts, body, client, None) {
+    let result = match up.request(parts, body, client, drop_key) {
         Ok(req) => up.send(req).await,
         Err(e) => Err(e),
     };
@@ -242,5 +352,28 @@ async fn forward_plain(route: &Route, parts: Parts, body: Body, client: SocketAd
             tracing::warn!(upstream = up.name(), error = %e, "upstream call failed");
             refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn a_dead_exchange_task_is_an_internal_error_not_an_upstream_failure() {
+        let joined = tokio::spawn(async {
+            if true {
+                panic!("the exchange failed inside");
+            }
+            refuse(Problem::NoRoute, Outcome::NoRoute)
+        })
+        .await;
+        let (resp, outcome) = answer_of(joined, "r");
+        assert_eq!(outcome, Outcome::Internal);
+        assert_eq!(resp.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let doc: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(doc["type"], "urn:idemproxy:problem:internal-error");
     }
 }

@@ -4,6 +4,11 @@
 //! That distinction is the whole point of the proxy's unknown-outcome rules (SPEC §4.4): a
 //! connect error means the upstream never saw the request, so the claim can be released; a
 //! timeout or a reset after sending means it may have acted, so the outcome is unknown.
+//!
+//! Pooled connections idle for `pool_idle_timeout` are dropped, never reused (SPEC §4.3): an
+//! upstream that closes idle connections would otherwise race the proxy's next request.
+
+mod connect;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -18,14 +23,19 @@ use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use tokio::time::Instant;
+
+use self::connect::Connector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::body::{self, Body};
 use crate::config::UpstreamSettings;
+
+/// What a response body cut off at the upstream's timeout is called in errors.
+const UPSTREAM_BODY: &str = "the upstream response (upstreams.*.timeout)";
 
 /// How an upstream call failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +71,10 @@ pub struct Upstream {
     authority: http::uri::Authority,
     /// The URL's path without a trailing slash ("" for none): requests are appended to it.
     base_path: String,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    /// The pooled client.
+    client: Client<Connector, Body>,
+    /// A client that never reuses a connection: for the one resend after the keep-alive race.
+    fresh: Client<Connector, Body>,
     timeout: Duration,
     /// `idemproxy_upstream_duration_seconds` of this upstream.
     duration: Histogram,
@@ -122,10 +135,20 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
+        let connector = Connector::new(connector);
+        let mut pooled = Client::builder(TokioExecutor::new());
+        pooled
             .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_timer(TokioTimer::new());
+        if settings.pool_idle_timeout.is_zero() {
+            pooled.pool_max_idle_per_host(0);
+        } else {
+            pooled.pool_idle_timeout(settings.pool_idle_timeout);
+        }
+        let client = pooled.build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         let url = &settings.url;
         Upstream {
@@ -137,6 +160,7 @@ impl Upstream {
                 .unwrap_or_else(|| http::uri::Authority::from_static("localhost")),
             base_path: url.path().trim_end_matches('/').to_owned(),
             client,
+            fresh,
             timeout: settings.timeout,
             duration,
         }
@@ -154,13 +178,13 @@ impl Upstream {
 
     /// Builds the upstream request from the client's: the URL rebased on the upstream,
     /// hop-by-hop headers removed, `X-Forwarded-*` set, the key header kept or dropped.
-    pub fn request(
+    pub fn request<B>(
         &self,
         parts: Parts,
-        body: Body,
+        body: B,
         client: SocketAddr,
         drop_header: Option<&HeaderName>,
-    ) -> Result<Request<Body>, UpstreamError> {
+    ) -> Result<Request<B>, UpstreamError> {
         let Parts {
             method,
             uri,
@@ -233,7 +257,7 @@ impl Upstream {
     /// body, streamed, fails if it has not ended by then either. Hop-by-hop headers are
     /// removed from the response.
     pub async fn send(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
-        let start = tokio::time::Instant::now();
+        let start = Instant::now();
         let deadline = start + self.timeout;
         let resp = self.head(req, deadline).await;
         self.duration.observe(start.elapsed().as_secs_f64());
@@ -242,7 +266,7 @@ impl Upstream {
         strip_hop_by_hop(&mut parts.headers);
         Ok(Response::from_parts(
             parts,
-            body::with_deadline(body::boxed(incoming), deadline),
+            body::with_deadline(body::boxed(incoming), deadline, UPSTREAM_BODY),
         ))
     }
 
@@ -250,36 +274,83 @@ impl Upstream {
     async fn head(
         &self,
         req: Request<Body>,
-        deadline: tokio::time::Instant,
+        deadline: Instant,
     ) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout_at(deadline, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
-            Ok(Err(e)) => Err(UpstreamError::Failed(error_chain(&e))),
+            Ok(result) => result.map_err(classify),
+        }
+    }
+
+    /// [`Upstream::head`] for a buffered request that may be sent once more, on a fresh
+    /// connection, when it got no response on a reused one (the keep-alive race; SPEC §4.3
+    /// allows it under `on_unknown_outcome: release` only, which is what `resend` says).
+    async fn head_resending(
+        &self,
+        req: Request<Bytes>,
+        resend: bool,
+        deadline: Instant,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let again = resend.then(|| {
+            let mut copy = Request::new(req.body().clone());
+            *copy.method_mut() = req.method().clone();
+            *copy.uri_mut() = req.uri().clone();
+            *copy.version_mut() = req.version();
+            *copy.headers_mut() = req.headers().clone();
+            copy
+        });
+        let sent = Instant::now();
+        let first = self.client.request(req.map(body::full));
+        let e = match tokio::time::timeout_at(deadline, first).await {
+            Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Ok(resp)) => return Ok(resp),
+            Ok(Err(e)) => e,
+        };
+        match again {
+            Some(again) if connect::unanswered_on_reused(&e, sent) => {
+                tracing::info!(
+                    upstream = %self.name,
+                    error = %error_chain(&e),
+                    "no response on a reused connection; sending once more on a fresh one (on_unknown_outcome: release)"
+                );
+                match tokio::time::timeout_at(deadline, self.fresh.request(again.map(body::full)))
+                    .await
+                {
+                    Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+                    Ok(result) => result.map_err(classify),
+                }
+            }
+            _ => Err(classify(e)),
         }
     }
 
     /// Sends a request and reads the response body up to `limit` bytes, all within the
     /// upstream's timeout. Hop-by-hop headers are removed from the response.
+    ///
+    /// With `resend`, a request that got no response on a reused connection is sent once more
+    /// on a fresh one (see [`Upstream::head_resending`]).
     pub async fn call_bounded(
         &self,
-        req: Request<Body>,
+        req: Request<Bytes>,
         limit: u64,
+        resend: bool,
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
-        let start = tokio::time::Instant::now();
-        let result = self.read_bounded(req, limit, start + self.timeout).await;
+        let start = Instant::now();
+        let result = self
+            .read_bounded(req, limit, resend, start + self.timeout)
+            .await;
         self.duration.observe(start.elapsed().as_secs_f64());
         result
     }
 
     async fn read_bounded(
         &self,
-        req: Request<Body>,
+        req: Request<Bytes>,
         limit: u64,
-        deadline: tokio::time::Instant,
+        resend: bool,
+        deadline: Instant,
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
-        let resp = self.head(req, deadline).await?;
+        let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let mut buf = BytesMut::new();
@@ -302,13 +373,26 @@ impl Upstream {
                         parts,
                         Bounded::Over {
                             prefix: buf.freeze(),
-                            rest: body::with_deadline(body::boxed(incoming), deadline),
+                            rest: body::with_deadline(
+                                body::boxed(incoming),
+                                deadline,
+                                UPSTREAM_BODY,
+                            ),
                         },
                     ));
                 }
             }
         }
         Ok((parts, Bounded::Complete(buf.freeze())))
+    }
+}
+
+/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted.
+fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
+    if e.is_connect() {
+        UpstreamError::Connect(error_chain(&e))
+    } else {
+        UpstreamError::Failed(error_chain(&e))
     }
 }
 
@@ -344,6 +428,7 @@ mod tests {
                 url: "http://127.0.0.1:9/api/".parse().expect("uri"),
                 connect_timeout: Duration::from_secs(1),
                 timeout: Duration::from_secs(1),
+                pool_idle_timeout: Duration::from_secs(1),
             },
             Histogram::new([0.1]),
         );
