@@ -72,9 +72,15 @@ impl ConfigErrors {
 pub struct RawConfig {
     /// Address the proxy listens on. Required.
     pub listen: String,
-    /// Address of the admin server (health, readiness, metrics). Not supported yet.
+    /// Address of the admin server (health, readiness, metrics, key tooling).
     #[serde(default)]
     pub admin_listen: Option<String>,
+    /// A file holding the admin token that turns the key tooling on.
+    #[serde(default)]
+    pub admin_token_file: Option<String>,
+    /// An environment variable holding the admin token (instead of a file).
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
     /// `text` (default) or `json`.
     #[serde(default)]
     pub log_format: LogFormat,
@@ -494,6 +500,10 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 pub struct Config {
     /// Where the proxy listens.
     pub listen: SocketAddr,
+    /// Where the admin endpoints listen, if anywhere.
+    pub admin_listen: Option<SocketAddr>,
+    /// The admin token that turns the key tooling on (read from a file or the environment).
+    pub admin_token: Option<Secret>,
     /// Log line format.
     pub log_format: LogFormat,
     /// How long in-flight requests may run after a stop signal.
@@ -642,11 +652,35 @@ impl RawConfig {
                 None
             }
         };
-        if self.admin_listen.is_some() {
+        let admin_listen = match &self.admin_listen {
+            None => None,
+            Some(text) => match text.parse::<SocketAddr>() {
+                Ok(a) if Some(a) == listen => {
+                    err("admin_listen".into(), "must differ from listen".into());
+                    None
+                }
+                Ok(a) => Some(a),
+                Err(_) => {
+                    err(
+                        "admin_listen".into(),
+                        format!(
+                            "invalid socket address {text:?}; expected HOST:PORT such as 127.0.0.1:9090"
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        let admin_token = secret(
+            "admin_token",
+            self.admin_token_file.as_deref(),
+            self.admin_token_env.as_deref(),
+            &mut err,
+        );
+        if admin_token.is_some() && self.admin_listen.is_none() {
             err(
                 "admin_listen".into(),
-                "is not supported yet (health, readiness and metrics come in a later release)"
-                    .into(),
+                "an admin token is configured but there is no admin_listen to use it on".into(),
             );
         }
         if self.shutdown_timeout.is_zero() {
@@ -703,6 +737,8 @@ impl RawConfig {
         match (listen, store) {
             (Some(listen), Some(store)) => Ok(Config {
                 listen,
+                admin_listen,
+                admin_token,
                 log_format: self.log_format,
                 shutdown_timeout: self.shutdown_timeout,
                 store,
@@ -758,6 +794,75 @@ pub mod bounds {
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(3600);
     /// `limits.max_pending_save_bytes`.
     pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
+}
+
+/// A secret read from a file or an environment variable, never written inline in the YAML, and
+/// never printed (`Debug` shows `<redacted>`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The secret itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Reads `NAME_file` or `NAME_env` (at most one), trimming a trailing newline. An unreadable
+/// file, an unset variable or an empty secret is an error naming the field.
+fn secret(
+    name: &str,
+    file: Option<&str>,
+    env: Option<&str>,
+    err: &mut impl FnMut(String, String),
+) -> Option<Secret> {
+    let (field, value) = match (file, env) {
+        (None, None) => return None,
+        (Some(_), Some(_)) => {
+            err(
+                format!("{name}_file"),
+                format!("set {name}_file or {name}_env, not both"),
+            );
+            return None;
+        }
+        (Some(path), None) => (
+            format!("{name}_file"),
+            std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}")),
+        ),
+        (None, Some(var)) => (
+            format!("{name}_env"),
+            std::env::var(var).map_err(|_| format!("the environment variable {var} is not set")),
+        ),
+    };
+    match value {
+        Ok(v) if !v.trim().is_empty() => Some(Secret(v.trim_end_matches(['\r', '\n']).to_owned())),
+        Ok(_) => {
+            err(field, "the secret is empty".into());
+            None
+        }
+        Err(message) => {
+            err(field, message);
+            None
+        }
+    }
 }
 
 /// Refuses a duration above `max`, naming the field and the bound.

@@ -17,6 +17,7 @@
 //!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
 //! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
+//! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
 //! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.
 //! - [`shutdown`]: stop signals.
@@ -24,6 +25,7 @@
 //! - `demo`: the configuration and instructions of `idemproxy demo`.
 //! - [`mock`]: the bundled mock booking service (demo, tests, benches).
 
+pub mod admin;
 pub mod body;
 pub mod config;
 mod demo;

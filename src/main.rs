@@ -25,6 +25,18 @@ struct Args {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Check a running proxy's health through its admin listener: exit 0 when it answers
+    /// `GET /healthz` with 200 (a container HEALTHCHECK needs no shell tools).
+    Health {
+        /// The admin listener's URL.
+        #[arg(long, env = "IDEMPROXY_ADMIN", default_value = "http://127.0.0.1:9090")]
+        admin: String,
+    },
+    /// Look up or forget one idempotency record through a running proxy's admin listener.
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
     /// Start the bundled mock booking service and the proxy in front of it (embedded store),
     /// and print curl lines to try.
     Demo {
@@ -37,8 +49,55 @@ enum Command {
     },
 }
 
+/// Which record a `keys` command is about.
+#[derive(Debug, clap::Args)]
+struct RecordArgs {
+    /// The route's name.
+    #[arg(long)]
+    route: String,
+    /// The key, as the client sent it.
+    #[arg(long, conflicts_with = "hash", required_unless_present = "hash")]
+    key: Option<String>,
+    /// A scope header of the caller, `Name: value` (repeat for each; default scope is
+    /// Authorization).
+    #[arg(long = "scope", requires = "key")]
+    scope: Vec<String>,
+    /// The key's hash, as the logs show it (64 hex digits).
+    #[arg(long)]
+    hash: Option<String>,
+    /// The admin listener's URL.
+    #[arg(long, env = "IDEMPROXY_ADMIN", default_value = "http://127.0.0.1:9090")]
+    admin: String,
+    /// A file holding the admin token (or set IDEMPROXY_ADMIN_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysAction {
+    /// Show a record: state, fingerprint, saved status, header names, body size, age, TTL.
+    Show {
+        #[command(flatten)]
+        record: RecordArgs,
+        /// Include the saved body.
+        #[arg(long)]
+        body: bool,
+    },
+    /// Forget a finished record so that the next request with its key runs again (a claim in
+    /// flight is never forgotten).
+    Forget {
+        #[command(flatten)]
+        record: RecordArgs,
+    },
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
+    match args.command {
+        Some(Command::Health { admin }) => return block_on(health(admin)),
+        Some(Command::Keys { action }) => return block_on(keys(action)),
+        _ => {}
+    }
     if let Some(Command::Demo {
         listen,
         upstream_listen,
@@ -96,6 +155,65 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
+}
+
+async fn health(admin: String) -> ExitCode {
+    use idemproxy::admin::client;
+    match client::call(&admin, http::Method::GET, "/healthz", None).await {
+        Ok((status, _)) if status == http::StatusCode::OK => ExitCode::SUCCESS,
+        Ok((status, body)) => {
+            eprintln!("unhealthy: {status} {body}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("unhealthy: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn keys(action: KeysAction) -> ExitCode {
+    use idemproxy::admin::client;
+    let (method, record, body) = match action {
+        KeysAction::Show { record, body } => (http::Method::GET, record, body),
+        KeysAction::Forget { record } => (http::Method::DELETE, record, false),
+    };
+    let token = match &record.token_file {
+        Some(path) => match std::fs::read_to_string(path) {
+            Ok(t) => Some(t.trim().to_owned()),
+            Err(e) => {
+                eprintln!("error: cannot read {}: {e}", path.display());
+                return ExitCode::from(2);
+            }
+        },
+        None => std::env::var("IDEMPROXY_ADMIN_TOKEN").ok(),
+    };
+    let path = client::record_path(
+        &record.route,
+        record.key.as_deref(),
+        &record.scope,
+        record.hash.as_deref(),
+        body,
+    );
+    match client::call(&record.admin, method, &path, token.as_deref()).await {
+        Ok((status, text)) => {
+            let pretty = serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| serde_json::to_string_pretty(&v).ok())
+                .unwrap_or(text);
+            if status.is_success() {
+                println!("{pretty}");
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{status}: {pretty}");
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
     }
 }
 

@@ -112,17 +112,20 @@ pub enum StoreOp {
     Get,
     /// `ping`.
     Ping,
+    /// `forget` (key tooling).
+    Forget,
 }
 
 impl StoreOp {
     /// Every operation, in declaration order.
-    pub const ALL: [StoreOp; 6] = [
+    pub const ALL: [StoreOp; 7] = [
         StoreOp::Claim,
         StoreOp::Renew,
         StoreOp::Complete,
         StoreOp::Release,
         StoreOp::Get,
         StoreOp::Ping,
+        StoreOp::Forget,
     ];
 
     /// The label value.
@@ -134,6 +137,7 @@ impl StoreOp {
             StoreOp::Release => "release",
             StoreOp::Get => "get",
             StoreOp::Ping => "ping",
+            StoreOp::Forget => "forget",
         }
     }
 }
@@ -191,6 +195,11 @@ pub struct Metrics {
     pub pending_save_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,
+    /// Memory store: records held, and its `max_entries`.
+    pub memory_records: Gauge,
+    /// Memory store: its bound.
+    pub memory_max_entries: Gauge,
+    lease_renewals: Family<RouteLabel, Counter>,
 }
 
 /// One route's series, registered at start.
@@ -200,6 +209,7 @@ pub struct RouteMetrics {
     lost_leases: Counter,
     unprotected: Counter,
     saves_abandoned: Counter,
+    lease_renewals: Counter,
     lost_leases_total: Arc<AtomicU64>,
 }
 
@@ -216,6 +226,11 @@ impl RouteMetrics {
     pub fn lost_lease(&self) {
         self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
         self.lost_leases.inc();
+    }
+
+    /// Counts a lease renewal.
+    pub fn lease_renewed(&self) {
+        self.lease_renewals.inc();
     }
 
     /// Counts a request forwarded without protection.
@@ -300,6 +315,24 @@ impl Metrics {
             "Bytes held by results whose save is being retried",
             pending_save_bytes.clone(),
         );
+        let memory_records = Gauge::default();
+        let memory_max_entries = Gauge::default();
+        let lease_renewals = Family::<RouteLabel, Counter>::default();
+        registry.register(
+            "idemproxy_memory_store_records",
+            "Records the memory store holds (expired ones not yet swept included)",
+            memory_records.clone(),
+        );
+        registry.register(
+            "idemproxy_memory_store_max_entries",
+            "The memory store's bound (store.max_entries): at it, new claims fail",
+            memory_max_entries.clone(),
+        );
+        registry.register(
+            "idemproxy_lease_renewals",
+            "Leases renewed while an upstream call ran",
+            lease_renewals.clone(),
+        );
         registry.register(
             "idemproxy_detached_exchanges",
             "Idempotent exchanges still running after their client left",
@@ -321,6 +354,9 @@ impl Metrics {
             pending_saves,
             pending_save_bytes,
             detached_exchanges,
+            memory_records,
+            memory_max_entries,
+            lease_renewals,
             requests,
             request_duration,
             upstream_duration,
@@ -353,6 +389,7 @@ impl Metrics {
             lost_leases: self.lost_leases.get_or_create(&label).clone(),
             unprotected: self.unprotected.get_or_create(&label).clone(),
             saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
+            lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
             lost_leases_total: self.lost_leases_total.clone(),
         }
     }

@@ -230,6 +230,14 @@ pub fn is_in_flight(bytes: &[u8]) -> bool {
     bytes.len() > 4 && &bytes[..3] == MAGIC && bytes[3] == VERSION && bytes[4] == b'P'
 }
 
+/// The first bytes of every finished record of this format version.
+pub const FINISHED_PREFIX: &[u8] = b"IDP\x01D";
+
+/// Whether encoded bytes are a finished record of this format version (without decoding it).
+pub fn is_finished(bytes: &[u8]) -> bool {
+    bytes.len() > 4 && &bytes[..3] == MAGIC && bytes[3] == VERSION && bytes[4] == b'D'
+}
+
 /// Why a stored record could not be decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("undecodable idempotency record: {0}")]

@@ -81,9 +81,25 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
+    let admin = match config.admin_listen {
+        Some(addr) => Some(bind(addr)?),
+        None => None,
+    };
     let store = build_store(&config, metrics.clone())?;
     let proxy = Arc::new(Proxy::new(config, store, metrics));
-    serve(listener, proxy, shutdown).await?;
+    // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
+    let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = admin.map(|listener| {
+        tokio::spawn(crate::admin::serve(listener, proxy.clone(), async move {
+            let _ = admin_stopped.await;
+        }))
+    });
+    let served = serve(listener, proxy, shutdown).await;
+    let _ = admin_stop.send(());
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
+    served?;
     Ok(())
 }
 
@@ -174,6 +190,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    proxy.start_draining();
     let timeout = proxy.config().shutdown_timeout;
     tracing::info!(
         timeout = ?timeout,

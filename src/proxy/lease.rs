@@ -83,7 +83,10 @@ impl Lease {
                 }
             };
             match renewed {
-                Ok(true) => self.valid_until = sent + self.lock_ttl,
+                Ok(true) => {
+                    self.valid_until = sent + self.lock_ttl;
+                    self.metrics.lease_renewed();
+                }
                 Ok(false) => {
                     self.mark_lost("another request holds the key now");
                     return call.await;
@@ -276,6 +279,12 @@ mod tests {
         }
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
+        }
+        async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+            self.0.inspect(key).await
+        }
+        async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
+            self.0.forget(key).await
         }
     }
 

@@ -80,6 +80,8 @@ pub struct Proxy {
     tasks: TaskTracker,
     /// Completions being retried in the background, bounded.
     pending: Arc<PendingSaves>,
+    /// Set when shutdown starts: readiness answers 503 from then on.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// What a handler produced: the response and the outcome to count and log.
@@ -134,7 +136,44 @@ impl Proxy {
             store,
             metrics,
             tasks: TaskTracker::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Marks the start of the drain (readiness answers 503 from then on).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    /// Whether the drain has started.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// The Prometheus text, with the gauges read at scrape time brought up to date.
+    pub fn encode_metrics(&self) -> String {
+        if let Some((held, max)) = self.store.fill() {
+            self.metrics
+                .memory_records
+                .set(i64::try_from(held).unwrap_or(i64::MAX));
+            self.metrics
+                .memory_max_entries
+                .set(i64::try_from(max).unwrap_or(i64::MAX));
+        }
+        self.metrics.encode()
+    }
+
+    /// The store key with hash `id` on the idempotent route named `route`.
+    pub fn store_key_of_id(&self, route: &str, id: key::KeyId) -> Option<StoreKey> {
+        let r = self.routes.iter().find(|r| r.settings.name == route)?;
+        r.idempotency.as_ref()?;
+        Some(StoreKey::new(r.namespace.clone(), r.number, id))
+    }
+
+    /// The `ttl` of the route a store key belongs to.
+    pub fn ttl_of(&self, key: &StoreKey) -> Option<std::time::Duration> {
+        let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
+        r.idempotency.as_ref().map(|i| i.ttl)
     }
 
     /// The background tasks (upstream calls, completions) that must finish before the process
@@ -200,12 +239,15 @@ impl Proxy {
         };
         let took = start.elapsed();
         route.metrics.request(outcome, took);
+        // One event per request: never the raw key, a scope value or a body; the key's hash
+        // is what the admin key tooling takes.
         tracing::info!(
             route = %route.settings.name,
             %method,
             path = uri.path(),
             status = resp.status().as_u16(),
             outcome = outcome.as_str(),
+            key = resp.extensions().get::<KeyHash>().map(tracing::field::display),
             took_ms = took.as_secs_f64() * 1000.0,
             "request"
         );
@@ -251,6 +293,7 @@ impl Proxy {
         // can cancel neither a claim in flight (which would leave the key blocked until its
         // lease expired) nor the upstream call and the completion (its retry gets a replay).
         let client_gone = Arc::new(Attachment::default());
+        let key_hash = KeyHash(*admitted.key.id());
         let exchange = exchange::Exchange::new(
             self.clone(),
             route.clone(),
@@ -276,7 +319,10 @@ impl Proxy {
             attachment: client_gone,
             detached,
         };
-        answer_of(task.await, &route.name)
+        let (mut resp, outcome) = answer_of(task.await, &route.name);
+        // For the request log (extensions are never sent).
+        resp.extensions_mut().insert(key_hash);
+        (resp, outcome)
     }
 }
 
@@ -288,6 +334,16 @@ fn answer_of(joined: Result<Answer, tokio::task::JoinError>, route: &str) -> Ans
         tracing::error!(route, error = %e, "exchange task ended without an answer");
         refuse(Problem::Internal, Outcome::Internal)
     })
+}
+
+/// The hash of a request's key, carried in its response's extensions to the request log.
+#[derive(Debug, Clone, Copy)]
+struct KeyHash(key::KeyId);
+
+impl std::fmt::Display for KeyHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
 }
 
 /// Whether the client still waits for an exchange: `ATTACHED`, then `GONE` (the client left

@@ -39,7 +39,7 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Held, Store, StoreError, StoreKey};
+use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::key::KeyId;
 use crate::record;
 
@@ -410,6 +410,35 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    fn fill(&self) -> Option<(u64, u64)> {
+        Some((self.len() as u64, self.inner.max_entries))
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let key = MapKey::of(key);
+        let shard = self.inner.shard(&key);
+        let now = self.inner.now();
+        Ok(shard
+            .live(&key, now)
+            .map(|s| (shared(&s.record), Duration::from_millis(s.expires - now))))
+    }
+
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        let key = MapKey::of(key);
+        let mut shard = self.inner.shard(&key);
+        let now = self.inner.now();
+        let found = match shard.live(&key, now) {
+            None => return Ok(Forgotten::Absent),
+            Some(slot) => Forgotten::of(&slot.record),
+        };
+        if found == Forgotten::Forgotten {
+            shard.map.remove(&key);
+            drop(shard);
+            self.inner.forget(1);
+        }
+        Ok(found)
     }
 }
 

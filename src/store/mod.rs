@@ -119,6 +119,43 @@ pub trait Store: Send + Sync + 'static {
     }
     /// Checks that the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+    /// Reads the key and its remaining time to live (key tooling).
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError>;
+    /// Deletes the key if, and only if, it holds a finished record (key tooling). An in-flight
+    /// claim is never forgotten: its holder may be alive, and a dead holder's lease expires
+    /// within `lock_ttl` by itself.
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError>;
+    /// Records held and the bound, for a store that keeps them itself (the memory store).
+    fn fill(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// What [`Store::forget`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgotten {
+    /// The finished record was deleted: the next request with the key runs again.
+    Forgotten,
+    /// Nothing was under the key.
+    Absent,
+    /// A claim in flight: left alone.
+    InFlight,
+    /// Something that is not a finished record of this proxy (corrupt, another version): left
+    /// alone.
+    NotARecord,
+}
+
+impl Forgotten {
+    /// Classifies encoded bytes: a finished record may be forgotten, nothing else.
+    pub fn of(bytes: &[u8]) -> Forgotten {
+        if crate::record::is_finished(bytes) {
+            Forgotten::Forgotten
+        } else if crate::record::is_in_flight(bytes) {
+            Forgotten::InFlight
+        } else {
+            Forgotten::NotARecord
+        }
+    }
 }
 
 /// A backend behind a deadline, with every call timed and counted.
@@ -227,5 +264,24 @@ impl StoreHandle {
     /// See [`Store::ping`].
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.timed(StoreOp::Ping, self.inner.ping()).await
+    }
+
+    /// See [`Store::inspect`]; decodes the record.
+    pub async fn inspect(&self, key: &StoreKey) -> Result<Option<(Entry, Duration)>, StoreError> {
+        let found = self.timed(StoreOp::Get, self.inner.inspect(key)).await?;
+        match found {
+            None => Ok(None),
+            Some((bytes, ttl)) => Ok(Some((Entry::decode_shared(&bytes)?, ttl))),
+        }
+    }
+
+    /// See [`Store::fill`].
+    pub fn fill(&self) -> Option<(u64, u64)> {
+        self.inner.fill()
+    }
+
+    /// See [`Store::forget`].
+    pub async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        self.timed(StoreOp::Forget, self.inner.forget(key)).await
     }
 }

@@ -19,8 +19,8 @@ use redis::{AsyncCommands, Script};
 
 use bytes::Bytes;
 
-use super::{Held, Store, StoreError, StoreKey};
-use crate::record::DecodeError;
+use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use crate::record::{DecodeError, FINISHED_PREFIX};
 
 const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -41,12 +41,28 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0";
 
+const INSPECT: &str = r"
+return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
+
+/// Deletes a finished record only: its value starts with the finished-record prefix
+/// (ARGV[1]). 0: absent; 1: forgotten; 2: anything else, left alone.
+const FORGET: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 2";
+
 /// The Redis store.
 pub struct RedisStore {
     conn: ConnectionManager,
     renew: Script,
     complete: Script,
     release: Script,
+    inspect: Script,
+    forget: Script,
 }
 
 /// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
@@ -89,6 +105,8 @@ impl RedisStore {
             renew: Script::new(RENEW),
             complete: Script::new(COMPLETE),
             release: Script::new(RELEASE),
+            inspect: Script::new(INSPECT),
+            forget: Script::new(FORGET),
         })
     }
 
@@ -243,5 +261,37 @@ impl Store for RedisStore {
             .await
             .map_err(backend("ping"))?;
         Ok(())
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let (value, pttl): (Option<Vec<u8>>, i64) = self
+            .inspect
+            .key(key.text())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend("inspect"))?;
+        let ttl = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
+        Ok(value.map(|v| (Bytes::from(v), ttl)))
+    }
+
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .forget
+            .key(key.text())
+            .arg(FINISHED_PREFIX)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend("forget"))?;
+        match n {
+            0 => Ok(Forgotten::Absent),
+            1 => Ok(Forgotten::Forgotten),
+            // Left alone: read it again to say why.
+            _ => Ok(match self.get(key).await? {
+                None => Forgotten::Absent,
+                Some(bytes) => Forgotten::of(&bytes),
+            }),
+        }
     }
 }

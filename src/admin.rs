@@ -1,0 +1,409 @@
+//! The admin listener (`admin_listen`): health, readiness, metrics, and the key tooling.
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `GET /healthz` | `200` while the process serves |
+//! | `GET /readyz` | `200` when the store answers within `store.timeout`; `503` when it does not, and while draining after SIGTERM (so a load balancer stops sending) |
+//! | `GET /metrics` | Prometheus text (OpenMetrics) |
+//! | `GET /keys/ROUTE?key=K&scope=Name:%20value` or `GET /keys/ROUTE/HASH` | one record: state, fingerprint, saved status, header names, body size, age and remaining TTL; the body only with `&body=true` |
+//! | `DELETE /keys/ROUTE?key=K…` or `DELETE /keys/ROUTE/HASH` | forgets a finished record (`409` for a claim in flight, which is never forgotten); logged |
+//!
+//! The `/keys` endpoints reveal and change records, so they exist only when an admin token is
+//! configured (`admin_token_file` or `admin_token_env`, never inline in the YAML), and every
+//! call must carry `Authorization: Bearer TOKEN`. Without a token they answer `404`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use crate::body::{self, Body};
+use crate::key::StoreKey;
+use crate::proxy::Proxy;
+use crate::record::{Entry, Outcome};
+use crate::store::Forgotten;
+
+/// Serves the admin endpoints on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "admin listening on http://{addr} (/healthz, /readyz, /metrics)");
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => return Ok(()),
+        };
+        let proxy = proxy.clone();
+        let svc = service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, Infallible>(handle(&proxy, req, peer).await) }
+        });
+        tokio::spawn(async move {
+            let conn = auto::Builder::new(TokioExecutor::new());
+            let _ = conn.serve_connection(TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(body::full(Bytes::from_static(body.as_bytes())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(body::full(doc.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json_response(status, &json!({ "error": message }))
+}
+
+async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    match (req.method(), path.as_str()) {
+        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/readyz") => readiness(proxy).await,
+        (&Method::GET, "/metrics") => {
+            let mut resp = Response::new(body::full(proxy.encode_metrics()));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            resp
+        }
+        (method, p) if p.starts_with("/keys/") => {
+            let Some(token) = proxy.config().admin_token.as_deref() else {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "the key tooling is off: configure admin_token_file or admin_token_env",
+                );
+            };
+            if !authorized(req.headers(), token) {
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    "send Authorization: Bearer <admin token>",
+                );
+            }
+            let query = req.uri().query().unwrap_or("").to_owned();
+            let rest = &p["/keys/".len()..];
+            match *method {
+                Method::GET => show(proxy, rest, &query).await,
+                Method::DELETE => forget(proxy, rest, &query, peer).await,
+                _ => error(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE"),
+            }
+        }
+        _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+    }
+}
+
+async fn readiness(proxy: &Proxy) -> Response<Body> {
+    if proxy.is_draining() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
+    match proxy.store().ping().await {
+        Ok(()) => text(StatusCode::OK, "ready\n"),
+        Err(e) => {
+            tracing::warn!(error = %e, "readiness: the store does not answer");
+            text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+        }
+    }
+}
+
+/// Compares the bearer token in constant time (for equal lengths).
+fn authorized(headers: &HeaderMap, token: &str) -> bool {
+    let Some(given) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (given.as_bytes(), token.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A refused admin request: its status and why.
+struct Refusal(StatusCode, &'static str);
+
+fn refusal(status: StatusCode, why: &'static str) -> Refusal {
+    Refusal(status, why)
+}
+
+/// Which record a `/keys/…` request names: `ROUTE/HASH`, or `ROUTE?key=K&scope=Name: value`.
+fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal> {
+    let (route, hash) = match rest.split_once('/') {
+        Some((route, hash)) => (route, Some(hash)),
+        None => (rest, None),
+    };
+    let pairs: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
+    let found = match hash {
+        Some(hash) => {
+            let mut id = [0u8; 32];
+            hex::decode_to_slice(hash, &mut id).map_err(|_| {
+                refusal(
+                    StatusCode::BAD_REQUEST,
+                    "the key hash is 64 hex digits, as the logs show it",
+                )
+            })?;
+            proxy.store_key_of_id(route, id)
+        }
+        None => {
+            let key = pairs
+                .iter()
+                .find(|(k, _)| k == "key")
+                .map(|(_, v)| v.clone())
+                .ok_or_else(|| {
+                    refusal(
+                        StatusCode::BAD_REQUEST,
+                        "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
+                    )
+                })?;
+            let mut scope = HeaderMap::new();
+            for (_, v) in pairs.iter().filter(|(k, _)| k == "scope") {
+                let (name, value) = v
+                    .split_once(':')
+                    .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "scope is Name: value"))?;
+                let name = HeaderName::from_bytes(name.trim().as_bytes())
+                    .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header name"))?;
+                let value = HeaderValue::from_str(value.trim_start())
+                    .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header value"))?;
+                scope.append(name, value);
+            }
+            proxy.store_key(route, &scope, &key)
+        }
+    };
+    found.ok_or_else(|| refusal(StatusCode::NOT_FOUND, "no idempotent route with that name"))
+}
+
+async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
+    let key = match store_key(proxy, rest, query) {
+        Ok(k) => k,
+        Err(Refusal(status, why)) => return error(status, why),
+    };
+    let with_body =
+        form_urlencoded::parse(query.as_bytes()).any(|(k, v)| k == "body" && v == "true");
+    let (entry, ttl) = match proxy.store().inspect(&key).await {
+        Ok(Some(found)) => found,
+        Ok(None) => return error(StatusCode::NOT_FOUND, "no record under this key"),
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    };
+    let mut doc = json!({
+        "route": rest.split('/').next().unwrap_or(rest),
+        "key_hash": key.id_hex(),
+        "store_key": key.text(),
+        "fingerprint": hex::encode(entry.fingerprint()),
+        "ttl_remaining_ms": ttl.as_millis() as u64,
+    });
+    match entry {
+        Entry::InFlight { .. } => {
+            doc["state"] = json!("in_flight");
+        }
+        Entry::Done { outcome, .. } => {
+            doc["state"] = json!("finished");
+            // A finished record's TTL starts at the route's `ttl` when it is saved.
+            if let Some(saved_for) = proxy.ttl_of(&key) {
+                doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
+            }
+            match outcome {
+                Outcome::Response(r) => {
+                    doc["replayable"] = json!(true);
+                    doc["status"] = json!(r.status.as_u16());
+                    doc["headers"] = json!(
+                        r.headers
+                            .iter()
+                            .map(|(n, _)| n.as_str().to_owned())
+                            .collect::<Vec<_>>()
+                    );
+                    doc["body_bytes"] = json!(r.body.len());
+                    if with_body {
+                        match std::str::from_utf8(&r.body) {
+                            Ok(t) => doc["body"] = json!(t),
+                            Err(_) => doc["body_hex"] = json!(hex::encode(&r.body)),
+                        }
+                    }
+                }
+                Outcome::NotReplayable { status } => {
+                    doc["replayable"] = json!(false);
+                    doc["status"] = json!(status.as_u16());
+                }
+            }
+        }
+    }
+    json_response(StatusCode::OK, &doc)
+}
+
+async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Response<Body> {
+    let key = match store_key(proxy, rest, query) {
+        Ok(k) => k,
+        Err(Refusal(status, why)) => return error(status, why),
+    };
+    let route = rest.split('/').next().unwrap_or(rest);
+    match proxy.store().forget(&key).await {
+        Ok(Forgotten::Forgotten) => {
+            tracing::warn!(
+                route,
+                key = %key.id_hex(),
+                %peer,
+                "record forgotten through the admin endpoint: the next request with this key runs again"
+            );
+            json_response(
+                StatusCode::OK,
+                &json!({ "forgotten": true, "key_hash": key.id_hex() }),
+            )
+        }
+        Ok(Forgotten::Absent) => error(StatusCode::NOT_FOUND, "no record under this key"),
+        Ok(Forgotten::InFlight) => error(
+            StatusCode::CONFLICT,
+            "a claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl",
+        ),
+        Ok(Forgotten::NotARecord) => error(
+            StatusCode::CONFLICT,
+            "what is under this key is not a finished record of this proxy; left alone",
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+/// A client of a running proxy's admin listener, for `idemproxy health` and `idemproxy keys`.
+pub mod client {
+    use http::{Method, Request, StatusCode, Uri, header};
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
+    use tokio::net::TcpStream;
+
+    /// Why an admin call failed before any answer.
+    #[derive(Debug, thiserror::Error)]
+    pub enum ClientError {
+        /// The admin URL is not `http://HOST:PORT`.
+        #[error("invalid admin URL {0:?}: expected http://HOST:PORT")]
+        Url(String),
+        /// The connection or the exchange failed.
+        #[error("cannot reach the admin listener at {url}: {why}")]
+        Io {
+            /// The URL.
+            url: String,
+            /// What failed.
+            why: String,
+        },
+    }
+
+    /// Sends one request to `base` (`http://HOST:PORT`) + `path_and_query`, with the bearer
+    /// token if any; returns the status and the body.
+    pub async fn call(
+        base: &str,
+        method: Method,
+        path_and_query: &str,
+        token: Option<&str>,
+    ) -> Result<(StatusCode, String), ClientError> {
+        let url = format!("{}{path_and_query}", base.trim_end_matches('/'));
+        let uri: Uri = url.parse().map_err(|_| ClientError::Url(base.to_owned()))?;
+        let authority = match (uri.scheme_str(), uri.authority()) {
+            (Some("http"), Some(a)) => a.clone(),
+            _ => return Err(ClientError::Url(base.to_owned())),
+        };
+        let io = |e: &dyn std::fmt::Display| ClientError::Io {
+            url: url.clone(),
+            why: e.to_string(),
+        };
+        let port = authority.port_u16().unwrap_or(80);
+        let stream = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            TcpStream::connect((authority.host(), port)),
+        )
+        .await
+        .map_err(|e| io(&e))?
+        .map_err(|e| io(&e))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| io(&e))?;
+        tokio::spawn(conn);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
+            .header(header::HOST, authority.as_str());
+        if let Some(token) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let req = req
+            .body(Full::new(bytes::Bytes::new()))
+            .map_err(|e| io(&e))?;
+        let resp =
+            tokio::time::timeout(std::time::Duration::from_secs(30), sender.send_request(req))
+                .await
+                .map_err(|e| io(&e))?
+                .map_err(|e| io(&e))?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| io(&e))?
+            .to_bytes();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// The `/keys/…` path and query naming a record: by key (with scope values) or by hash.
+    pub fn record_path(
+        route: &str,
+        key: Option<&str>,
+        scope: &[String],
+        hash: Option<&str>,
+        body: bool,
+    ) -> String {
+        let mut query = form_urlencoded::Serializer::new(String::new());
+        if let Some(key) = key {
+            query.append_pair("key", key);
+        }
+        for s in scope {
+            query.append_pair("scope", s);
+        }
+        if body {
+            query.append_pair("body", "true");
+        }
+        let query = query.finish();
+        let route: String = form_urlencoded::byte_serialize(route.as_bytes()).collect();
+        let mut path = match hash {
+            Some(hash) => format!("/keys/{route}/{hash}"),
+            None => format!("/keys/{route}"),
+        };
+        if !query.is_empty() {
+            path.push('?');
+            path.push_str(&query);
+        }
+        path
+    }
+}
