@@ -9,10 +9,10 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::relay::Relay;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, client, eventually, free_port, send,
 };
@@ -23,8 +23,6 @@ use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Claim, Held, Store, StoreHandle, StoreKey};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// The request body every booking here sends (the fingerprint covers it, not the headers).
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -709,112 +707,20 @@ async fn redis_stall_after_the_upstream_answered_loses_nothing() {
     assert_eq!(proxy.metrics().lost_leases_count(), 0, "nothing lost");
 }
 
-/// A TCP relay in front of Redis that can hold what the proxy sends (Redis never sees it) and
-/// then cut every connection, losing what it held. Unlike SIGSTOP, where the commands queued
-/// while Redis is stopped still run when it resumes, a cut loses them: only a retry by the
-/// proxy can save the result.
-struct CutRelay {
-    addr: std::net::SocketAddr,
-    hold: Arc<AtomicBool>,
-    cut: tokio::sync::watch::Sender<u64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl CutRelay {
-    async fn start(redis_port: u16) -> CutRelay {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the relay");
-        let addr = listener.local_addr().expect("relay addr");
-        let hold = Arc::new(AtomicBool::new(false));
-        let (cut, _) = tokio::sync::watch::channel(0u64);
-        let task = {
-            let hold = hold.clone();
-            let cut = cut.clone();
-            tokio::spawn(async move {
-                while let Ok((client, _)) = listener.accept().await {
-                    let hold = hold.clone();
-                    let mut cut = cut.subscribe();
-                    tokio::spawn(async move {
-                        let Ok(server) = TcpStream::connect(("127.0.0.1", redis_port)).await else {
-                            return;
-                        };
-                        let (cr, cw) = client.into_split();
-                        let (sr, sw) = server.into_split();
-                        // Whichever ends first (a side closed, or a cut) drops both sockets.
-                        tokio::select! {
-                            () = relay_pipe(cr, sw, Some(hold)) => {}
-                            () = relay_pipe(sr, cw, None) => {}
-                            _ = cut.changed() => {}
-                        }
-                    });
-                }
-            })
-        };
-        CutRelay {
-            addr,
-            hold,
-            cut,
-            task,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}/0", self.addr)
-    }
-
-    /// From now on, what the proxy sends is held back.
-    fn hold(&self) {
-        self.hold.store(true, Ordering::SeqCst);
-    }
-
-    /// Closes every connection, dropping what was held, and relays normally again.
-    fn cut(&self) {
-        self.cut.send_modify(|g| *g += 1);
-        self.hold.store(false, Ordering::SeqCst);
-    }
-}
-
-impl Drop for CutRelay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// Copies `from` to `to`; with `hold`, bytes read while it is set are kept back (forever, or
-/// until the connection is cut and they are dropped).
-async fn relay_pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    hold: Option<Arc<AtomicBool>>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if let Some(hold) = &hold {
-            while hold.load(Ordering::SeqCst) {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 /// The save fails after the upstream answered and the command that carried it is lost (the
 /// connection to Redis is cut): the client still gets its 201, the proxy retries the save in
 /// the background with backoff while its lease is valid, and a repeat is then a replay.
+///
+/// A blackholed relay in front of Redis swallows the save (Redis never sees it), and its end
+/// resets every connection, losing it for good. Unlike SIGSTOP, where the commands queued while
+/// Redis is stopped still run when it resumes, only a retry by the proxy can save the result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_lost_save_is_retried_in_the_background() {
     let env = Env::new(Backend::Redis).await;
-    let relay = CutRelay::start(env.redis().port()).await;
+    let relay = Relay::start(env.redis().addr()).await;
     let yaml = env
         .config_with("lock_ttl: 3s", "timeout: 200ms")
-        .replace(&env.redis().url(), &relay.url());
+        .replace(&env.redis().url(), &format!("redis://{}/0", relay.addr()));
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
     assert_forwarded(&post(&base, "warm", BODY, &[]).await);
@@ -827,7 +733,7 @@ async fn redis_lost_save_is_retried_in_the_background() {
         eventually(Duration::from_secs(3), || env.mock.calls("cut-1") == 1).await,
         "claimed and forwarded"
     );
-    relay.hold();
+    relay.blackhole();
     let first = tokio::time::timeout(Duration::from_secs(3), first)
         .await
         .expect("the client got its answer while the store was unreachable")
@@ -846,7 +752,7 @@ async fn redis_lost_save_is_retried_in_the_background() {
         ),
         "the first save attempt must not have landed yet"
     );
-    relay.cut();
+    relay.pass();
 
     let deadline = Instant::now() + Duration::from_secs(3);
     let replay = loop {

@@ -6,11 +6,15 @@
 //!   gracefully on [`TestProxy::stop`] or dropped.
 //! - [`ProxyProcess`]: the `idemproxy` binary as a child process, for what needs a process
 //!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
+//! - [`relay::Relay`]: a TCP relay in front of Redis or the upstream that adds latency,
+//!   blackholes, resets or cuts connections on command.
 //! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
 //!   effects) and, for the Redis backend, its own Redis.
 //!
 //! Every behaviour test is written once and run against both stores with [`both_stores!`].
 #![allow(dead_code)]
+
+pub mod relay;
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -145,6 +149,11 @@ impl RedisServer {
     /// The port.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `127.0.0.1:PORT`, for a relay in front of it.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
     /// The process id.
@@ -459,7 +468,12 @@ impl ProxyProcess {
     /// Writes `yaml` (its `listen:` line replaced by a free port) to a file and runs
     /// `idemproxy --config FILE`; returns once the proxy accepts connections.
     pub fn spawn(yaml: &str) -> ProxyProcess {
-        let port = free_port();
+        ProxyProcess::spawn_on(yaml, free_port())
+    }
+
+    /// [`ProxyProcess::spawn`] on a given port: a proxy killed with SIGKILL can be started again
+    /// where its clients expect it.
+    pub fn spawn_on(yaml: &str, port: u16) -> ProxyProcess {
         let yaml = yaml.replace("listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}"));
         let file = write_config(&yaml);
         let mut child = Command::new(binary())
