@@ -200,6 +200,9 @@ pub struct Metrics {
     /// Memory store: its bound.
     pub memory_max_entries: Gauge,
     lease_renewals: Family<RouteLabel, Counter>,
+    /// Per store operation (claim, complete): writes fewer replicas acknowledged than
+    /// `store.wait_replicas` asks.
+    replica_acks_missing: Family<OpLabel, Counter>,
 }
 
 /// One route's series, registered at start.
@@ -338,6 +341,15 @@ impl Metrics {
             "Idempotent exchanges still running after their client left",
             detached_exchanges.clone(),
         );
+        let replica_acks_missing = Family::<OpLabel, Counter>::default();
+        registry.register(
+            "idemproxy_replica_acks_missing",
+            "Claims and saves fewer replicas acknowledged in time than store.wait_replicas asks (a claim is then refused with 503; a save stands)",
+            replica_acks_missing.clone(),
+        );
+        for op in [StoreOp::Claim, StoreOp::Complete] {
+            let _ = replica_acks_missing.get_or_create(&OpLabel { op: op.as_str() });
+        }
         let store_ops = StoreOp::ALL
             .iter()
             .map(|op| {
@@ -357,6 +369,7 @@ impl Metrics {
             memory_records,
             memory_max_entries,
             lease_renewals,
+            replica_acks_missing,
             requests,
             request_duration,
             upstream_duration,
@@ -426,6 +439,21 @@ impl Metrics {
     /// Lost leases counted, all routes.
     pub fn lost_leases_count(&self) -> u64 {
         self.lost_leases_total.load(Ordering::Relaxed)
+    }
+
+    /// Counts a write (claim or complete) fewer replicas acknowledged than
+    /// `store.wait_replicas` asks.
+    pub fn replica_acks_missing(&self, op: StoreOp) {
+        self.replica_acks_missing
+            .get_or_create(&OpLabel { op: op.as_str() })
+            .inc();
+    }
+
+    /// Short replica acknowledgements counted for `op`.
+    pub fn replica_acks_missing_count(&self, op: StoreOp) -> u64 {
+        self.replica_acks_missing
+            .get_or_create(&OpLabel { op: op.as_str() })
+            .get()
     }
 
     /// The Prometheus text exposition.

@@ -57,17 +57,33 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Builds the store the configuration names. With Redis, checks the server's eviction policy
+/// Builds the store the configuration names. With Redis, checks every server's eviction policy
 /// in the background (it must not delay start, and Redis may be down).
 pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
     let s = &config.store;
+    let check_timeout = s.timeout.max(Duration::from_secs(2));
     let backend: Arc<dyn Store> = match &s.backend {
         BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
-        BackendSettings::Redis { url } => {
-            let redis = Arc::new(RedisStore::new(url, s.timeout)?);
+        BackendSettings::Redis {
+            url,
+            access,
+            wait_replicas,
+        } => {
+            let redis = Arc::new(RedisStore::connect(
+                url,
+                access,
+                *wait_replicas,
+                s.timeout,
+                metrics.clone(),
+            )?);
             let check = redis.clone();
-            let timeout = s.timeout.max(Duration::from_secs(2));
-            tokio::spawn(async move { check.check_server(timeout).await });
+            tokio::spawn(async move { check.check_server(check_timeout).await });
+            redis
+        }
+        BackendSettings::RedisCluster { nodes, access } => {
+            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
+            let check = redis.clone();
+            tokio::spawn(async move { check.check_server(check_timeout).await });
             redis
         }
     };

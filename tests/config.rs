@@ -206,10 +206,25 @@ fn table() -> Vec<Row> {
         row("admin token from both a file and env", top("admin_listen: 127.0.0.1:9090\nadmin_token_file: /etc/hostname\nadmin_token_env: HOME"), "admin_token_file", &["not both"]),
         row("admin token without admin_listen", top("admin_token_env: HOME"), "admin_listen", &["no admin_listen"]),
         row("admin token inline", top("admin_token: s3cret"), "admin_token", &["unknown field"]),
-        row("wait_replicas", store("backend: redis\nwait_replicas: 1"), "store.wait_replicas", &["not supported yet"]),
-        row("redis-cluster", store("backend: redis-cluster"), "store.backend", &["redis-cluster", "not supported yet"]),
-        row("nodes", store("nodes: [redis://127.0.0.1:7000]"), "store.nodes", &["not supported yet"]),
-        row("nodes with redis-cluster", store("backend: redis-cluster\nnodes: [redis://127.0.0.1:7000]"), "store.nodes", &["not supported yet"]),
+        // Redis settings on the wrong backend, and the store's other bounds.
+        row("wait_replicas on memory", store("wait_replicas: 1"), "store.wait_replicas", &["Redis setting"]),
+        row("wait_replicas on redis-cluster", store("backend: redis-cluster\nnodes: [redis://127.0.0.1:7000]\nwait_replicas: 1"), "store.wait_replicas", &["not supported with backend redis-cluster"]),
+        row("wait_replicas too large", store("backend: redis\nwait_replicas: 17"), "store.wait_replicas", &["too large", "16"]),
+        row("redis-cluster without nodes", store("backend: redis-cluster"), "store.nodes", &["at least one seed node"]),
+        row("nodes on memory", store("nodes: [redis://127.0.0.1:7000]"), "store.nodes", &["Redis setting"]),
+        row("nodes on redis", store("backend: redis\nnodes: [redis://127.0.0.1:7000]"), "store.nodes", &["redis-cluster"]),
+        row("url on redis-cluster", store("backend: redis-cluster\nurl: redis://127.0.0.1:7000\nnodes: [redis://127.0.0.1:7000]"), "store.url", &["store.nodes"]),
+        row("node with another scheme", store("backend: redis-cluster\nnodes: [redis://127.0.0.1:7000, http://127.0.0.1:7001]"), "store.nodes[1]", &["invalid Redis URL", "redis://"]),
+        row("nodes with mixed TLS", store("backend: redis-cluster\nnodes: [redis://127.0.0.1:7000, rediss://127.0.0.1:7001]"), "store.nodes", &["TLS"]),
+        row("redis password file unreadable", store("backend: redis\npassword_file: /nonexistent/redis-password"), "store.password_file", &["cannot read", "/nonexistent/redis-password"]),
+        row("redis password env unset", store("backend: redis\npassword_env: IDEMPROXY_TEST_UNSET_REDIS_PASSWORD"), "store.password_env", &["IDEMPROXY_TEST_UNSET_REDIS_PASSWORD", "not set"]),
+        row("redis password from a file and env", store("backend: redis\npassword_file: /etc/hostname\npassword_env: HOME"), "store.password_file", &["not both"]),
+        row("redis password in the url and a file", store("backend: redis\nurl: redis://:inline@127.0.0.1:6379/0\npassword_file: /etc/hostname"), "store.password_file", &["already carries a password"]),
+        row("redis password inline", store("backend: redis\npassword: s3cret"), "store.password", &["unknown field"]),
+        row("redis password file on memory", store("password_file: /etc/hostname"), "store.password_file", &["Redis setting"]),
+        row("redis ca_file unreadable", store("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["cannot read", "/nonexistent/redis-ca.pem"]),
+        row("redis ca_file not PEM", store(concat!("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: ", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")), "store.ca_file", &["no PEM certificate", "Cargo.toml"]),
+        row("redis ca_file without rediss", store("backend: redis\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["rediss://"]),
         // The document itself.
         row("empty file", String::new(), "", &["empty", "listen"]),
         row("only whitespace", "  \n\n".to_owned(), "", &["empty", "listen"]),
@@ -351,7 +366,7 @@ routes:
         ("listen", "invalid socket address"),
         ("shutdown_timeout", "greater than zero"),
         ("store.timeout", "greater than zero"),
-        ("store.wait_replicas", "not supported yet"),
+        ("store.wait_replicas", "Redis setting"),
         ("upstreams.booking.url", "invalid upstream URL"),
         ("routes[0].path", "invalid path"),
         ("routes[1].name", "duplicate route name"),
@@ -464,7 +479,15 @@ fn redis_without_a_url_uses_the_default_url() {
     let yaml = MINIMAL.replace("upstreams:", "store:\n  backend: redis\nupstreams:");
     let c = Config::from_yaml(&yaml).expect("valid");
     match &c.store.backend {
-        BackendSettings::Redis { url } => assert_eq!(url, "redis://127.0.0.1:6379/0"),
+        BackendSettings::Redis {
+            url,
+            access,
+            wait_replicas,
+        } => {
+            assert_eq!(url, "redis://127.0.0.1:6379/0");
+            assert!(access.password.is_none() && access.ca_pem.is_none());
+            assert_eq!(*wait_replicas, 0);
+        }
         other => panic!("expected redis, got {other:?}"),
     }
     assert_eq!(c.store.key_prefix, "idemproxy:");
@@ -476,7 +499,7 @@ fn redis_without_a_url_uses_the_default_url() {
     );
     let c = Config::from_yaml(&yaml).expect("valid");
     match &c.store.backend {
-        BackendSettings::Redis { url } => {
+        BackendSettings::Redis { url, .. } => {
             assert_eq!(url, "rediss://user:secret@127.0.0.1:6380/2")
         }
         other => panic!("expected redis, got {other:?}"),
@@ -575,6 +598,8 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "key_prefix:",
         "timeout:",
         "wait_replicas:",
+        "password_file:",
+        "password_env:",
         "upstreams:",
         "connect_timeout:",
         "routes:",
@@ -625,32 +650,102 @@ fn uncomment(text: &str, field: &str) -> String {
 }
 
 #[test]
-fn the_examples_commented_out_fields_are_the_unsupported_ones() {
+fn the_examples_commented_out_store_fields_are_valid_when_uncommented() {
     let text = example();
-    for (field, path) in [("nodes:", "store.nodes")] {
-        let yaml = uncomment(&text, field);
+    // The seed nodes, with the backend that takes them.
+    let yaml = uncomment(&text, "nodes:").replace("backend: memory", "backend: redis-cluster");
+    let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("nodes: {e}"));
+    assert!(
+        matches!(&c.store.backend, BackendSettings::RedisCluster { nodes, .. } if nodes.len() == 3),
+        "{:?}",
+        c.store.backend
+    );
+    // `wait_replicas: 0` (the default, "don't wait") and any other value up to 16 on redis.
+    let yaml = uncomment(&text, "wait_replicas:").replace("backend: memory", "backend: redis");
+    Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("wait_replicas: 0: {e}"));
+    let c = Config::from_yaml(&yaml.replace("wait_replicas: 0", "wait_replicas: 2"))
+        .unwrap_or_else(|e| panic!("wait_replicas: 2: {e}"));
+    assert!(matches!(
+        c.store.backend,
+        BackendSettings::Redis {
+            wait_replicas: 2,
+            ..
+        }
+    ));
+    // The password and CA files name files of the operator's: uncommented here, they are read
+    // (and refused, since they are not there), which shows the loader takes them.
+    for (field, path) in [
+        ("password_file:", "store.password_file"),
+        ("ca_file: /etc/idemproxy/redis", "store.ca_file"),
+    ] {
+        let yaml = uncomment(&text, field)
+            .replace("backend: memory", "backend: redis")
+            .replace("# url: redis://", "url: rediss://");
         let errs = errors(&yaml);
         assert!(
             errs.0
                 .iter()
-                .any(|e| e.path == path && e.message.contains("not supported yet")),
+                .any(|e| e.path == path && e.message.contains("cannot read")),
             "{field}: {errs}"
         );
     }
-    // `wait_replicas: 0` (the default, "don't wait") is accepted; any other value is refused.
-    let yaml = uncomment(&text, "wait_replicas:");
-    Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("wait_replicas: 0: {e}"));
-    let errs = errors(&yaml.replace("wait_replicas: 0", "wait_replicas: 1"));
-    assert!(
-        errs.0
-            .iter()
-            .any(|e| e.path == "store.wait_replicas" && e.message.contains("not supported yet")),
-        "{errs}"
-    );
     // The commented-out Redis URL is the default one, and valid.
     let yaml = uncomment(&text, "url: redis://").replace("backend: memory", "backend: redis");
     let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        matches!(&c.store.backend, BackendSettings::Redis { url } if url == "redis://127.0.0.1:6379/0")
+        matches!(&c.store.backend, BackendSettings::Redis { url, .. } if url == "redis://127.0.0.1:6379/0")
+    );
+}
+
+#[test]
+fn redis_password_is_read_from_a_file_or_the_environment_and_never_printed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, "s3cret-from-file\n").expect("write the password");
+    let yaml = MINIMAL.replace(
+        "upstreams:",
+        &format!(
+            "store:\n  backend: redis\n  url: redis://127.0.0.1:6379/0\n  password_file: {}\nupstreams:",
+            file.display()
+        ),
+    );
+    let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}"));
+    let BackendSettings::Redis { access, .. } = &c.store.backend else {
+        panic!("expected redis, got {:?}", c.store.backend)
+    };
+    let password = access.password.as_ref().expect("a password");
+    assert_eq!(
+        password.expose(),
+        "s3cret-from-file",
+        "trailing newline trimmed"
+    );
+    assert!(
+        !format!("{:?}", c.store).contains("s3cret"),
+        "the password is never printed: {:?}",
+        c.store
+    );
+
+    // From the environment (a variable every test process has, since `set_var` is unsafe and
+    // the crate forbids unsafe code), on a cluster this time.
+    let home = std::env::var("HOME").expect("HOME is set");
+    let yaml = MINIMAL.replace(
+        "upstreams:",
+        "store:\n  backend: redis-cluster\n  nodes: [redis://127.0.0.1:7000, redis://127.0.0.1:7001]\n  password_env: HOME\nupstreams:",
+    );
+    let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}"));
+    let BackendSettings::RedisCluster { nodes, access } = &c.store.backend else {
+        panic!("expected redis-cluster, got {:?}", c.store.backend)
+    };
+    assert_eq!(nodes.len(), 2);
+    assert_eq!(access.password.as_deref(), Some(home.as_str()));
+
+    let yaml = yaml.replace(
+        "password_env: HOME",
+        "password_env: IDEMPROXY_TEST_UNSET_VAR_2",
+    );
+    let errs = errors(&yaml);
+    assert!(
+        errs.0.iter().any(|e| e.path == "store.password_env"),
+        "an unset variable is an error: {errs}"
     );
 }

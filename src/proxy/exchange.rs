@@ -126,8 +126,13 @@ impl Exchange {
         let route = &self.route;
         // An undecodable record, or a key seen held, means an operation may have run (or be
         // running) under this key: forwarding could run it twice, whatever `on_store_error`
-        // says.
-        let policy = if matches!(e, StoreError::Corrupt(_)) || seen_held {
+        // says. So does a claim too few replicas acknowledged: the store works, and a
+        // duplicate whose claim was acknowledged may be running the operation.
+        let policy = if matches!(
+            e,
+            StoreError::Corrupt(_) | StoreError::ReplicasMissing { .. }
+        ) || seen_held
+        {
             OnStoreError::Reject
         } else {
             self.idem.on_store_error

@@ -1,4 +1,5 @@
-//! The record store: one trait, two backends (embedded memory, Redis).
+//! The record store: one trait, two backends (embedded memory; Redis, one server or a
+//! cluster).
 //!
 //! Every operation the idempotency flow needs is one atomic step on one key:
 //! - `claim`: take the key if it is free, else read what is there — one step, never
@@ -52,6 +53,21 @@ pub enum StoreError {
     /// The memory store is at `max_entries`: new claims fail rather than evict a live record.
     #[error("the memory store is full ({0} records, store.max_entries)")]
     Full(u64),
+    /// Redis took the write, but fewer than `store.wait_replicas` replicas acknowledged it
+    /// within `store.timeout`: a failover could lose it. A claim in this state has been
+    /// released again; the request is refused, never forwarded (the store works, so a
+    /// duplicate that did get its claim acknowledged may be running the operation).
+    #[error(
+        "store operation {op}: {acked} of {wanted} replicas acknowledged the write in time (store.wait_replicas)"
+    )]
+    ReplicasMissing {
+        /// The operation.
+        op: &'static str,
+        /// `store.wait_replicas`.
+        wanted: u32,
+        /// Replicas that acknowledged.
+        acked: u32,
+    },
 }
 
 /// What a claim found.
@@ -88,6 +104,12 @@ impl Held {
 /// compact buffer per record.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
+    /// How long `op` may take in all, given `store.timeout`. One round trip for most; a backend
+    /// whose operation takes several steps (Redis waiting for replicas) bounds each step by
+    /// `timeout` itself and asks for a backstop longer than their sum.
+    fn deadline(&self, _op: StoreOp, timeout: Duration) -> Duration {
+        timeout
+    }
     /// Claims `key` for `lease` if it is free (`None`); otherwise returns what it holds.
     async fn claim(
         &self,
@@ -187,11 +209,12 @@ impl StoreHandle {
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let start = tokio::time::Instant::now();
-        let result = match tokio::time::timeout(self.timeout, fut).await {
+        let deadline = self.inner.deadline(op, self.timeout);
+        let result = match tokio::time::timeout(deadline, fut).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout {
                 op: op.as_str(),
-                after: self.timeout,
+                after: deadline,
             }),
         };
         self.metrics.store_op(op, start.elapsed(), result.is_err());

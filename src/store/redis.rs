@@ -1,4 +1,5 @@
-//! The Redis store: several proxy instances sharing one Redis behave as one.
+//! The Redis store: several proxy instances sharing one Redis, or one Redis Cluster, behave as
+//! one.
 //!
 //! - The claim is one command, `SET key value NX PX lease GET` (Redis ≥ 7.0): it takes the key
 //!   if free and otherwise returns what is there, atomically and in one round trip. The replay
@@ -6,20 +7,42 @@
 //! - Renew, complete and release are Lua scripts that first compare the key's value with the
 //!   holder's whole in-progress value (which contains its random token): a holder whose lease
 //!   expired and was re-claimed by another request can never overwrite or delete the newer
-//!   claim. Scripts run by `EVALSHA` and are reloaded on `NOSCRIPT` ([`redis::Script`] does it).
-//! - One multiplexed [`ConnectionManager`], created lazily so the proxy starts while Redis is
-//!   down, and reconnecting by itself after Redis comes back. Deadlines are applied by
-//!   [`super::StoreHandle`], because a stopped Redis otherwise hangs a call forever.
+//!   claim. Scripts run by `EVALSHA` and are reloaded on `NOSCRIPT` ([`redis::Script`] does it;
+//!   on a cluster the reload goes to every node, so a promoted replica that never saw the
+//!   script gets it too).
+//! - Every command names exactly one key, so on a Redis Cluster each one is routed by its
+//!   key's slot and follows `MOVED` and `ASK` redirections like any single-key command: the
+//!   store is generic over the connection ([`RedisConnection`]), the same code on both.
+//! - One multiplexed connection (a [`ConnectionManager`], or the cluster client's connection
+//!   per node), created lazily so the proxy starts while Redis is down, and reconnecting by
+//!   itself after Redis comes back. Deadlines are applied by [`super::StoreHandle`], because a
+//!   stopped Redis otherwise hangs a call forever.
+//! - With `store.wait_replicas`, a claim and a completion also wait for replicas to acknowledge
+//!   them (`WAIT`), on a dedicated connection ([`replicas`] says why).
+//!
+//! Layout: this file holds the store; [`connect`] builds clients from the configuration,
+//! [`replicas`] the `WAIT` machinery, [`check`] the start-up checks of the servers.
 
+mod check;
+mod connect;
+mod replicas;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncCommands, Script};
-
 use bytes::Bytes;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::{AsyncCommands, RedisResult, Script, Value};
 
+pub use self::connect::{client, cluster_client};
+pub use self::replicas::MAX_DEDICATED;
+use self::replicas::Replicas;
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use crate::config::RedisAccess;
+use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
 
 const RENEW: &str = r"
@@ -28,9 +51,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0";
 
+/// Replaces the holder's claim (ARGV[1]) by the finished record (ARGV[2]). A key that already
+/// holds that very record counts as done too: the client library may send a command again
+/// after a connection error (the cluster client does), and the first attempt may have landed.
 const COMPLETE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+if v == ARGV[2] then
   return 1
 end
 return 0";
@@ -55,14 +85,98 @@ if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
 end
 return 2";
 
-/// The Redis store.
-pub struct RedisStore {
-    conn: ConnectionManager,
+/// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
+/// ([`ClusterConnection`]). Single-key commands go through [`ConnectionLike`] on both; what
+/// concerns every server goes through these methods.
+pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
+    /// Runs `cmd` on every server the store uses, giving each server's answer (an error
+    /// answer as [`Value::ServerError`]) with its `host:port`, empty for a single Redis.
+    fn on_every_node(
+        &self,
+        cmd: redis::Cmd,
+    ) -> impl Future<Output = RedisResult<Vec<(String, Value)>>> + Send;
+
+    /// Readiness: every key can be served. One Redis answers `PING`; on a cluster, the
+    /// primary of every slot does (a replica that is down serves no key).
+    fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
+}
+
+impl RedisConnection for ConnectionManager {
+    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
+        let mut conn = self.clone();
+        let value = match cmd.query_async::<Value>(&mut conn).await {
+            Ok(v) => v,
+            Err(e) => match e.try_into() {
+                Ok(server_error) => Value::ServerError(server_error),
+                Err(e) => return Err(e),
+            },
+        };
+        Ok(vec![(String::new(), value)])
+    }
+
+    async fn ping(&self) -> RedisResult<()> {
+        let mut conn = self.clone();
+        redis::cmd("PING").query_async::<String>(&mut conn).await?;
+        Ok(())
+    }
+}
+
+impl RedisConnection for ClusterConnection {
+    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
+        let mut conn = self.clone();
+        // No response policy: the cluster client then answers with a map of each node's
+        // address to its answer.
+        let answers = conn
+            .route_command(
+                cmd,
+                RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllNodes, None)),
+            )
+            .await?;
+        let Value::Map(pairs) = answers else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "a command sent to every cluster node did not answer per node",
+            )));
+        };
+        Ok(pairs
+            .into_iter()
+            .map(|(node, value)| {
+                let node = match node {
+                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                    other => format!("{other:?}"),
+                };
+                (node, value)
+            })
+            .collect())
+    }
+
+    async fn ping(&self) -> RedisResult<()> {
+        let mut conn = self.clone();
+        conn.route_command(
+            redis::cmd("PING"),
+            RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
+            )),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The Redis store, on one Redis (the default) or a Redis Cluster.
+pub struct RedisStore<C = ConnectionManager> {
+    conn: C,
+    /// `host:port` of a single Redis, for logs; empty on a cluster (nodes name themselves).
+    server: String,
+    timeout: Duration,
     renew: Script,
     complete: Script,
     release: Script,
     inspect: Script,
     forget: Script,
+    /// `store.wait_replicas` > 0 (one Redis only).
+    replicas: Option<Replicas>,
 }
 
 /// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
@@ -82,16 +196,52 @@ fn backend(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
     }
 }
 
-/// Milliseconds for `PX`, at least 1 (0 is an error in Redis).
+/// `fut` within `timeout`, as a [`StoreError::Timeout`] of `op` otherwise: for the steps of an
+/// operation made of several (a write, its `WAIT`, a release), each bounded on its own.
+async fn bounded<T>(
+    op: &'static str,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or(Err(StoreError::Timeout { op, after: timeout }))
+}
+
+/// Milliseconds for `PX` and `WAIT`, at least 1 (0 is an error for `PX`, and "forever" for
+/// `WAIT`).
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
-impl RedisStore {
+impl RedisStore<ConnectionManager> {
     /// Prepares a store for `url`. Connects lazily: the proxy starts even while Redis is down,
     /// answering 503 (or forwarding) until it is back. `timeout` bounds each connection attempt.
-    pub fn new(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(backend("connect"))?;
+        Self::with_client(client, timeout)
+    }
+
+    /// Prepares a store for one Redis as configured: `url` with the password and CA of
+    /// `access`, and with `wait_replicas` > 0, claims and completions acknowledged by that
+    /// many replicas (short acknowledgements are counted in `metrics`).
+    pub fn connect(
+        url: &str,
+        access: &RedisAccess,
+        wait_replicas: u32,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, StoreError> {
+        let client = client(url, access).map_err(backend("connect"))?;
+        let mut store = Self::with_client(client.clone(), timeout)?;
+        if wait_replicas > 0 {
+            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
+        }
+        Ok(store)
+    }
+
+    fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
+        let server = client.get_connection_info().addr().to_string();
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -100,90 +250,59 @@ impl RedisStore {
         let conn = client
             .get_connection_manager_lazy(config)
             .map_err(backend("connect"))?;
-        Ok(RedisStore {
+        Ok(RedisStore::on(conn, server, timeout))
+    }
+}
+
+impl RedisStore<ClusterConnection> {
+    /// Prepares a store for the Redis Cluster reached through `nodes`, with the password and
+    /// CA of `access`. Connects in the background: the proxy starts while the cluster is down.
+    pub fn cluster(
+        nodes: &[String],
+        access: &RedisAccess,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = cluster_client(nodes, access, timeout).map_err(backend("connect"))?;
+        let conn = connect::cluster_connection(&client, timeout);
+        Ok(RedisStore::on(conn, String::new(), timeout))
+    }
+}
+
+impl<C: RedisConnection> RedisStore<C> {
+    fn on(conn: C, server: String, timeout: Duration) -> Self {
+        RedisStore {
             conn,
+            server,
+            timeout,
             renew: Script::new(RENEW),
             complete: Script::new(COMPLETE),
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             forget: Script::new(FORGET),
-        })
+            replicas: None,
+        }
     }
 
-    /// Checks the server at start: warns loudly when Redis may evict keys (an evicted record is
-    /// a forgotten operation) or is too old for `SET NX GET`. Failures to check are logged, not
-    /// fatal: the proxy must start while Redis is down.
+    /// Checks the servers at start: warns loudly when one may evict keys (an evicted record is
+    /// a forgotten operation), is too old for `SET NX GET`, or (with `store.wait_replicas`)
+    /// has fewer replicas than it waits for. Failures to check are logged, not fatal: the
+    /// proxy must start while Redis is down.
     pub async fn check_server(&self, timeout: Duration) {
-        let mut conn = self.conn.clone();
-        let policy = tokio::time::timeout(
-            timeout,
-            redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("maxmemory-policy")
-                .query_async::<Vec<String>>(&mut conn),
-        )
-        .await;
-        match policy {
-            Ok(Ok(v)) => match v.get(1).map(String::as_str) {
-                Some("noeviction") => {
-                    tracing::info!("redis maxmemory-policy is noeviction");
-                }
-                Some(other) => tracing::warn!(
-                    policy = other,
-                    "REDIS MAY EVICT IDEMPOTENCY RECORDS: maxmemory-policy is {other}, not \
-                     noeviction. An evicted record is a forgotten operation: a retry would run \
-                     it twice. Set `maxmemory-policy noeviction` on this Redis."
-                ),
-                None => tracing::warn!(
-                    "could not read redis maxmemory-policy (CONFIG GET returned nothing); make sure it is noeviction"
-                ),
-            },
-            Ok(Err(e)) => tracing::warn!(
-                error = %e,
-                "could not read redis maxmemory-policy; make sure it is noeviction"
-            ),
-            Err(_) => tracing::warn!(
-                "redis did not answer CONFIG GET maxmemory-policy in time; make sure it is noeviction"
-            ),
-        }
-        let info = tokio::time::timeout(
-            timeout,
-            redis::cmd("INFO")
-                .arg("server")
-                .query_async::<String>(&mut conn),
-        )
-        .await;
-        if let Ok(Ok(info)) = info {
-            let version = info
-                .lines()
-                .find_map(|l| l.strip_prefix("redis_version:"))
-                .unwrap_or("")
-                .trim()
-                .to_owned();
-            let major: u32 = version
-                .split('.')
-                .next()
-                .and_then(|m| m.parse().ok())
-                .unwrap_or(0);
-            if major < 7 {
-                tracing::error!(
-                    version = %version,
-                    "redis {version} is too old: idemproxy needs Redis 7.0 or later (SET NX GET); claims will fail"
-                );
-            }
+        check::check_servers(&self.conn, &self.server, timeout).await;
+        if let Some(replicas) = &self.replicas {
+            check::check_replicas(&self.conn, &self.server, timeout, replicas.wanted()).await;
         }
     }
-}
 
-#[async_trait]
-impl Store for RedisStore {
-    async fn claim(
-        &self,
+    /// `SET key held NX PX lease GET` on `conn`. Finding our own claim there means this very
+    /// command was sent twice (a client library retries after a connection error, and the
+    /// first attempt may have landed): the claim is ours.
+    async fn set_nx_get(
+        conn: &mut impl ConnectionLike,
         key: &StoreKey,
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
-        let mut conn = self.conn.clone();
         // One atomic step: set if absent, and return the previous value if there was one.
         let previous: Option<Vec<u8>> = redis::cmd("SET")
             .arg(key.text())
@@ -192,10 +311,151 @@ impl Store for RedisStore {
             .arg("PX")
             .arg(millis(lease))
             .arg("GET")
-            .query_async(&mut conn)
+            .query_async(conn)
             .await
             .map_err(backend("claim"))?;
-        Ok(previous.map(Bytes::from))
+        Ok(previous
+            .filter(|p| p.as_slice() != held.encoded.as_ref())
+            .map(Bytes::from))
+    }
+
+    async fn complete_on(
+        &self,
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        done: &Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let n: i64 = self
+            .complete
+            .key(key.text())
+            .arg(held.encoded.as_ref())
+            .arg(done.as_ref())
+            .arg(millis(ttl))
+            .invoke_async(conn)
+            .await
+            .map_err(backend("complete"))?;
+        Ok(n == 1)
+    }
+
+    /// A claim that `replicas` must acknowledge: the `SET` and its `WAIT` on one dedicated
+    /// connection. Too few acknowledgements in time: the claim is released (holder-only, so a
+    /// claim that expired meanwhile and was taken by another request is left alone) and the
+    /// answer is [`StoreError::ReplicasMissing`], so nothing is forwarded.
+    async fn claim_acknowledged(
+        &self,
+        replicas: &Replicas,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let mut dedicated = replicas.checkout("claim").await?;
+        let previous = bounded(
+            "claim",
+            self.timeout,
+            Self::set_nx_get(dedicated.conn(), key, held, lease),
+        )
+        .await?;
+        if previous.is_some() {
+            // Nothing was written: there is nothing to wait for.
+            dedicated.give_back();
+            return Ok(previous);
+        }
+        let Err(short) = replicas.acknowledged(dedicated, StoreOp::Claim).await else {
+            return Ok(None);
+        };
+        // The release goes over the shared connection: the dedicated one may still be
+        // blocked in its WAIT, and a release needs no acknowledgement (at worst the claim
+        // outlives a failover and expires with its lease).
+        let released = bounded("release", self.timeout, self.release_on(key, held)).await;
+        match &released {
+            Ok(_) => tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                "claim not acknowledged by enough replicas (store.wait_replicas): released, 503"
+            ),
+            Err(e) => tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                error = %e,
+                "claim not acknowledged by enough replicas (store.wait_replicas), and releasing it failed: the key stays claimed until its lease expires"
+            ),
+        }
+        Err(StoreError::ReplicasMissing {
+            op: "claim",
+            wanted: replicas.wanted(),
+            acked: short.acked,
+        })
+    }
+
+    /// A completion that `replicas` should acknowledge. Once the compare-and-set has landed,
+    /// the result is saved whatever the replicas say: a short acknowledgement is logged and
+    /// counted, never an error (an error would make the caller retry a save that is done, and
+    /// the retry would find no claim and report a lost lease).
+    async fn complete_acknowledged(
+        &self,
+        replicas: &Replicas,
+        key: &StoreKey,
+        held: &Held,
+        done: &Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut dedicated = replicas.checkout("complete").await?;
+        let saved = bounded(
+            "complete",
+            self.timeout,
+            self.complete_on(dedicated.conn(), key, held, done, ttl),
+        )
+        .await?;
+        if !saved {
+            return Ok(false);
+        }
+        if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Complete).await {
+            tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                "saved result not acknowledged by enough replicas (store.wait_replicas): a failover now could lose it"
+            );
+        }
+        Ok(true)
+    }
+
+    async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .release
+            .key(key.text())
+            .arg(held.encoded.as_ref())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend("release"))?;
+        Ok(n == 1)
+    }
+}
+
+#[async_trait]
+impl<C: RedisConnection> Store for RedisStore<C> {
+    fn deadline(&self, op: StoreOp, timeout: Duration) -> Duration {
+        match (op, &self.replicas) {
+            // Several steps, each bounded by `timeout` on its own (checkout and write, WAIT
+            // with its grace, a release): this outer deadline is only a backstop, longer than
+            // their sum, so that it never cuts a completion whose write has landed.
+            (StoreOp::Claim | StoreOp::Complete, Some(_)) => timeout * 5,
+            _ => timeout,
+        }
+    }
+
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        match &self.replicas {
+            Some(replicas) => self.claim_acknowledged(replicas, key, held, lease).await,
+            None => Self::set_nx_get(&mut self.conn.clone(), key, held, lease).await,
+        }
     }
 
     async fn renew(
@@ -223,29 +483,20 @@ impl Store for RedisStore {
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        let n: i64 = self
-            .complete
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .arg(done.as_ref())
-            .arg(millis(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("complete"))?;
-        Ok(n == 1)
+        match &self.replicas {
+            Some(replicas) => {
+                self.complete_acknowledged(replicas, key, held, &done, ttl)
+                    .await
+            }
+            None => {
+                self.complete_on(&mut self.conn.clone(), key, held, &done, ttl)
+                    .await
+            }
+        }
     }
 
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        let n: i64 = self
-            .release
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("release"))?;
-        Ok(n == 1)
+        self.release_on(key, held).await
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
@@ -255,12 +506,7 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING")
-            .query_async(&mut conn)
-            .await
-            .map_err(backend("ping"))?;
-        Ok(())
+        self.conn.ping().await.map_err(backend("ping"))
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {

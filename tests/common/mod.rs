@@ -8,13 +8,18 @@
 //!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
 //! - [`relay::Relay`]: a TCP relay in front of Redis or the upstream that adds latency,
 //!   blackholes, resets or cuts connections on command.
+//! - [`cluster::RedisCluster`]: a Redis Cluster (primaries and replicas) on loopback, with
+//!   slot migration and coordinated failover; [`secured::SecuredRedis`]: a Redis that wants
+//!   TLS (a test CA) and/or a password.
 //! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
 //!   effects) and, for the Redis backend, its own Redis.
 //!
 //! Every behaviour test is written once and run against both stores with [`both_stores!`].
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod relay;
+pub mod secured;
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
