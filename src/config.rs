@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use http::uri::Scheme;
 use http::{HeaderName, Method, Uri};
 use serde::{Deserialize, Deserializer};
 
@@ -20,6 +21,7 @@ use crate::route::PathPattern;
 pub use crate::route::{
     FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
 };
+use crate::tls::{ClientTls, ServerTls, TlsFile};
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
@@ -72,6 +74,9 @@ impl ConfigErrors {
 pub struct RawConfig {
     /// Address the proxy listens on. Required.
     pub listen: String,
+    /// TLS on that listener. Default: none (plain HTTP, for a terminating load balancer).
+    #[serde(default)]
+    pub tls: Option<RawTls>,
     /// Address of the admin server (health, readiness, metrics, key tooling).
     #[serde(default)]
     pub admin_listen: Option<String>,
@@ -99,6 +104,16 @@ pub struct RawConfig {
     /// Bounds on what clients may hold: connections, slow requests, detached work.
     #[serde(default)]
     pub limits: RawLimits,
+}
+
+/// `tls:` as written: the listener's certificate chain and key, both PEM files.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    /// The certificate chain, leaf first. Required.
+    pub cert_file: String,
+    /// The leaf's private key (PKCS#8, PKCS#1 or SEC1), unencrypted. Required.
+    pub key_file: String,
 }
 
 /// `limits:` as written: what hostile or broken clients may hold at most.
@@ -240,6 +255,10 @@ pub struct RawUpstream {
     /// than the 2s after which gunicorn drops idle connections, and Node's 5s. `0s`: no pooling.
     #[serde(default = "defaults::pool_idle_timeout", with = "duration")]
     pub pool_idle_timeout: Duration,
+    /// https: a PEM file of the CA certificates to trust instead of the Mozilla roots.
+    /// Default: none (the Mozilla roots).
+    #[serde(default)]
+    pub ca_file: Option<String>,
 }
 
 /// `routes[i]:` as written.
@@ -517,6 +536,8 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 pub struct Config {
     /// Where the proxy listens.
     pub listen: SocketAddr,
+    /// TLS on the listener, if any.
+    pub tls: Option<ServerTls>,
     /// Where the admin endpoints listen, if anywhere.
     pub admin_listen: Option<SocketAddr>,
     /// The admin token that turns the key tooling on (read from a file or the environment).
@@ -626,6 +647,12 @@ pub struct UpstreamSettings {
     pub timeout: Duration,
     /// A pooled connection idle this long is not reused.
     pub pool_idle_timeout: Duration,
+    /// What an https connection to it trusts (`ca_file`, else the Mozilla roots).
+    pub tls: ClientTls,
+    /// The `X-Forwarded-Proto` it is sent: the scheme of the proxy's own listener (`https`
+    /// with `tls:`), resolved at load because one listener has one scheme, so a request
+    /// only copies it.
+    pub forwarded_proto: Scheme,
 }
 
 /// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
@@ -723,6 +750,23 @@ impl RawConfig {
                 }
             },
         };
+        let tls = self.tls.as_ref().and_then(|t| {
+            ServerTls::load(&t.cert_file, &t.key_file)
+                .map_err(|errors| {
+                    for (file, message) in errors {
+                        let field = match file {
+                            TlsFile::Cert => "tls.cert_file",
+                            TlsFile::Key => "tls.key_file",
+                        };
+                        err(field.into(), message);
+                    }
+                })
+                .ok()
+        });
+        let forwarded_proto = match self.tls {
+            Some(_) => Scheme::HTTPS,
+            None => Scheme::HTTP,
+        };
         let admin_token = secret(
             "admin_token",
             self.admin_token_file.as_deref(),
@@ -754,7 +798,7 @@ impl RawConfig {
         let mut upstreams = BTreeMap::new();
         for (name, up) in &self.upstreams {
             let path = format!("upstreams.{name}");
-            if let Some(u) = validate_upstream(name, up, &path, &mut err) {
+            if let Some(u) = validate_upstream(name, up, &path, &forwarded_proto, &mut err) {
                 upstreams.insert(name.clone(), u);
             }
         }
@@ -789,6 +833,7 @@ impl RawConfig {
         match (listen, store) {
             (Some(listen), Some(store)) => Ok(Config {
                 listen,
+                tls,
                 admin_listen,
                 admin_token,
                 log_format: self.log_format,
@@ -1251,6 +1296,7 @@ fn validate_upstream(
     name: &str,
     up: &RawUpstream,
     path: &str,
+    forwarded_proto: &Scheme,
     err: &mut impl FnMut(String, String),
 ) -> Option<UpstreamSettings> {
     let mut ok = true;
@@ -1305,13 +1351,32 @@ fn validate_upstream(
             None
         }
     };
-    match url {
-        Some(url) if ok => Some(UpstreamSettings {
+    let https = url.as_ref().and_then(Uri::scheme) == Some(&Scheme::HTTPS);
+    let tls = match &up.ca_file {
+        // A CA file on a cleartext upstream would be silently unused: say so instead.
+        Some(_) if url.is_some() && !https => Err((
+            format!("{path}.ca_file"),
+            "applies to https:// upstreams only; this url is http://".to_owned(),
+        )),
+        Some(file) => ClientTls::private_roots(file).map_err(|m| (format!("{path}.ca_file"), m)),
+        None => ClientTls::public_roots().map_err(|m| (path.to_owned(), m)),
+    };
+    let tls = match tls {
+        Ok(tls) => Some(tls),
+        Err((field, message)) => {
+            err(field, message);
+            None
+        }
+    };
+    match (url, tls) {
+        (Some(url), Some(tls)) if ok => Some(UpstreamSettings {
             name: name.to_owned(),
             url,
             connect_timeout: up.connect_timeout,
             timeout: up.timeout,
             pool_idle_timeout: up.pool_idle_timeout,
+            tls,
+            forwarded_proto: forwarded_proto.clone(),
         }),
         _ => None,
     }

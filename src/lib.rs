@@ -20,6 +20,7 @@
 //! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
 //! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.
+//! - [`tls`]: certificates and keys read at load — the listener's, and each upstream's roots.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.
 //! - `demo`: the configuration and instructions of `idemproxy demo`.
@@ -40,6 +41,7 @@ pub mod route;
 pub mod server;
 pub mod shutdown;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 
 pub use demo::{demo_config, demo_instructions};

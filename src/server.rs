@@ -1,5 +1,5 @@
-//! The listener: accepts connections, serves them with hyper (HTTP/1.1 and h2c), and shuts down
-//! gracefully.
+//! The listener: accepts connections, serves them with hyper (HTTP/1.1 and h2c, or with `tls:`
+//! HTTP/1.1 and h2 over TLS), and shuts down gracefully.
 //!
 //! On shutdown it stops accepting, lets requests in flight finish, and waits for the
 //! background tasks (upstream calls whose client left, saves being retried) so that every
@@ -16,6 +16,8 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
@@ -138,10 +140,18 @@ pub async fn serve(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEAD_BYTES as u32);
+    // Shared by every connection task; each connection borrows it for its whole life.
+    let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
+    let tls = proxy
+        .config()
+        .tls
+        .as_ref()
+        .map(crate::tls::ServerTls::acceptor);
+    let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(
         addr = %listener.local_addr()?,
-        "idemproxy listening on http://{}",
+        "idemproxy listening on {scheme}://{}",
         listener.local_addr()?
     );
     // At most `max_connections` open: past it, accepting pauses and new connections wait in
@@ -178,20 +188,41 @@ pub async fn serve(
             let proxy = proxy_for_conn.clone();
             async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
         });
-        let conn = graceful.watch(
-            builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned(),
-        );
-        let first_request_by = limits.header_read_timeout;
+        // Taken before the task starts, so that a shutdown beginning during a TLS handshake
+        // still waits for this connection (and tells it to close once it is served).
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        let tls = tls.clone();
+        // One deadline from the accept for the TLS handshake and the first request head: a
+        // client that connects and stalls anywhere before its first request is closed by it.
+        let first_request_by = Instant::now() + limits.header_read_timeout;
         tokio::spawn(async move {
             let _slot = slot;
+            // The handshake runs here, in the connection's own task, never in the accept loop:
+            // a slow or silent client holds only its own connection.
+            let stream = match tls {
+                None => Either::Left(stream),
+                Some(acceptor) => {
+                    match tokio::time::timeout_at(first_request_by, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => Either::Right(tls),
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "no TLS handshake within limits.header_read_timeout: closing");
+                            return;
+                        }
+                    }
+                }
+            };
+            let conn = watcher.watch(builder.serve_connection(TokioIo::new(stream), svc));
             tokio::pin!(conn);
             // hyper bounds a head once it is reading one, but not the bytes before it knows
             // HTTP/1 from HTTP/2: a client that connects and stays silent is closed here.
             let result = tokio::select! {
                 r = &mut conn => r,
-                () = tokio::time::sleep(first_request_by) => {
+                () = tokio::time::sleep_until(first_request_by) => {
                     if started.load(Ordering::Relaxed) {
                         conn.await
                     } else {

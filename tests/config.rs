@@ -81,6 +81,9 @@ fn errors(yaml: &str) -> ConfigErrors {
     }
 }
 
+/// A readable file that holds no PEM at all.
+const NOT_PEM: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+
 /// One row: the file, the field path its error must name ("" for the document itself), and
 /// words the error must contain.
 struct Row {
@@ -225,6 +228,16 @@ fn table() -> Vec<Row> {
         row("redis ca_file unreadable", store("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["cannot read", "/nonexistent/redis-ca.pem"]),
         row("redis ca_file not PEM", store(concat!("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: ", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")), "store.ca_file", &["no PEM certificate", "Cargo.toml"]),
         row("redis ca_file without rediss", store("backend: redis\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["rediss://"]),
+        // TLS files (tests/tls.rs has the rows that need real certificates).
+        row("tls cert_file unreadable", top("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem"), "tls.cert_file", &["cannot read", "/nonexistent/cert.pem"]),
+        row("tls key_file unreadable", top("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem"), "tls.key_file", &["cannot read", "/nonexistent/key.pem"]),
+        row("tls cert_file not PEM", top(&format!("tls:\n  cert_file: {NOT_PEM}\n  key_file: {NOT_PEM}")), "tls.cert_file", &["no certificate", "Cargo.toml"]),
+        row("tls key_file not PEM", top(&format!("tls:\n  cert_file: {NOT_PEM}\n  key_file: {NOT_PEM}")), "tls.key_file", &["no private key", "Cargo.toml"]),
+        row("tls without key_file", top("tls:\n  cert_file: /nonexistent/cert.pem"), "tls", &["missing field", "key_file"]),
+        row("unknown tls field", top("tls:\n  cert_file: a\n  key_file: b\n  ciphers: all"), "tls.ciphers", &["unknown field", "ciphers"]),
+        row("ca_file unreadable", upstream("url: https://127.0.0.1:8443\nca_file: /nonexistent/ca.pem"), "upstreams.booking.ca_file", &["cannot read", "/nonexistent/ca.pem"]),
+        row("ca_file not PEM", upstream(&format!("url: https://127.0.0.1:8443\nca_file: {NOT_PEM}")), "upstreams.booking.ca_file", &["no certificate", "Cargo.toml"]),
+        row("ca_file on an http upstream", upstream("url: http://127.0.0.1:8081\nca_file: /nonexistent/ca.pem"), "upstreams.booking.ca_file", &["https://"]),
         // The document itself.
         row("empty file", String::new(), "", &["empty", "listen"]),
         row("only whitespace", "  \n\n".to_owned(), "", &["empty", "listen"]),
@@ -602,6 +615,11 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "password_env:",
         "upstreams:",
         "connect_timeout:",
+        "pool_idle_timeout:",
+        "ca_file:",
+        "tls:",
+        "cert_file:",
+        "key_file:",
         "routes:",
         "name:",
         "methods:",

@@ -78,6 +78,8 @@ pub struct Upstream {
     timeout: Duration,
     /// `idemproxy_upstream_duration_seconds` of this upstream.
     duration: Histogram,
+    /// The `X-Forwarded-Proto` value: the listener's scheme, fixed at start.
+    forwarded_proto: HeaderValue,
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -124,14 +126,15 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 impl Upstream {
-    /// Builds the client. TLS roots are the Mozilla set (webpki-roots).
+    /// Builds the client. An https upstream trusts what its settings say: the certificates of
+    /// `ca_file`, or else the Mozilla roots (webpki-roots).
     pub fn new(settings: &UpstreamSettings, duration: Histogram) -> Upstream {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(settings.connect_timeout));
         http.set_nodelay(true);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
+            .with_tls_config(settings.tls.client_config())
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
@@ -163,6 +166,8 @@ impl Upstream {
             fresh,
             timeout: settings.timeout,
             duration,
+            forwarded_proto: HeaderValue::from_str(settings.forwarded_proto.as_str())
+                .unwrap_or(HeaderValue::from_static("http")),
         }
     }
 
@@ -219,7 +224,7 @@ impl Upstream {
         if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(xff)) {
             headers.insert(X_FORWARDED_FOR, v);
         }
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        headers.insert(X_FORWARDED_PROTO, self.forwarded_proto.clone());
         match host {
             Some(h) => {
                 headers.insert(X_FORWARDED_HOST, h);
@@ -420,18 +425,40 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 mod tests {
     use super::*;
 
+    fn settings(forwarded_proto: http::uri::Scheme) -> UpstreamSettings {
+        UpstreamSettings {
+            name: "booking".into(),
+            url: "http://127.0.0.1:9/api/".parse().expect("uri"),
+            connect_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            pool_idle_timeout: Duration::from_secs(1),
+            tls: crate::tls::ClientTls::public_roots().expect("the Mozilla roots"),
+            forwarded_proto,
+        }
+    }
+
+    #[tokio::test]
+    async fn x_forwarded_proto_is_the_listeners_scheme() {
+        for scheme in [http::uri::Scheme::HTTP, http::uri::Scheme::HTTPS] {
+            let up = Upstream::new(&settings(scheme.clone()), Histogram::new([0.1]));
+            let (parts, ()) = Request::builder()
+                .uri("/bookings")
+                // A client's own claim is replaced, never passed on.
+                .header("x-forwarded-proto", "gopher")
+                .body(())
+                .expect("request")
+                .into_parts();
+            let client: SocketAddr = "127.0.0.7:5555".parse().expect("addr");
+            let req = up
+                .request(parts, body::empty(), client, None)
+                .expect("request");
+            assert_eq!(req.headers()["x-forwarded-proto"], scheme.as_str());
+        }
+    }
+
     #[tokio::test]
     async fn the_upstream_request_is_rebased_and_carries_forwarding_headers() {
-        let up = Upstream::new(
-            &UpstreamSettings {
-                name: "booking".into(),
-                url: "http://127.0.0.1:9/api/".parse().expect("uri"),
-                connect_timeout: Duration::from_secs(1),
-                timeout: Duration::from_secs(1),
-                pool_idle_timeout: Duration::from_secs(1),
-            },
-            Histogram::new([0.1]),
-        );
+        let up = Upstream::new(&settings(http::uri::Scheme::HTTP), Histogram::new([0.1]));
         let (parts, ()) = Request::builder()
             .method("POST")
             .uri("/bookings?x=1")
