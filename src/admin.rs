@@ -5,7 +5,7 @@
 //! | `GET /healthz` | `200` while the process serves |
 //! | `GET /readyz` | `200` when the store answers within `store.timeout`; `503` when it does not, and while draining after SIGTERM (so a load balancer stops sending) |
 //! | `GET /metrics` | Prometheus text (OpenMetrics) |
-//! | `GET /keys/ROUTE?key=K&scope=Name:%20value` or `GET /keys/ROUTE/HASH` | one record: state, fingerprint, saved status, header names, body size, age and remaining TTL; the body only with `&body=true` |
+//! | `GET /keys/ROUTE?key=K&scope=Name:%20value`, `GET /keys/ROUTE?part=V1&part=V2…` (a `key_from` route's part values, in order) or `GET /keys/ROUTE/HASH` | one record: state, fingerprint, saved status, header names, body size, age and remaining TTL; the body only with `&body=true` |
 //! | `DELETE /keys/ROUTE?key=K…` or `DELETE /keys/ROUTE/HASH` | forgets a finished record (`409` for a claim in flight, which is never forgotten); logged |
 //!
 //! The `/keys` endpoints reveal and change records, so they exist only when an admin token is
@@ -161,6 +161,22 @@ fn refusal(status: StatusCode, why: &'static str) -> Refusal {
     Refusal(status, why)
 }
 
+/// The `scope=Name: value` parameters as headers.
+fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, Refusal> {
+    let mut scope = HeaderMap::new();
+    for (_, v) in pairs.iter().filter(|(k, _)| k == "scope") {
+        let (name, value) = v
+            .split_once(':')
+            .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "scope is Name: value"))?;
+        let name = HeaderName::from_bytes(name.trim().as_bytes())
+            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header name"))?;
+        let value = HeaderValue::from_str(value.trim_start())
+            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header value"))?;
+        scope.append(name, value);
+    }
+    Ok(scope)
+}
+
 /// Which record a `/keys/…` request names: `ROUTE/HASH`, or `ROUTE?key=K&scope=Name: value`.
 fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal> {
     let (route, hash) = match rest.split_once('/') {
@@ -182,6 +198,22 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
             proxy.store_key_of_id(route, id)
         }
         None => {
+            let scope = scope_headers(&pairs)?;
+            let parts: Vec<String> = pairs
+                .iter()
+                .filter(|(k, _)| k == "part")
+                .map(|(_, v)| v.clone())
+                .collect();
+            if !parts.is_empty() {
+                return proxy
+                    .derived_store_key(route, &scope, &parts)
+                    .map_err(|_| {
+                        refusal(
+                            StatusCode::BAD_REQUEST,
+                            "part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts)",
+                        )
+                    });
+            }
             let key = pairs
                 .iter()
                 .find(|(k, _)| k == "key")
@@ -192,17 +224,6 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
                         "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
                     )
                 })?;
-            let mut scope = HeaderMap::new();
-            for (_, v) in pairs.iter().filter(|(k, _)| k == "scope") {
-                let (name, value) = v
-                    .split_once(':')
-                    .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "scope is Name: value"))?;
-                let name = HeaderName::from_bytes(name.trim().as_bytes())
-                    .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header name"))?;
-                let value = HeaderValue::from_str(value.trim_start())
-                    .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header value"))?;
-                scope.append(name, value);
-            }
             proxy.store_key(route, &scope, &key)
         }
     };
@@ -380,6 +401,7 @@ pub mod client {
     pub fn record_path(
         route: &str,
         key: Option<&str>,
+        parts: &[String],
         scope: &[String],
         hash: Option<&str>,
         body: bool,
@@ -387,6 +409,9 @@ pub mod client {
         let mut query = form_urlencoded::Serializer::new(String::new());
         if let Some(key) = key {
             query.append_pair("key", key);
+        }
+        for p in parts {
+            query.append_pair("part", p);
         }
         for s in scope {
             query.append_pair("scope", s);

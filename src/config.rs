@@ -312,6 +312,9 @@ pub struct RawIdempotency {
     /// What makes two requests "the same". Default `[method, path, query, body]`.
     #[serde(default = "defaults::fingerprint")]
     pub fingerprint: Vec<String>,
+    /// Parts to derive the key from when the request has no key header. Default: none.
+    #[serde(default)]
+    pub key_from: Vec<String>,
     /// `reject` (default) or `wait`.
     #[serde(default)]
     pub on_conflict: OnConflict,
@@ -350,6 +353,7 @@ impl Default for RawIdempotency {
             lock_ttl: defaults::lock_ttl(),
             scope: defaults::scope(),
             fingerprint: defaults::fingerprint(),
+            key_from: Vec::new(),
             on_conflict: OnConflict::default(),
             wait_timeout: defaults::wait_timeout(),
             on_store_error: OnStoreError::default(),
@@ -1453,7 +1457,8 @@ fn validate_route(
     let idempotency = match &r.idempotency {
         None => None,
         Some(i) => {
-            let compiled = validate_idempotency(i, &format!("{path}.idempotency"), err);
+            let compiled =
+                validate_idempotency(i, &format!("{path}.idempotency"), pattern.as_ref(), err);
             if compiled.is_none() {
                 ok = false;
             }
@@ -1489,6 +1494,7 @@ fn header_name(
 fn validate_idempotency(
     i: &RawIdempotency,
     path: &str,
+    pattern: Option<&PathPattern>,
     err: &mut impl FnMut(String, String),
 ) -> Option<IdempotencySettings> {
     let mut ok = true;
@@ -1554,6 +1560,7 @@ fn validate_idempotency(
             "path" => Some(FingerprintPart::Path),
             "query" => Some(FingerprintPart::Query),
             "body" => Some(FingerprintPart::Body),
+            "json" => Some(FingerprintPart::Json),
             other => match other.strip_prefix("header:") {
                 Some(name) => header_name(name.trim(), format!("{path}.fingerprint[{j}]"), err)
                     .map(FingerprintPart::Header),
@@ -1561,7 +1568,7 @@ fn validate_idempotency(
                     err(
                         format!("{path}.fingerprint[{j}]"),
                         format!(
-                            "unknown fingerprint part {other:?}; expected method, path, query, body or header:NAME"
+                            "unknown fingerprint part {other:?}; expected method, path, query, body, json or header:NAME"
                         ),
                     );
                     None
@@ -1571,6 +1578,29 @@ fn validate_idempotency(
         match part {
             Some(p) => fingerprint.push(p),
             None => ok = false,
+        }
+    }
+    let mut key_from = Vec::new();
+    for (j, text) in i.key_from.iter().enumerate() {
+        let field = format!("{path}.key_from[{j}]");
+        match crate::derive::KeyPart::parse(text) {
+            Ok(crate::derive::KeyPart::Path(name))
+                if pattern.is_some_and(|p| !p.has_param(&name)) =>
+            {
+                err(
+                    field,
+                    format!(
+                        "path:{name} names no segment of the route's path {:?}; write the path with {{{name}}}",
+                        pattern.map(|p| p.as_str()).unwrap_or("")
+                    ),
+                );
+                ok = false;
+            }
+            Ok(part) => key_from.push(part),
+            Err(message) => {
+                err(field, message);
+                ok = false;
+            }
         }
     }
     for (j, s) in i.retry_statuses.iter().enumerate() {
@@ -1606,6 +1636,7 @@ fn validate_idempotency(
             max_response_body: i.max_response_body,
             replay_set_cookie: i.replay_set_cookie,
             forward_key: i.forward_key,
+            key_from,
         }),
         _ => None,
     }

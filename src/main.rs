@@ -56,11 +56,15 @@ struct RecordArgs {
     #[arg(long)]
     route: String,
     /// The key, as the client sent it.
-    #[arg(long, conflicts_with = "hash", required_unless_present = "hash")]
+    #[arg(long, conflicts_with_all = ["hash", "part"], required_unless_present_any = ["hash", "part"])]
     key: Option<String>,
+    /// On a `key_from` route, a part value of the derived key (repeat, in the configured
+    /// order; JSON text for `json:` parts, e.g. '"dup"' or 42).
+    #[arg(long = "part", conflicts_with = "hash")]
+    part: Vec<String>,
     /// A scope header of the caller, `Name: value` (repeat for each; default scope is
     /// Authorization).
-    #[arg(long = "scope", requires = "key")]
+    #[arg(long = "scope")]
     scope: Vec<String>,
     /// The key's hash, as the logs show it (64 hex digits).
     #[arg(long)]
@@ -192,6 +196,7 @@ async fn keys(action: KeysAction) -> ExitCode {
     let path = client::record_path(
         &record.route,
         record.key.as_deref(),
+        &record.part,
         &record.scope,
         record.hash.as_deref(),
         body,

@@ -200,6 +200,7 @@ pub struct Metrics {
     /// Memory store: its bound.
     pub memory_max_entries: Gauge,
     lease_renewals: Family<RouteLabel, Counter>,
+    derived_keys: Family<RouteLabel, Counter>,
     /// Per store operation (claim, complete): writes fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
     replica_acks_missing: Family<OpLabel, Counter>,
@@ -213,6 +214,7 @@ pub struct RouteMetrics {
     unprotected: Counter,
     saves_abandoned: Counter,
     lease_renewals: Counter,
+    derived_keys: Counter,
     lost_leases_total: Arc<AtomicU64>,
 }
 
@@ -229,6 +231,11 @@ impl RouteMetrics {
     pub fn lost_lease(&self) {
         self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
         self.lost_leases.inc();
+    }
+
+    /// Counts a request whose key was derived (`key_from`).
+    pub fn derived_key(&self) {
+        self.derived_keys.inc();
     }
 
     /// Counts a lease renewal.
@@ -321,6 +328,12 @@ impl Metrics {
         let memory_records = Gauge::default();
         let memory_max_entries = Gauge::default();
         let lease_renewals = Family::<RouteLabel, Counter>::default();
+        let derived_keys = Family::<RouteLabel, Counter>::default();
+        registry.register(
+            "idemproxy_derived_keys",
+            "Requests whose key was derived from the request (key_from), not sent",
+            derived_keys.clone(),
+        );
         registry.register(
             "idemproxy_memory_store_records",
             "Records the memory store holds (expired ones not yet swept included)",
@@ -369,6 +382,7 @@ impl Metrics {
             memory_records,
             memory_max_entries,
             lease_renewals,
+            derived_keys,
             replica_acks_missing,
             requests,
             request_duration,
@@ -403,6 +417,7 @@ impl Metrics {
             unprotected: self.unprotected.get_or_create(&label).clone(),
             saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
             lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
+            derived_keys: self.derived_keys.get_or_create(&label).clone(),
             lost_leases_total: self.lost_leases_total.clone(),
         }
     }

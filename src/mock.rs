@@ -1385,7 +1385,9 @@ mod tests {
         for (body, expected) in [
             ("{}", json!({})),
             (
-                " [1, -2.5e3, true, false, null, \"a\\u00e9\\n\"] ",
+                // Numbers keep their text (serde_json's arbitrary_precision, which the proxy's
+                // key derivation needs), so compare a spelling that round-trips.
+                " [1, -2500.0, true, false, null, \"a\\u00e9\\n\"] ",
                 json!([1, -2500.0, true, false, null, "a\u{e9}\n"]),
             ),
             (r#"{"a":{"b":[{}]}}"#, json!({"a": {"b": [{}]}})),
@@ -1405,7 +1407,6 @@ mod tests {
             "tru",
             "-",
             "1.",
-            "1e400",
             "\"\\ud800\"",
         ] {
             assert_eq!(body_json(text.as_bytes()), json!(text), "{text}");

@@ -91,6 +91,11 @@ pub enum Problem {
     Overloaded,
     /// The proxy failed inside (500); it may not have finished the exchange.
     Internal,
+    /// A `key_from` part could not be read from the request (400); nothing claimed.
+    UnreadableKeyPart {
+        /// Which part, and why.
+        detail: String,
+    },
 }
 
 impl Problem {
@@ -130,6 +135,7 @@ impl Problem {
             Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::Overloaded => "overloaded",
             Problem::Internal => "internal-error",
+            Problem::UnreadableKeyPart { .. } => "unreadable-key-part",
         }
     }
 
@@ -152,6 +158,7 @@ impl Problem {
             Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Problem::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Problem::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Problem::UnreadableKeyPart { .. } => StatusCode::BAD_REQUEST,
         }
     }
 
@@ -175,6 +182,7 @@ impl Problem {
             Problem::BodyTimeout { .. } => "Request body not received in time",
             Problem::Overloaded => "Too much unfinished work",
             Problem::Internal => "Internal proxy error",
+            Problem::UnreadableKeyPart { .. } => "Idempotency key cannot be derived",
         }
     }
 
@@ -220,6 +228,9 @@ impl Problem {
             ),
             Problem::Overloaded => "The proxy is finishing too many requests whose clients left; nothing was done. Retry later with the same key.".into(),
             Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
+            Problem::UnreadableKeyPart { detail } => format!(
+                "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
+            ),
         }
     }
 
@@ -320,6 +331,9 @@ mod tests {
             },
             Problem::Overloaded,
             Problem::Internal,
+            Problem::UnreadableKeyPart {
+                detail: "key_from part json:/a cannot be read: the body is not JSON".into(),
+            },
         ]
     }
 

@@ -184,8 +184,15 @@ impl Entry {
                         for _ in 0..n {
                             let name_len = usize::from(take_u16(&mut b)?);
                             let name = take_slice(&mut b, name_len)?;
-                            let name = HeaderName::from_bytes(name)
+                            let parsed = HeaderName::from_bytes(name)
                                 .map_err(|_| DecodeError("invalid header name"))?;
+                            // The encoder writes names as `HeaderName` holds them, lower-case:
+                            // other bytes are not a record this proxy wrote, and one entry
+                            // must have one encoding.
+                            if parsed.as_str().as_bytes() != name {
+                                return Err(DecodeError("header name not in lower case"));
+                            }
+                            let name = parsed;
                             let value_len = take_u32(&mut b)? as usize;
                             let start = at(b);
                             take_slice(&mut b, value_len)?;

@@ -14,8 +14,8 @@ use serde::Deserialize;
 enum Segment {
     /// Must equal this text.
     Literal(String),
-    /// `{name}`: any one non-empty segment.
-    Param,
+    /// `{name}`: any one non-empty segment, captured under its name (`key_from: path:NAME`).
+    Param(String),
 }
 
 /// A compiled path pattern: exact segments, `{param}` segments, an optional trailing `/*`.
@@ -56,12 +56,17 @@ impl PathPattern {
                     .strip_prefix('{')
                     .and_then(|p| p.strip_suffix('}'))
                     .filter(|n| !n.is_empty() && !n.contains(['{', '}']));
-                if name.is_none() {
+                let Some(name) = name else {
                     return Err(format!(
                         "invalid path {text:?}: a parameter is a whole segment like {{id}}"
                     ));
+                };
+                if segments.contains(&Segment::Param(name.to_owned())) {
+                    return Err(format!(
+                        "invalid path {text:?}: the parameter {{{name}}} appears twice"
+                    ));
                 }
-                segments.push(Segment::Param);
+                segments.push(Segment::Param(name.to_owned()));
             } else if part.contains(['{', '}', '*', '?', '#']) {
                 return Err(format!(
                     "invalid path {text:?}: segment {part:?} mixes text with '{{', '}}', '*', '?' or '#'"
@@ -87,11 +92,32 @@ impl PathPattern {
         for seg in &self.segments {
             match (seg, parts.next()) {
                 (Segment::Literal(want), Some(got)) if want == got => {}
-                (Segment::Param, Some(got)) if !got.is_empty() => {}
+                (Segment::Param(_), Some(got)) if !got.is_empty() => {}
                 _ => return false,
             }
         }
         self.rest || parts.next().is_none()
+    }
+
+    /// The segment of `path` that the parameter `{name}` matches, as sent (percent-encoded);
+    /// `None` when the pattern has no such parameter or `path` does not match.
+    pub fn capture<'p>(&self, path: &'p str, name: &str) -> Option<&'p str> {
+        if !self.matches(path) {
+            return None;
+        }
+        let body = path.strip_prefix('/').unwrap_or(path);
+        self.segments
+            .iter()
+            .zip(body.split('/'))
+            .find_map(|(seg, got)| match seg {
+                Segment::Param(n) if n == name => Some(got),
+                _ => None,
+            })
+    }
+
+    /// Whether the pattern has a `{name}` parameter.
+    pub fn has_param(&self, name: &str) -> bool {
+        self.segments.contains(&Segment::Param(name.to_owned()))
     }
 
     /// The pattern as written.
@@ -133,6 +159,9 @@ pub enum FingerprintPart {
     Query,
     /// The request body.
     Body,
+    /// The request body as canonical JSON (key order, whitespace and number spelling do not
+    /// count); the raw bytes when it is not JSON.
+    Json,
     /// The values of one request header.
     Header(HeaderName),
 }
@@ -170,6 +199,8 @@ pub struct IdempotencySettings {
     pub replay_set_cookie: bool,
     /// Forward the key header upstream.
     pub forward_key: bool,
+    /// Parts to derive a key from when the request has no key header (empty: none).
+    pub key_from: Vec<crate::derive::KeyPart>,
 }
 
 /// What to do with a repeat that arrives while the first request is still in flight.
@@ -243,8 +274,29 @@ mod tests {
     }
 
     #[test]
+    fn named_params_are_captured() {
+        let pat = p("/tickets/{ticket_id}/refunds/{n}");
+        assert!(pat.has_param("ticket_id") && pat.has_param("n") && !pat.has_param("id"));
+        assert_eq!(
+            pat.capture("/tickets/T%2D1/refunds/2", "ticket_id"),
+            Some("T%2D1")
+        );
+        assert_eq!(pat.capture("/tickets/T-1/refunds/2", "n"), Some("2"));
+        assert_eq!(pat.capture("/tickets/T-1", "ticket_id"), None, "no match");
+        assert_eq!(pat.capture("/tickets/T-1/refunds/2", "x"), None);
+    }
+
+    #[test]
     fn bad_patterns_are_refused() {
-        for bad in ["bookings", "/a/*/b", "/a/{", "/a/x{id}", "/a//b", "/a/{}"] {
+        for bad in [
+            "bookings",
+            "/a/*/b",
+            "/a/{",
+            "/a/x{id}",
+            "/a//b",
+            "/a/{}",
+            "/a/{x}/{x}",
+        ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad} should be refused");
         }
     }

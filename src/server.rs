@@ -26,8 +26,11 @@ use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
 use crate::store::{Store, StoreError, StoreHandle};
 
-/// At most this many request headers.
-const MAX_HEADERS: usize = 100;
+/// At most this many request headers: 100 (hyper's and many servers' limit) less the three
+/// `X-Forwarded-*` the proxy adds. A request the upstream would refuse while parsing must be
+/// refused here, before a claim: otherwise the upstream's 431 would be saved as the operation's
+/// result and replayed to every retry, though nothing ran.
+const MAX_HEADERS: usize = 97;
 /// At most this many bytes of request head (HTTP/1.1 buffer; HTTP/2 header list).
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 

@@ -147,6 +147,14 @@ fn table() -> Vec<Row> {
         row("zero max_connections", top("limits:\n  max_connections: 0"), "limits.max_connections", &["at least 1"]),
         row("max_pending_save_bytes over 16GiB", top("limits:\n  max_pending_save_bytes: 17GiB"), "limits.max_pending_save_bytes", &["too large"]),
         row("unknown limits field", top("limits:\n  max_bananas: 3"), "limits.max_bananas", &["unknown field", "max_bananas"]),
+        // key_from (SPEC 4.1).
+        row("key_from naming a segment the path lacks", idem("key_from: [\"path:ticket_id\"]"), "routes[0].idempotency.key_from[0]", &["path:ticket_id", "no segment", "/bookings"]),
+        row("key_from with a malformed pointer", idem("key_from: [\"json:reason/code\"]"), "routes[0].idempotency.key_from[0]", &["invalid JSON pointer", "RFC 6901"]),
+        row("key_from with a bad pointer escape", idem("key_from: [\"json:/a~2b\"]"), "routes[0].idempotency.key_from[0]", &["~0 or ~1"]),
+        row("key_from with an unknown kind", idem("key_from: [\"cookie:session\"]"), "routes[0].idempotency.key_from[0]", &["unknown key_from part kind", "cookie"]),
+        row("key_from with a bare word", idem("key_from: [\"ticket\"]"), "routes[0].idempotency.key_from[0]", &["unknown key_from part"]),
+        row("key_from with an invalid header name", idem("key_from: [\"header:bad header\"]"), "routes[0].idempotency.key_from[0]", &["invalid header name"]),
+        row("path parameter named twice", path("/a/{x}/b/{x}"), "routes[0].path", &["appears twice"]),
         // Zero and too-small values.
         row("zero ttl", idem("ttl: 0s"), "routes[0].idempotency.ttl", &["greater than zero"]),
         row("zero shutdown_timeout", top("shutdown_timeout: 0s"), "shutdown_timeout", &["greater than zero"]),

@@ -436,7 +436,7 @@ both_stores!(
     odd_but_valid_keys_run_once_and_replay,
     key_header_sent_twice_is_refused,
     line_breaks_in_header_values,
-    more_than_100_headers_get_431_from_hyper,
+    more_than_97_headers_get_431_from_hyper,
     a_head_over_64_kib_gets_431_from_hyper,
     bodies_over_max_request_body_are_413_by_length_and_by_chunks,
     conflicting_or_malformed_framing_headers_get_400_from_hyper,
@@ -693,10 +693,11 @@ async fn line_breaks_in_header_values(backend: Backend) {
 // Heads too large
 // ---------------------------------------------------------------------------------------------
 
-/// The proxy allows 100 request headers: 101 or 200 are refused by hyper with a bare 431 and
-/// the connection closed, nothing claimed or forwarded, and the key runs afterwards. A request
-/// with 97 headers reaches the upstream with the proxy's three `X-Forwarded-*` added (100).
-async fn more_than_100_headers_get_431_from_hyper(backend: Backend) {
+/// The proxy allows 97 request headers (100 less the three `X-Forwarded-*` it adds): 101 or
+/// 200 are refused by hyper with a bare 431 and the connection closed, nothing claimed or
+/// forwarded, and the key runs afterwards. A request with 97 headers reaches the upstream with
+/// the proxy's three `X-Forwarded-*` added (100).
+async fn more_than_97_headers_get_431_from_hyper(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
     assert_refused_by_hyper(
@@ -762,24 +763,23 @@ async fn a_head_over_64_kib_gets_431_from_hyper(backend: Backend) {
     assert_eq!(env.mock.calls("big-but-fine"), 1);
 }
 
-/// A request with 98 to 100 headers passes the proxy's limit, but the proxy adds three
-/// `X-Forwarded-*` headers and the mock upstream (hyper, 100 headers at most) refuses it with
-/// a 431 before running anything. The upstream runs nothing; the client gets that 431 (the
-/// current behaviour, pinned here so that a change to it is seen).
-///
-/// Reported, not asserted: the proxy saves that 431 as the key's result (SPEC §4.2 saves every
-/// status but `retry_statuses`), so a retry with fewer headers — the same fingerprint, since
-/// headers are not in it by default — is replayed the 431 for `ttl` although nothing ran.
+/// A request with 98 to 100 headers would reach a hyper upstream (100 headers at most) with
+/// more than 100 once the proxy adds its three `X-Forwarded-*`, and the upstream would refuse
+/// it with a 431 the proxy saves as the key's result — replayed to every retry although nothing
+/// ran. The proxy refuses such a request itself, before any claim: the retry with fewer headers
+/// runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn headers_98_to_100_pass_the_proxy_and_a_hyper_upstream_refuses_them() {
+async fn headers_98_to_100_are_refused_before_a_claim_not_saved_as_an_upstream_431() {
     let env = Env::new(Backend::Memory).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
     for total in [98, 99, 100] {
         let key = format!("h{total}");
         let (reply, _) = exchange(&proxy, &booking_with_headers(&key, total)).await;
         assert_eq!(reply.status, 431, "{total} headers: {reply}");
+        let (retry, _) = exchange(&proxy, &booking_with_headers(&key, 10)).await;
+        assert_eq!(retry.status, 201, "the retry with fewer headers runs: {retry}");
+        assert_eq!(env.mock.calls(&key), 1);
     }
-    assert_eq!(env.mock.stats().total, 0, "the upstream ran nothing");
 }
 
 // ---------------------------------------------------------------------------------------------

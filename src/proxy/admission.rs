@@ -3,13 +3,14 @@
 //! request. Every refusal here happens before the claim, so it holds no key.
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::Route;
 use crate::config::Limits;
+use crate::derive;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
 use crate::metrics::Outcome;
@@ -23,6 +24,19 @@ pub(crate) struct Admitted {
     pub body: Bytes,
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
+    /// The key was derived from the request's parts (`key_from`), not sent.
+    pub derived: bool,
+}
+
+/// Where a request's key comes from, as far as its head tells.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// The key header, parsed.
+    Header(String),
+    /// No key header, and the route derives one (`key_from`) once the body is read.
+    Derive,
+    /// No key header on a route that does not require one and derives none: plain traffic.
+    None,
 }
 
 /// What admission decided.
@@ -43,9 +57,9 @@ pub(super) async fn admit(
     incoming: Incoming,
     limits: &Limits,
 ) -> Admission {
-    let raw_key = match check_head(idem, &parts) {
-        Ok(Some(k)) => k,
-        Ok(None) => return Admission::NoKey(parts, incoming),
+    let source = match check_head(idem, &parts) {
+        Ok(KeySource::None) => return Admission::NoKey(parts, incoming),
+        Ok(source) => source,
         Err((problem, outcome)) => return Admission::Refused(problem, outcome),
     };
     let read = read_body(incoming, idem.max_request_body);
@@ -65,25 +79,53 @@ pub(super) async fn admit(
         }
     };
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
-    let id = key::key_id(&idem.scope, &parts.headers, &raw_key);
+    let mut parts = parts;
+    let (id, derived) = match source {
+        KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),
+        KeySource::Derive | KeySource::None => {
+            let values = match derive::read(&idem.key_from, &route.settings.path, &parts, &body) {
+                Ok(v) => v,
+                Err(e) => {
+                    return Admission::Refused(
+                        Problem::UnreadableKeyPart {
+                            detail: e.to_string(),
+                        },
+                        Outcome::InvalidKey,
+                    );
+                }
+            };
+            let derived = derive::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
+            // With forward_key, the upstream gets the derived key in the key header, as a
+            // caller's key would arrive: a stable value that differs between callers.
+            if idem.forward_key {
+                if let Ok(v) = HeaderValue::from_str(&derived) {
+                    parts.headers.insert(idem.header.clone(), v);
+                }
+            }
+            (derive::derived_id(&derived), true)
+        }
+    };
     Admission::Admitted(Admitted {
         key: StoreKey::new(route.namespace.clone(), route.number, id),
         parts,
         body,
         fingerprint,
+        derived,
     })
 }
 
 /// What the request head alone decides, before any body byte is read or anything is claimed:
-/// `Ok(Some(key))` to go on with this key, `Ok(None)` for plain traffic (no key on a route that
-/// does not require one), or a refusal. Pure, so the fuzz target runs it on arbitrary heads.
+/// where the key comes from, or a refusal. A key header wins over `key_from`. Pure, so the fuzz
+/// target runs it on arbitrary heads.
 pub fn check_head(
     idem: &IdempotencySettings,
     parts: &Parts,
-) -> Result<Option<String>, (Problem, Outcome)> {
-    let raw_key = match key::from_headers(&parts.headers, &idem.header) {
-        Ok(k) => k,
-        Err(KeyError::Missing(_)) if !idem.required => return Ok(None),
+) -> Result<KeySource, (Problem, Outcome)> {
+    let source = match key::from_headers(&parts.headers, &idem.header) {
+        Ok(k) => KeySource::Header(k),
+        // `key_from` applies whether or not the route is `required`.
+        Err(KeyError::Missing(_)) if !idem.key_from.is_empty() => KeySource::Derive,
+        Err(KeyError::Missing(_)) if !idem.required => return Ok(KeySource::None),
         Err(KeyError::Missing(header)) => {
             return Err((Problem::MissingKey { header }, Outcome::MissingKey));
         }
@@ -112,11 +154,11 @@ pub fn check_head(
             Outcome::TooLarge,
         ));
     }
-    Ok(Some(raw_key))
+    Ok(source)
 }
 
 /// The first header that idempotency reads (the key header, a scope header, a fingerprinted
-/// header) and that `Connection` names as hop-by-hop. Such a header would be stripped before the
+/// header, a `key_from` header) and that `Connection` names as hop-by-hop. Such a header would be stripped before the
 /// upstream although the key, its namespace or the fingerprint came from it: the upstream would
 /// run an operation the proxy recorded under other terms, so the request is refused.
 fn named_in_connection(idem: &IdempotencySettings, headers: &HeaderMap) -> Option<HeaderName> {
@@ -127,6 +169,10 @@ fn named_in_connection(idem: &IdempotencySettings, headers: &HeaderMap) -> Optio
                 .fingerprint
                 .iter()
                 .any(|p| matches!(p, FingerprintPart::Header(h) if h == name))
+            || idem
+                .key_from
+                .iter()
+                .any(|p| matches!(p, derive::KeyPart::Header(h) if h == name))
     };
     headers
         .get_all(header::CONNECTION)

@@ -181,6 +181,7 @@ impl Exchange {
             body,
             key,
             fingerprint,
+            derived: _,
         } = request;
         let up = &route.upstream;
         let mut lease = Lease::new(

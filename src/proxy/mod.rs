@@ -163,6 +163,52 @@ impl Proxy {
         self.metrics.encode()
     }
 
+    /// The store key that `key_from` derives on the route named `route` from these part
+    /// values (in the configured order; JSON text for `json:` parts) for a caller whose scope
+    /// headers are among `headers`.
+    pub fn derived_store_key(
+        &self,
+        route: &str,
+        headers: &HeaderMap,
+        values: &[String],
+    ) -> Result<StoreKey, String> {
+        let r = self
+            .routes
+            .iter()
+            .find(|r| r.settings.name == route)
+            .ok_or_else(|| "no route with that name".to_owned())?;
+        let idem = r
+            .idempotency
+            .as_ref()
+            .ok_or_else(|| "the route is not idempotent".to_owned())?;
+        if idem.key_from.len() != values.len() {
+            return Err(format!(
+                "the route derives its key from {} part(s) ({}); give one value each, in that order",
+                idem.key_from.len(),
+                idem.key_from
+                    .iter()
+                    .map(|p| p.describe())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        let values = idem
+            .key_from
+            .iter()
+            .zip(values)
+            .map(|(part, text)| {
+                crate::derive::Value::from_text(part, text)
+                    .map_err(|e| format!("{}: {e}", part.describe()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let derived = crate::derive::derived_key(&idem.key_from, &values, &idem.scope, headers);
+        Ok(StoreKey::new(
+            r.namespace.clone(),
+            r.number,
+            crate::derive::derived_id(&derived),
+        ))
+    }
+
     /// The store key with hash `id` on the idempotent route named `route`.
     pub fn store_key_of_id(&self, route: &str, id: key::KeyId) -> Option<StoreKey> {
         let r = self.routes.iter().find(|r| r.settings.name == route)?;
@@ -248,6 +294,10 @@ impl Proxy {
             status = resp.status().as_u16(),
             outcome = outcome.as_str(),
             key = resp.extensions().get::<KeyHash>().map(tracing::field::display),
+            key_source = resp
+                .extensions()
+                .get::<KeyHash>()
+                .map(|k| if k.derived { "derived" } else { "header" }),
             took_ms = took.as_secs_f64() * 1000.0,
             "request"
         );
@@ -293,7 +343,13 @@ impl Proxy {
         // can cancel neither a claim in flight (which would leave the key blocked until its
         // lease expired) nor the upstream call and the completion (its retry gets a replay).
         let client_gone = Arc::new(Attachment::default());
-        let key_hash = KeyHash(*admitted.key.id());
+        let key_hash = KeyHash {
+            id: *admitted.key.id(),
+            derived: admitted.derived,
+        };
+        if admitted.derived {
+            route.metrics.derived_key();
+        }
         let exchange = exchange::Exchange::new(
             self.clone(),
             route.clone(),
@@ -307,11 +363,12 @@ impl Proxy {
             let client_gone = client_gone.clone();
             let detached = detached.clone();
             self.tasks.spawn(async move {
-                let answer = exchange.claim_and_run().await;
-                if client_gone.finish() {
-                    detached.dec();
-                }
-                answer
+                // Dropped when the exchange ends, by a panic too, so the gauge never drifts.
+                let _ended = ExchangeEnd {
+                    attachment: client_gone,
+                    detached,
+                };
+                exchange.claim_and_run().await
             })
         };
         // Dropped with this future when the client leaves: counts the exchange as detached.
@@ -336,13 +393,17 @@ fn answer_of(joined: Result<Answer, tokio::task::JoinError>, route: &str) -> Ans
     })
 }
 
-/// The hash of a request's key, carried in its response's extensions to the request log.
+/// The hash of a request's key, and whether the key was derived (`key_from`), carried in its
+/// response's extensions to the request log.
 #[derive(Debug, Clone, Copy)]
-struct KeyHash(key::KeyId);
+struct KeyHash {
+    id: key::KeyId,
+    derived: bool,
+}
 
 impl std::fmt::Display for KeyHash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&hex::encode(self.0))
+        f.write_str(&hex::encode(self.id))
     }
 }
 
@@ -371,6 +432,20 @@ impl Attachment {
     /// Whether the client has left.
     pub(crate) fn is_gone(&self) -> bool {
         self.0.load(Ordering::Acquire) == GONE
+    }
+}
+
+/// Uncounts a detached exchange when it ends.
+struct ExchangeEnd {
+    attachment: Arc<Attachment>,
+    detached: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for ExchangeEnd {
+    fn drop(&mut self) {
+        if self.attachment.finish() {
+            self.detached.dec();
+        }
     }
 }
 

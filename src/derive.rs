@@ -1,0 +1,443 @@
+//! Keys from what the request means (`key_from`, SPEC §4.1): a request that carries no key
+//! header gets a key derived from named parts of the request — a path segment, a JSON value of
+//! the body, a query parameter, a header, the method.
+//!
+//! Why this is safe to dedupe on: the derived key is an unambiguous encoding of (part, value)
+//! pairs, each value canonical, so two requests get one key exactly when they name the same
+//! thing. Values are canonical as a careful user expects: path segments and query values are
+//! percent-decoded; JSON numbers compare by value (`1`, `1.0` and `10e-1` are one number, and
+//! integers beyond 2^53 stay exact — numbers are read from their text, never through a float),
+//! and the string `"1"` is not the number `1`. The fingerprint still applies, so the same
+//! derived key with another body is a 422.
+//!
+//! The derived key is `derived-` + the hex SHA-256 of the scope values and the parts: that is
+//! what goes upstream in the key header (`forward_key`), so two callers never send the provider
+//! one key. In the store it is hashed like a header key, under a domain of its own, so a client
+//! that sends `derived-…` in the header can never land on a derived record.
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName};
+use sha2::{Digest, Sha256};
+
+use crate::route::PathPattern;
+
+/// One part of a derived key, as configured (`key_from`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// `path:NAME`: the `{NAME}` segment of the route's path, percent-decoded.
+    Path(String),
+    /// `json:POINTER`: the string, number or boolean at this RFC 6901 pointer in the body.
+    Json(String),
+    /// `query:NAME`: the query parameter, percent-decoded; exactly once.
+    Query(String),
+    /// `header:NAME`: the header's value; exactly once.
+    Header(HeaderName),
+    /// `method`.
+    Method,
+}
+
+impl KeyPart {
+    /// Parses a configured part. The error says what is wrong.
+    pub fn parse(text: &str) -> Result<KeyPart, String> {
+        if text == "method" {
+            return Ok(KeyPart::Method);
+        }
+        let Some((kind, arg)) = text.split_once(':') else {
+            return Err(format!(
+                "unknown key_from part {text:?}; expected path:NAME, json:POINTER, query:NAME, header:NAME or method"
+            ));
+        };
+        match kind {
+            "path" if !arg.is_empty() => Ok(KeyPart::Path(arg.to_owned())),
+            "json" => {
+                check_pointer(arg)?;
+                Ok(KeyPart::Json(arg.to_owned()))
+            }
+            "query" if !arg.is_empty() => Ok(KeyPart::Query(arg.to_owned())),
+            "header" => HeaderName::from_bytes(arg.trim().as_bytes())
+                .map(KeyPart::Header)
+                .map_err(|_| format!("invalid header name {arg:?}")),
+            "path" | "query" => Err(format!("{kind}: needs a name, as in {kind}:id")),
+            other => Err(format!(
+                "unknown key_from part kind {other:?}; expected path, json, query, header or method"
+            )),
+        }
+    }
+
+    /// The part as configured, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            KeyPart::Path(n) => format!("path:{n}"),
+            KeyPart::Json(p) => format!("json:{p}"),
+            KeyPart::Query(n) => format!("query:{n}"),
+            KeyPart::Header(h) => format!("header:{h}"),
+            KeyPart::Method => "method".into(),
+        }
+    }
+
+    fn tag(&self) -> u8 {
+        match self {
+            KeyPart::Path(_) => b'p',
+            KeyPart::Json(_) => b'j',
+            KeyPart::Query(_) => b'q',
+            KeyPart::Header(_) => b'h',
+            KeyPart::Method => b'm',
+        }
+    }
+
+    fn name(&self) -> &[u8] {
+        match self {
+            KeyPart::Path(n) | KeyPart::Json(n) | KeyPart::Query(n) => n.as_bytes(),
+            KeyPart::Header(h) => h.as_str().as_bytes(),
+            KeyPart::Method => b"",
+        }
+    }
+}
+
+/// RFC 6901: empty (the whole document) or `/`-separated tokens where `~` is only `~0` or `~1`.
+fn check_pointer(p: &str) -> Result<(), String> {
+    if !p.is_empty() && !p.starts_with('/') {
+        return Err(format!(
+            "invalid JSON pointer {p:?}: it starts with '/' (RFC 6901), as in json:/reason/code"
+        ));
+    }
+    let mut chars = p.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
+            return Err(format!(
+                "invalid JSON pointer {p:?}: '~' is only allowed as ~0 or ~1"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A part that could not be read: the 400's detail names it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("key_from part {part} cannot be read: {why}")]
+pub struct Unreadable {
+    /// The part, as configured.
+    pub part: String,
+    /// Why.
+    pub why: String,
+}
+
+/// A canonical value of one part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    /// Text (path segment, query value, header value, method, JSON string).
+    Text(Vec<u8>),
+    /// A JSON number, canonical (see [`canonical_number`]).
+    Number(String),
+    /// A JSON boolean.
+    Bool(bool),
+}
+
+impl Value {
+    fn encode(&self, h: &mut Sha256) {
+        let (tag, bytes): (u8, &[u8]) = match self {
+            Value::Text(t) => (b's', t),
+            Value::Number(n) => (b'n', n.as_bytes()),
+            Value::Bool(true) => (b'b', b"true"),
+            Value::Bool(false) => (b'b', b"false"),
+        };
+        h.update([tag]);
+        h.update((bytes.len() as u64).to_be_bytes());
+        h.update(bytes);
+    }
+
+    /// Reads a value as the key tooling is given it: JSON text for `json:` parts, raw text
+    /// for the others.
+    pub fn from_text(part: &KeyPart, text: &str) -> Result<Value, String> {
+        match part {
+            KeyPart::Json(_) => {
+                let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+                    format!("a json: part's value is JSON ({e}), e.g. \"dup\" or 42")
+                })?;
+                json_value(&v)
+            }
+            _ => Ok(Value::Text(text.as_bytes().to_vec())),
+        }
+    }
+}
+
+/// Reads every part from the request: the values in order, or the first unreadable part.
+pub fn read(
+    parts: &[KeyPart],
+    pattern: &PathPattern,
+    head: &Parts,
+    body: &[u8],
+) -> Result<Vec<Value>, Unreadable> {
+    let mut json: Option<Result<serde_json::Value, String>> = None;
+    parts
+        .iter()
+        .map(|part| {
+            let fail = |why: String| Unreadable {
+                part: part.describe(),
+                why,
+            };
+            match part {
+                KeyPart::Method => Ok(Value::Text(head.method.as_str().as_bytes().to_vec())),
+                KeyPart::Path(name) => pattern
+                    .capture(head.uri.path(), name)
+                    .map(|raw| Value::Text(percent_decode(raw)))
+                    .ok_or_else(|| fail("the path has no such segment".into())),
+                KeyPart::Query(name) => {
+                    let query = head.uri.query().unwrap_or("");
+                    let mut found = form_urlencoded::parse(query.as_bytes())
+                        .filter(|(k, _)| k == name.as_str())
+                        .map(|(_, v)| v.into_owned());
+                    match (found.next(), found.next()) {
+                        (Some(v), None) => Ok(Value::Text(v.into_bytes())),
+                        (None, _) => Err(fail("the query parameter is absent".into())),
+                        (Some(_), Some(_)) => {
+                            Err(fail("the query parameter appears more than once".into()))
+                        }
+                    }
+                }
+                KeyPart::Header(name) => one_header(&head.headers, name)
+                    .map(|v| Value::Text(v.to_vec()))
+                    .map_err(fail),
+                KeyPart::Json(pointer) => {
+                    let doc = json.get_or_insert_with(|| {
+                        serde_json::from_slice(body)
+                            .map_err(|e| format!("the body is not JSON ({e})"))
+                    });
+                    let doc = doc.as_ref().map_err(|e| fail(e.clone()))?;
+                    let v = doc
+                        .pointer(pointer)
+                        .ok_or_else(|| fail("the body has nothing at this pointer".into()))?;
+                    json_value(v).map_err(fail)
+                }
+            }
+        })
+        .collect()
+}
+
+fn one_header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a [u8], String> {
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => Ok(v.as_bytes()),
+        (None, _) => Err("the header is absent".into()),
+        (Some(_), Some(_)) => Err("the header appears more than once".into()),
+    }
+}
+
+fn json_value(v: &serde_json::Value) -> Result<Value, String> {
+    match v {
+        serde_json::Value::String(s) => Ok(Value::Text(s.as_bytes().to_vec())),
+        serde_json::Value::Bool(b) => Ok(Value::Bool(*b)),
+        serde_json::Value::Number(n) => canonical_number(&n.to_string())
+            .map(Value::Number)
+            .ok_or_else(|| format!("the number {n} cannot be read")),
+        serde_json::Value::Null => Err("the value is null, not a string, number or boolean".into()),
+        serde_json::Value::Array(_) | serde_json::Value::Object(_) => {
+            Err("the value is an array or an object, not a string, number or boolean".into())
+        }
+    }
+}
+
+/// The canonical form of a JSON number's text: `-`? significant digits, then `e` and the
+/// exponent when it is not zero — `1`, `1.0`, `10e-1` and `0.1e1` are all `1`; `-0` is `0`;
+/// `123456789012345678901234567890` stays exactly that. `None` for text that is not a number.
+pub fn canonical_number(text: &str) -> Option<String> {
+    let (negative, rest) = match text.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], rest[i + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // value = digits × 10^(exponent − len(frac))
+    let digits = format!("{int}{frac}");
+    let mut exp = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
+    let digits = digits.trim_start_matches('0');
+    if digits.is_empty() {
+        return Some("0".into());
+    }
+    let trimmed = digits.trim_end_matches('0');
+    exp = exp.checked_add(i64::try_from(digits.len() - trimmed.len()).ok()?)?;
+    let sign = if negative { "-" } else { "" };
+    if exp == 0 {
+        Some(format!("{sign}{trimmed}"))
+    } else {
+        Some(format!("{sign}{trimmed}e{exp}"))
+    }
+}
+
+/// The derived key: `derived-` + hex SHA-256 over the scope values and the (part, value)
+/// pairs, every piece tagged and length-prefixed so no two different inputs hash alike.
+pub fn derived_key(
+    parts: &[KeyPart],
+    values: &[Value],
+    scope: &[HeaderName],
+    headers: &HeaderMap,
+) -> String {
+    let mut h = Sha256::new();
+    h.update(b"idemproxy-derived-v1");
+    h.update(crate::key::key_id(scope, headers, ""));
+    h.update((parts.len() as u64).to_be_bytes());
+    for (part, value) in parts.iter().zip(values) {
+        h.update([part.tag()]);
+        h.update((part.name().len() as u64).to_be_bytes());
+        h.update(part.name());
+        value.encode(&mut h);
+    }
+    format!("derived-{}", hex::encode(h.finalize()))
+}
+
+/// The body as canonical JSON — object keys sorted, no whitespace, numbers canonical — so that
+/// a job that re-serialises the same payload has the same fingerprint. `None` when the body is
+/// not JSON.
+pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let mut out = Vec::with_capacity(body.len());
+    write_canonical(&v, &mut out);
+    Some(out)
+}
+
+fn write_canonical(v: &serde_json::Value, out: &mut Vec<u8>) {
+    match v {
+        serde_json::Value::Null => out.extend_from_slice(b"null"),
+        serde_json::Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+        serde_json::Value::Number(n) => {
+            let text = n.to_string();
+            out.extend_from_slice(canonical_number(&text).unwrap_or(text).as_bytes());
+        }
+        serde_json::Value::String(s) => write_string(s, out),
+        serde_json::Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        serde_json::Value::Object(map) => {
+            // serde_json's map is ordered by key (no `preserve_order`); sort anyway, so the
+            // canonical form never depends on a feature flag.
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_string(k, out);
+                out.push(b':');
+                write_canonical(item, out);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    // Serialising a str cannot fail.
+    if let Ok(text) = serde_json::to_string(s) {
+        out.extend_from_slice(text.as_bytes());
+    }
+}
+
+/// The store id of a derived key: hashed under a domain of its own, so that a client sending
+/// the text `derived-…` as its key header never lands on a derived record.
+pub fn derived_id(derived: &str) -> crate::key::KeyId {
+    let mut h = Sha256::new();
+    h.update(b"idemproxy-derived-id-v1");
+    h.update((derived.len() as u64).to_be_bytes());
+    h.update(derived.as_bytes());
+    h.finalize().into()
+}
+
+fn percent_decode(raw: &str) -> Vec<u8> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_compare_by_value_and_stay_exact() {
+        for (a, b) in [
+            ("1", "1.0"),
+            ("1", "10e-1"),
+            ("1", "0.1e1"),
+            ("100", "1e2"),
+            ("0", "-0"),
+            ("0", "0.000"),
+            ("-2.5", "-25e-1"),
+        ] {
+            assert_eq!(canonical_number(a), canonical_number(b), "{a} vs {b}");
+        }
+        assert_ne!(canonical_number("1"), canonical_number("2"));
+        assert_ne!(
+            canonical_number("9007199254740993"),
+            canonical_number("9007199254740992"),
+            "beyond 2^53, exact"
+        );
+        assert_eq!(
+            canonical_number("123456789012345678901234567890").as_deref(),
+            Some("12345678901234567890123456789e1")
+        );
+        assert_eq!(canonical_number("abc"), None);
+    }
+
+    #[test]
+    fn pointers_and_parts_are_checked() {
+        assert!(KeyPart::parse("json:/reason/code").is_ok());
+        assert!(KeyPart::parse("json:").is_ok());
+        assert!(KeyPart::parse("json:reason").is_err());
+        assert!(KeyPart::parse("json:/a~2b").is_err());
+        assert!(KeyPart::parse("json:/a~0b~1c").is_ok());
+        assert!(KeyPart::parse("cookie:x").is_err());
+        assert!(KeyPart::parse("path:").is_err());
+        assert_eq!(KeyPart::parse("method"), Ok(KeyPart::Method));
+    }
+
+    #[test]
+    fn canonical_json_ignores_key_order_whitespace_and_number_spelling() {
+        let a = canonical_json(br#"{"b": 1.0, "a": [true, null, "x"]}"#);
+        let b = canonical_json(br#"{"a":[true,null,"x"],"b":1}"#);
+        assert_eq!(a, b);
+        assert_eq!(a.as_deref(), Some(&br#"{"a":[true,null,"x"],"b":1}"#[..]));
+        assert_ne!(
+            canonical_json(br#"{"b":"1"}"#),
+            canonical_json(br#"{"b":1}"#)
+        );
+        assert_eq!(canonical_json(b"not json"), None);
+    }
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("T%2D1"), b"T-1");
+        assert_eq!(percent_decode("a%zzb"), b"a%zzb");
+        assert_eq!(percent_decode("%41"), b"A");
+        assert_eq!(percent_decode("%4"), b"%4");
+    }
+}
