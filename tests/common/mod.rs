@@ -83,6 +83,9 @@ pub struct RedisServer {
     port: u16,
     child: Option<Child>,
     extra: Vec<String>,
+    /// Its working directory: a replica's full sync writes an RDB file there, never into the
+    /// checkout.
+    dir: tempfile::TempDir,
 }
 
 impl RedisServer {
@@ -97,6 +100,7 @@ impl RedisServer {
             port: free_port(),
             child: None,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            dir: tempfile::tempdir().expect("a working directory for redis-server"),
         };
         s.spawn();
         s
@@ -117,7 +121,9 @@ impl RedisServer {
                 "no",
                 "--loglevel",
                 "warning",
+                "--dir",
             ])
+            .arg(self.dir.path())
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
