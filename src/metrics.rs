@@ -1,5 +1,5 @@
-//! Counters and histograms, in Prometheus form (served by the admin listener in a later
-//! release; [`Metrics::encode`] gives the text today, and tests read the counters).
+//! Counters and histograms, in Prometheus form: the admin listener serves [`Metrics::encode`]
+//! at `/metrics`, and tests read the counters.
 //!
 //! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
 //! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
