@@ -777,7 +777,10 @@ async fn headers_98_to_100_are_refused_before_a_claim_not_saved_as_an_upstream_4
         let (reply, _) = exchange(&proxy, &booking_with_headers(&key, total)).await;
         assert_eq!(reply.status, 431, "{total} headers: {reply}");
         let (retry, _) = exchange(&proxy, &booking_with_headers(&key, 10)).await;
-        assert_eq!(retry.status, 201, "the retry with fewer headers runs: {retry}");
+        assert_eq!(
+            retry.status, 201,
+            "the retry with fewer headers runs: {retry}"
+        );
         assert_eq!(env.mock.calls(&key), 1);
     }
 }

@@ -57,7 +57,13 @@ async fn refund(proxy: &TestProxy, ticket: &str, body: &str) -> Reply {
     .await
 }
 
-async fn job(proxy: &TestProxy, method: &str, path_and_query: &str, tenant: &str, body: &str) -> Reply {
+async fn job(
+    proxy: &TestProxy,
+    method: &str,
+    path_and_query: &str,
+    tenant: &str,
+    body: &str,
+) -> Reply {
     let method = http::Method::from_bytes(method.as_bytes()).expect("method");
     send(
         client()
@@ -133,7 +139,10 @@ async fn a_keyless_refund_job_retried_runs_once(backend: Backend) {
                 .map(str::to_owned)
         })
         .expect("a key");
-    assert_ne!(other_key, key, "two callers never send the provider one key");
+    assert_ne!(
+        other_key, key,
+        "two callers never send the provider one key"
+    );
     let text = proxy.metrics().encode();
     assert!(
         text.contains(r#"idemproxy_derived_keys_total{route="refund-ticket"} 5"#),
@@ -177,7 +186,11 @@ async fn every_kind_of_part_makes_its_own_key(backend: Backend) {
     ] {
         let r = job(&proxy, method, target, tenant, body).await;
         assert_eq!(r.status, 200, "{what}: {:?}", r.body);
-        assert_eq!(r.header("idempotent-replayed"), "", "{what} makes a new key");
+        assert_eq!(
+            r.header("idempotent-replayed"),
+            "",
+            "{what} makes a new key"
+        );
     }
     assert_eq!(env.mock.stats().total, 6);
 }
@@ -211,7 +224,12 @@ async fn every_unreadable_part_is_a_400_and_claims_nothing(backend: Backend) {
             &[("X-Tenant", "a"), ("X-Tenant", "b")],
             "header:x-tenant",
         ),
-        ("/jobs/J1/run", r#"{"n":1}"#, &[("X-Tenant", "a")], "query:day"),
+        (
+            "/jobs/J1/run",
+            r#"{"n":1}"#,
+            &[("X-Tenant", "a")],
+            "query:day",
+        ),
         (
             "/jobs/J1/run?day=a&day=b",
             r#"{"n":1}"#,
@@ -247,7 +265,12 @@ async fn values_are_canonical(backend: Backend) {
     let first = refund(&proxy, "T-1", r#"{"reason":{"code":1},"amount":10}"#).await;
     assert_fresh(&first);
     assert_replay(
-        &refund(&proxy, "T%2D1", r#"{ "amount": 10.0, "reason": { "code": 1.0 } }"#).await,
+        &refund(
+            &proxy,
+            "T%2D1",
+            r#"{ "amount": 10.0, "reason": { "code": 1.0 } }"#,
+        )
+        .await,
         &first,
     );
     assert_replay(
@@ -256,13 +279,27 @@ async fn values_are_canonical(backend: Backend) {
     );
     let s = refund(&proxy, "T-1", r#"{"reason":{"code":"1"},"amount":10}"#).await;
     assert_fresh(&s);
-    let big = refund(&proxy, "T-1", r#"{"reason":{"code":9007199254740993},"amount":10}"#).await;
+    let big = refund(
+        &proxy,
+        "T-1",
+        r#"{"reason":{"code":9007199254740993},"amount":10}"#,
+    )
+    .await;
     assert_fresh(&big);
-    let big_neighbour =
-        refund(&proxy, "T-1", r#"{"reason":{"code":9007199254740992},"amount":10}"#).await;
+    let big_neighbour = refund(
+        &proxy,
+        "T-1",
+        r#"{"reason":{"code":9007199254740992},"amount":10}"#,
+    )
+    .await;
     assert_fresh(&big_neighbour);
     assert_replay(
-        &refund(&proxy, "T-1", r#"{"reason":{"code":9007199254740993},"amount":10}"#).await,
+        &refund(
+            &proxy,
+            "T-1",
+            r#"{"reason":{"code":9007199254740993},"amount":10}"#,
+        )
+        .await,
         &big,
     );
     assert_eq!(env.mock.stats().total, 4);
@@ -281,7 +318,11 @@ async fn the_header_key_wins(backend: Backend) {
     )
     .await;
     assert_fresh(&with_key);
-    assert_eq!(env.mock.calls("caller-key-1"), 1, "forwarded with the caller's key");
+    assert_eq!(
+        env.mock.calls("caller-key-1"),
+        1,
+        "forwarded with the caller's key"
+    );
     // Without the header, the same parts derive another key: a separate operation.
     assert_fresh(&refund(&proxy, "T-5", body).await);
     // The caller's key again, even with other parts, is the caller's operation.
@@ -330,7 +371,9 @@ async fn derived_keys_are_looked_up_by_their_parts(backend: Backend) {
     assert_eq!(found.json()["state"], "finished");
     let missing = send(
         client()
-            .get(format!("{base}/keys/refund-ticket?part=T-7&part=%22late%22"))
+            .get(format!(
+                "{base}/keys/refund-ticket?part=T-7&part=%22late%22"
+            ))
             .bearer_auth(token),
     )
     .await;
