@@ -1,0 +1,72 @@
+//! The flags of the load bench; each has an environment variable too (`LOAD_*`), so
+//! `LOAD_SCENARIOS=fill-1m cargo bench --bench load` works like `-- --scenarios fill-1m`.
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::scenario;
+
+/// Load scenarios against the idemproxy binary, with nginx and pass-through baselines.
+#[derive(Debug, Parser)]
+#[command(name = "load", bin_name = "cargo bench --bench load --", after_help = format!(
+    "{}\nREDIS_SERVER and NGINX name the binaries to use (empty or `none`: skip them); by default \
+     they are looked up on PATH and in the sbin directories.",
+    scenario::listing()
+))]
+pub struct Args {
+    /// Scenarios: a comma list of names, names without the store (`new-key`), globs (`64k-*`,
+    /// `*/redis`), `default` or `all`. Default: every scenario but fill-1m.
+    #[arg(long, env = "LOAD_SCENARIOS", value_name = "LIST")]
+    pub scenarios: Option<String>,
+    /// Measured time per scenario.
+    #[arg(long, env = "LOAD_DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Load before the measurement starts (not counted).
+    #[arg(long, env = "LOAD_WARMUP", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub warmup: Duration,
+    /// Keep-alive connections, one request in flight on each.
+    #[arg(long, env = "LOAD_CONNECTIONS", default_value_t = 32)]
+    pub connections: usize,
+    /// Hard cap on the requests of one scenario, warm-up included.
+    #[arg(long, env = "LOAD_MAX_REQUESTS", default_value_t = 5_000_000)]
+    pub max_requests: u64,
+    /// RUST_LOG of the proxy processes.
+    #[arg(
+        long,
+        env = "LOAD_PROXY_LOG",
+        default_value = "warn",
+        value_name = "FILTER"
+    )]
+    pub proxy_log: String,
+    /// Keep the temp directory with every config and log (also kept after a failure).
+    #[arg(long, env = "LOAD_KEEP_LOGS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub keep_logs: bool,
+    /// Do not add the nginx and pass-through baselines to a selection that lacks them.
+    #[arg(long)]
+    pub no_baselines: bool,
+    /// conflict-storm: keys in flight.
+    #[arg(long, env = "LOAD_STORM_KEYS", default_value_t = 10)]
+    pub storm_keys: usize,
+    /// conflict-storm: concurrent duplicates per key (one connection each).
+    #[arg(long, env = "LOAD_STORM_DUPLICATES", default_value_t = 100)]
+    pub storm_duplicates: usize,
+    /// conflict-storm: how long the mock holds each first request (X-Mock-Delay).
+    #[arg(long, env = "LOAD_STORM_DELAY", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub storm_delay: Duration,
+    /// fill-1m: finished keys to add to the memory store.
+    #[arg(long, env = "LOAD_FILL_KEYS", default_value_t = 1_000_000)]
+    pub fill_keys: u64,
+    /// fill-1m: the most time the fill may take.
+    #[arg(long, env = "LOAD_FILL_TIMEOUT", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub fill_timeout: Duration,
+    /// List the scenarios and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Passed by `cargo bench`; without it (`cargo test --all-targets`) nothing runs.
+    #[arg(long, hide = true)]
+    pub bench: bool,
+    /// A scenario list given as a bare argument (`cargo bench --bench load new-key`).
+    #[arg(hide = true)]
+    pub filter: Option<String>,
+}

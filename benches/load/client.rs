@@ -1,0 +1,411 @@
+//! The load generator: HTTP/1.1 keep-alive connections (`hyper::client::conn::http1`), one per
+//! worker task, each sending its next request as soon as the last one is answered (a closed
+//! loop), latencies into per-worker HDR histograms that are merged at the end.
+//!
+//! Every loop is bounded twice: by time (the warm-up plus the measured window) and by a shared
+//! count of requests (`max_requests`), so a run stops by itself whatever the server does.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http::header::{CONTENT_TYPE, HOST};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::task::JoinSet;
+
+/// How long a TCP connect (and the HTTP/1 handshake) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one request may take, from writing it to the last byte of the answer.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause after a failed connect, so a refusing server is not hammered in a tight loop.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(50);
+/// Latencies are recorded in microseconds, from 1 µs to a minute, 3 significant digits.
+const HISTOGRAM_MAX_MICROS: u64 = 60_000_000;
+
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// A request sender on one connection.
+pub type Sender = SendRequest<Full<Bytes>>;
+
+/// A response, read whole.
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    /// Carries `Idempotent-Replayed: true`.
+    pub fn replayed(&self) -> bool {
+        self.headers.get(REPLAYED).is_some_and(|v| v == "true")
+    }
+}
+
+/// Opens a connection; its driver runs on a task of its own until the sender is dropped or the
+/// server closes the connection.
+pub async fn connect(addr: SocketAddr) -> Result<Sender, String> {
+    let opening = async {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| format!("set_nodelay: {e}"))?;
+        hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))
+    };
+    let (sender, connection) = tokio::time::timeout(CONNECT_TIMEOUT, opening)
+        .await
+        .map_err(|_| format!("connect: no connection within {CONNECT_TIMEOUT:?}"))??;
+    tokio::spawn(async move {
+        // An error here is the server closing the connection; the sender sees it too.
+        let _ = connection.await;
+    });
+    Ok(sender)
+}
+
+/// Sends one request on a ready connection and reads the whole answer, within
+/// [`REQUEST_TIMEOUT`].
+pub async fn exchange(
+    sender: &mut Sender,
+    request: Request<Full<Bytes>>,
+) -> Result<Answer, String> {
+    let exchange = async {
+        sender
+            .ready()
+            .await
+            .map_err(|e| format!("connection closed: {e}"))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("request failed: {e}"))?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| format!("reading the body failed: {e}"))?
+            .to_bytes();
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, exchange)
+        .await
+        .map_err(|_| format!("no answer within {REQUEST_TIMEOUT:?}"))?
+}
+
+/// One request on a connection of its own (setup and control calls, not load).
+pub async fn request_once(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Answer, String> {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(HOST, addr.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(body))
+        .map_err(|e| format!("building a request: {e}"))?;
+    send_once(addr, request).await
+}
+
+/// Sends `request` on a connection of its own.
+pub async fn send_once(addr: SocketAddr, request: Request<Full<Bytes>>) -> Result<Answer, String> {
+    let mut sender = connect(addr).await?;
+    exchange(&mut sender, request).await
+}
+
+/// The `Idempotency-Key` of each request.
+#[derive(Clone, Debug)]
+pub enum Key {
+    /// No key header.
+    None,
+    /// The same key every time.
+    Fixed(HeaderValue),
+    /// A new key per request: this prefix and the request's ticket number.
+    Unique { prefix: Arc<str> },
+}
+
+/// What every request of a load run looks like: `POST path` with a JSON body.
+#[derive(Clone, Debug)]
+pub struct RequestSpec {
+    pub path: &'static str,
+    pub host: HeaderValue,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub key: Key,
+    pub body: Bytes,
+}
+
+impl RequestSpec {
+    /// The request with ticket number `ticket` (unique within a run).
+    pub fn build(&self, ticket: u64) -> Request<Full<Bytes>> {
+        let mut request = Request::new(Full::new(self.body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = Uri::from_static(self.path);
+        let headers = request.headers_mut();
+        headers.insert(HOST, self.host.clone());
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        for (name, value) in &self.headers {
+            headers.append(name.clone(), value.clone());
+        }
+        match &self.key {
+            Key::None => {}
+            Key::Fixed(value) => {
+                headers.insert(IDEMPOTENCY_KEY, value.clone());
+            }
+            Key::Unique { prefix } => {
+                headers.insert(IDEMPOTENCY_KEY, unique_key(prefix, ticket));
+            }
+        }
+        request
+    }
+}
+
+/// `prefix` and the ticket number in hex: unique as long as the prefix is.
+fn unique_key(prefix: &str, ticket: u64) -> HeaderValue {
+    HeaderValue::try_from(format!("{prefix}{ticket:012x}")).expect("a key is a header value")
+}
+
+/// The answer a scenario expects; anything else is an error.
+#[derive(Clone, Copy, Debug)]
+pub struct Expect {
+    pub status: StatusCode,
+    /// `Idempotent-Replayed: true` present (or, when false, absent).
+    pub replayed: bool,
+    pub body_len: Option<usize>,
+}
+
+impl Expect {
+    pub fn check(&self, answer: &Answer) -> Result<(), String> {
+        if answer.status != self.status {
+            return Err(format!("status {}", answer.status.as_u16()));
+        }
+        if answer.replayed() != self.replayed {
+            return Err(if self.replayed {
+                "not replayed".to_owned()
+            } else {
+                "replayed".to_owned()
+            });
+        }
+        match self.body_len {
+            Some(len) if answer.body.len() != len => {
+                Err(format!("body of {} bytes", answer.body.len()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// For the notes column: `200`, `200+replayed`.
+    pub fn describe(&self) -> String {
+        let replayed = if self.replayed { "+replayed" } else { "" };
+        format!("{}{replayed}", self.status.as_u16())
+    }
+}
+
+/// An empty latency histogram (microseconds).
+pub fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, HISTOGRAM_MAX_MICROS, 3).expect("valid histogram bounds")
+}
+
+/// Records `elapsed` in microseconds (clamped to the histogram's range).
+pub fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
+    let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+    histogram.saturating_record(micros.max(1));
+}
+
+/// What a load run measured. Only answers completed inside the measured window count.
+pub struct Stats {
+    /// Latencies of the expected answers, in microseconds.
+    pub histogram: Histogram<u64>,
+    pub ok: u64,
+    pub errors: u64,
+    /// Errors by kind (`status 503`, `connect: ...`), warm-up included.
+    pub error_kinds: BTreeMap<String, u64>,
+    pub warmup_errors: u64,
+    /// Connections the server closed between requests (not errors).
+    pub reconnects: u64,
+    pub window: Duration,
+    /// The request cap ended the run before its time was up.
+    pub capped: bool,
+}
+
+impl Stats {
+    fn new() -> Self {
+        Stats {
+            histogram: histogram(),
+            ok: 0,
+            errors: 0,
+            error_kinds: BTreeMap::new(),
+            warmup_errors: 0,
+            reconnects: 0,
+            window: Duration::ZERO,
+            capped: false,
+        }
+    }
+
+    /// Expected answers per second of the measured window.
+    pub fn rps(&self) -> f64 {
+        let secs = self.window.as_secs_f64();
+        if secs > 0.0 {
+            self.ok as f64 / secs
+        } else {
+            0.0
+        }
+    }
+
+    /// A latency quantile, if anything was recorded.
+    pub fn quantile(&self, q: f64) -> Option<Duration> {
+        (!self.histogram.is_empty())
+            .then(|| Duration::from_micros(self.histogram.value_at_quantile(q)))
+    }
+
+    fn error(&mut self, measured: bool, kind: String) {
+        if measured {
+            self.errors += 1;
+        } else {
+            self.warmup_errors += 1;
+        }
+        *self.error_kinds.entry(kind).or_insert(0) += 1;
+    }
+
+    fn merge(&mut self, other: Stats) {
+        self.histogram
+            .add(&other.histogram)
+            .expect("histograms with the same bounds merge");
+        self.ok += other.ok;
+        self.errors += other.errors;
+        self.warmup_errors += other.warmup_errors;
+        self.reconnects += other.reconnects;
+        self.capped |= other.capped;
+        for (kind, n) in other.error_kinds {
+            *self.error_kinds.entry(kind).or_insert(0) += n;
+        }
+    }
+
+    /// The most frequent error kinds, for a progress line.
+    pub fn error_summary(&self) -> String {
+        let mut kinds: Vec<_> = self.error_kinds.iter().collect();
+        kinds.sort_by(|a, b| b.1.cmp(a.1));
+        let shown: Vec<String> = kinds
+            .iter()
+            .take(3)
+            .map(|(kind, n)| format!("{kind} x{n}"))
+            .collect();
+        shown.join("; ")
+    }
+}
+
+/// One load run against one address.
+#[derive(Clone)]
+pub struct LoadPlan {
+    pub addr: SocketAddr,
+    pub spec: RequestSpec,
+    pub expect: Expect,
+    pub connections: usize,
+    pub warmup: Duration,
+    pub duration: Duration,
+    /// The most requests sent in the whole run, warm-up included.
+    pub max_requests: u64,
+}
+
+/// Runs `plan`: `connections` workers until the warm-up and the window have passed or the
+/// request cap is reached. `done` counts answered requests as they land (for progress lines).
+pub async fn run(plan: Arc<LoadPlan>, done: Arc<AtomicU64>) -> Stats {
+    let started = Instant::now();
+    let measure_from = started + plan.warmup;
+    let end = measure_from + plan.duration;
+    let tickets = Arc::new(AtomicU64::new(0));
+    let mut workers = JoinSet::new();
+    for _ in 0..plan.connections.max(1) {
+        let (plan, tickets, done) = (plan.clone(), tickets.clone(), done.clone());
+        workers.spawn(worker(plan, tickets, done, measure_from, end));
+    }
+    let mut total = Stats::new();
+    let mut last_finish = measure_from;
+    while let Some(joined) = workers.join_next().await {
+        match joined {
+            Ok((stats, finished)) => {
+                last_finish = last_finish.max(finished);
+                total.merge(stats);
+            }
+            Err(e) => total.error(true, format!("worker panicked: {e}")),
+        }
+    }
+    total.window = last_finish.min(end).saturating_duration_since(measure_from);
+    total
+}
+
+async fn worker(
+    plan: Arc<LoadPlan>,
+    tickets: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+    measure_from: Instant,
+    end: Instant,
+) -> (Stats, Instant) {
+    let mut stats = Stats::new();
+    let mut connection: Option<Sender> = None;
+    while Instant::now() < end {
+        let mut sender = match connection.take() {
+            Some(sender) if !sender.is_closed() => sender,
+            previous => {
+                if previous.is_some() {
+                    stats.reconnects += 1;
+                }
+                match connect(plan.addr).await {
+                    Ok(sender) => sender,
+                    Err(e) => {
+                        stats.error(Instant::now() >= measure_from, e);
+                        tokio::time::sleep(RECONNECT_PAUSE).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        let ticket = tickets.fetch_add(1, Ordering::Relaxed);
+        if ticket >= plan.max_requests {
+            stats.capped = true;
+            break;
+        }
+        let request = plan.spec.build(ticket);
+        let began = Instant::now();
+        let result = exchange(&mut sender, request).await;
+        let finished = Instant::now();
+        done.fetch_add(1, Ordering::Relaxed);
+        let measured = finished >= measure_from && finished <= end;
+        match result {
+            Ok(answer) => {
+                // The answer arrived whole, so the connection is still good for the next one.
+                connection = Some(sender);
+                match plan.expect.check(&answer) {
+                    Ok(()) if measured => {
+                        stats.ok += 1;
+                        record(&mut stats.histogram, finished - began);
+                    }
+                    Ok(()) => {}
+                    Err(kind) => stats.error(measured, kind),
+                }
+            }
+            // The connection's state is unknown: drop it, the next turn opens a new one.
+            Err(kind) => stats.error(measured, kind),
+        }
+    }
+    (stats, Instant::now())
+}

@@ -1,0 +1,567 @@
+//! `cargo bench --bench load`: the proxy under load, as separate processes, next to baselines
+//! measured in the same run.
+//!
+//! It starts the release builds of `mock-upstream` and `idemproxy` (one proxy process per
+//! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios and
+//! nginx `proxy_pass` as the reference proxy (each skipped, with a message, when not installed),
+//! all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
+//! for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines,
+//! then one table with each scenario's throughput, latency quantiles, errors, and its ratios to
+//! nginx and to the pass-through route: this machine is shared and noisy, the ratios are what
+//! to read. See BENCHMARKS.md, or run `cargo bench --bench load -- --help`.
+//!
+//! # Layout
+//! - `args`: the flags and their environment variables.
+//! - `scenario`: the catalogue, in run order, and choosing from a comma list of globs.
+//! - `procs`: the child processes (killed on drop) and their config files.
+//! - `client`: the load generator and one-shot requests.
+//! - `storm`: the conflict storm and its invariants.
+//! - `fill`: filling the memory store with many keys, RSS before and after.
+//! - `report`: the final table.
+
+mod args;
+mod client;
+mod fill;
+mod procs;
+mod report;
+mod scenario;
+mod storm;
+
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{HeaderName, HeaderValue, StatusCode};
+use tokio::runtime::Runtime;
+
+use args::Args;
+use client::{Expect, Key, LoadPlan, RequestSpec};
+use procs::{IDEMPOTENT_PATH, Mock, Nginx, PASSTHROUGH_PATH, Proxy, Redis, StoreConfig};
+use report::{Outcome, Row};
+use scenario::{Scenario, Store, Target};
+
+/// The request body of every scenario: 31 bytes of JSON.
+const BODY: &[u8] = br#"{"from":"DEL","to":"BOM","p":2}"#;
+/// The response size of the `64k-*` scenarios (`X-Mock-Body-Size`).
+const BIG_BODY: usize = 64 * 1024;
+/// `store.max_entries` of the memory-store proxies (the default), far above what a run adds.
+const MAX_ENTRIES: u64 = 1_000_000;
+
+fn main() -> ExitCode {
+    // `cargo test --all-targets` runs this debug build without `--bench`: do nothing.
+    if !std::env::args().any(|a| a == "--bench") {
+        return ExitCode::SUCCESS;
+    }
+    let args = Args::parse();
+    if args.list {
+        print!("{}", scenario::listing());
+        return ExitCode::SUCCESS;
+    }
+    match run(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("\nload bench: FAIL (see the lines marked FAIL above)");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("load bench: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// What one scenario produced.
+#[derive(Default)]
+struct Done {
+    rows: Vec<Row>,
+    /// Printed under the table.
+    summary: Vec<String>,
+    failed: bool,
+}
+
+impl Done {
+    fn row(s: &Scenario, outcome: Outcome, note: String) -> Done {
+        Done {
+            rows: vec![Row {
+                name: s.name.to_owned(),
+                big: s.big,
+                outcome,
+                note,
+            }],
+            ..Done::default()
+        }
+    }
+
+    fn skipped(s: &Scenario, reason: &str) -> Done {
+        println!("  skipped: {reason}");
+        Done::row(s, Outcome::Skipped(reason.to_owned()), String::new())
+    }
+}
+
+/// One run's world. Children are dropped (killed) before the directory their logs are in.
+struct Bench {
+    args: Args,
+    rt: Runtime,
+    /// Makes this run's keys unlike any other run's.
+    nonce: u64,
+    /// Key spaces handed out so far (each load run gets its own).
+    key_spaces: Cell<u32>,
+    nginx: Option<Nginx>,
+    redis: Option<Redis>,
+    mock: Mock,
+    dir: tempfile::TempDir,
+}
+
+fn run(args: Args) -> Result<bool, String> {
+    let list = args.scenarios.clone().or(args.filter.clone());
+    let selected = scenario::select(list.as_deref().unwrap_or(""), !args.no_baselines)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "load bench: {} scenario(s), {cores} cores; per scenario {:?} warm-up + {:?} measured over \
+         {} connections; proxy processes run with RUST_LOG={} (--proxy-log)",
+        selected.len(),
+        args.warmup,
+        args.duration,
+        args.connections,
+        args.proxy_log
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("idemproxy-load.")
+        .tempdir()
+        .map_err(|e| format!("temp dir: {e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let (dir_path, keep_logs) = (dir.path().to_owned(), args.keep_logs);
+    rt.spawn(async move {
+        interrupted().await;
+        eprintln!("\nload bench: interrupted; stopping the child processes");
+        procs::kill_all();
+        if keep_logs {
+            eprintln!("Configs and logs kept in {}", dir_path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&dir_path);
+        }
+        std::process::exit(130);
+    });
+    let mock = Mock::start(Path::new(env!("CARGO_BIN_EXE_mock-upstream")), dir.path())?;
+    println!("mock-upstream on http://{}", mock.addr);
+    let redis = match selected.iter().any(|s| s.store() == Some(Store::Redis)) {
+        false => None,
+        true => match procs::find_binary("redis-server", "REDIS_SERVER") {
+            Some(bin) => {
+                let redis = Redis::start(&bin, dir.path())?;
+                println!("redis-server on {}", redis.url());
+                Some(redis)
+            }
+            None => {
+                println!(
+                    "redis-server is not installed (apt-get install redis-server): the Redis \
+                     scenarios are skipped"
+                );
+                None
+            }
+        },
+    };
+    let nginx = match selected.iter().any(|s| s.target == Target::Nginx) {
+        false => None,
+        true => match procs::find_binary("nginx", "NGINX") {
+            Some(bin) => {
+                let nginx = Nginx::start(&bin, dir.path(), mock.addr)?;
+                println!("nginx proxy_pass on http://{}", nginx.addr);
+                Some(nginx)
+            }
+            None => {
+                println!(
+                    "nginx is not installed (apt-get install nginx-light): its rows are skipped \
+                     and the pass-through route is the only baseline"
+                );
+                None
+            }
+        },
+    };
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let bench = Bench {
+        args,
+        rt,
+        nonce,
+        key_spaces: Cell::new(0),
+        nginx,
+        redis,
+        mock,
+        dir,
+    };
+
+    let mut all = Done::default();
+    for (i, s) in selected.iter().enumerate() {
+        println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
+        let done = bench.scenario(s).unwrap_or_else(|e| {
+            println!("  FAIL: {e}");
+            let reason = e.lines().next().unwrap_or_default();
+            let mut done = Done::row(
+                s,
+                Outcome::Skipped(format!("error: {reason}")),
+                String::new(),
+            );
+            done.failed = true;
+            done
+        });
+        all.rows.extend(done.rows);
+        all.summary.extend(done.summary);
+        all.failed |= done.failed;
+    }
+
+    println!();
+    for line in report::table(&all.rows) {
+        println!("{line}");
+    }
+    println!();
+    for line in &all.summary {
+        println!("{line}");
+    }
+    let nginx_note = if bench.nginx.is_some() || !selected.iter().any(|s| s.target == Target::Nginx)
+    {
+        ""
+    } else {
+        " nginx was not installed: the pass-through route is the baseline."
+    };
+    println!(
+        "Ratios: req/s and p99 of a row over those of nginx proxy_pass and of the proxy's \
+         pass-through route with the same response size, measured in this run.{nginx_note}"
+    );
+    println!(
+        "Latency: per request, closed loop ({} connections, one request in flight on each); \
+         errors: answers other than the expected ones (notes), in the measured window.",
+        bench.args.connections
+    );
+    bench.finish(all.failed);
+    Ok(!all.failed)
+}
+
+impl Bench {
+    fn scenario(&self, s: &Scenario) -> Result<Done, String> {
+        // Zeroed counters: each scenario's checks read only its own calls, and the mock's
+        // per-key map stays small.
+        self.rt.block_on(storm::reset_mock(self.mock.addr))?;
+        match s.target {
+            Target::Direct => self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, None),
+            Target::Nginx => match &self.nginx {
+                Some(nginx) => self.timed(s, nginx.addr, PASSTHROUGH_PATH, Key::None, None),
+                None => Ok(Done::skipped(s, "nginx is not installed")),
+            },
+            Target::Passthrough => {
+                let config = StoreConfig::Memory {
+                    max_entries: MAX_ENTRIES,
+                };
+                let mut proxy = self.start_proxy(s.name, &config)?;
+                self.timed(s, proxy.addr, PASSTHROUGH_PATH, Key::None, Some(&mut proxy))
+            }
+            Target::NewKey(store) => {
+                let Some(mut proxy) = self.proxy(s, store)? else {
+                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                };
+                let key = self.new_keys();
+                self.timed(s, proxy.addr, IDEMPOTENT_PATH, key, Some(&mut proxy))
+            }
+            Target::Replay(store) => {
+                let Some(mut proxy) = self.proxy(s, store)? else {
+                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                };
+                self.replay(s, &mut proxy)
+            }
+            Target::Storm(store) => {
+                let Some(mut proxy) = self.proxy(s, store)? else {
+                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                };
+                self.storm(s, &mut proxy)
+            }
+            Target::Fill => self.fill(s),
+        }
+    }
+
+    /// A fresh proxy process on `store` (Redis emptied first); `None` when Redis is wanted
+    /// but not installed.
+    fn proxy(&self, s: &Scenario, store: Store) -> Result<Option<Proxy>, String> {
+        let config = match (store, &self.redis) {
+            (Store::Memory, _) => StoreConfig::Memory {
+                max_entries: MAX_ENTRIES,
+            },
+            (Store::Redis, None) => return Ok(None),
+            (Store::Redis, Some(redis)) => {
+                redis.flush()?;
+                StoreConfig::Redis { url: redis.url() }
+            }
+        };
+        self.start_proxy(s.name, &config).map(Some)
+    }
+
+    fn start_proxy(&self, label: &str, config: &StoreConfig) -> Result<Proxy, String> {
+        let bin = Path::new(env!("CARGO_BIN_EXE_idemproxy"));
+        Proxy::start(
+            bin,
+            self.dir.path(),
+            label,
+            config,
+            self.mock.addr,
+            "24h",
+            &self.args.proxy_log,
+        )
+    }
+
+    /// A new key on every request, from a key space no other load run of this run uses:
+    /// 36-character keys, `NONCE-SPACE-TICKET` in hex.
+    fn new_keys(&self) -> Key {
+        let space = self.key_spaces.get();
+        self.key_spaces.set(space + 1);
+        Key::Unique {
+            prefix: format!("{:016x}-{space:06x}-", self.nonce).into(),
+        }
+    }
+
+    fn spec(&self, addr: SocketAddr, path: &'static str, key: Key, big: bool) -> RequestSpec {
+        let mut headers = Vec::new();
+        if big {
+            headers.push((
+                HeaderName::from_static("x-mock-body-size"),
+                HeaderValue::from(BIG_BODY),
+            ));
+        }
+        RequestSpec {
+            path,
+            host: HeaderValue::try_from(addr.to_string()).expect("an address is a header value"),
+            headers,
+            key,
+            body: Bytes::from_static(BODY),
+        }
+    }
+
+    fn expect(&self, s: &Scenario, replayed: bool) -> Expect {
+        Expect {
+            status: StatusCode::OK,
+            replayed,
+            body_len: s.big.then_some(BIG_BODY),
+        }
+    }
+
+    fn plan(&self, addr: SocketAddr, spec: RequestSpec, expect: Expect) -> LoadPlan {
+        LoadPlan {
+            addr,
+            spec,
+            expect,
+            connections: self.args.connections,
+            warmup: self.args.warmup,
+            duration: self.args.duration,
+            max_requests: self.args.max_requests,
+        }
+    }
+
+    /// A timed closed-loop run; `proxy`, if any, is checked afterwards (still running, log).
+    fn timed(
+        &self,
+        s: &Scenario,
+        addr: SocketAddr,
+        path: &'static str,
+        key: Key,
+        proxy: Option<&mut Proxy>,
+    ) -> Result<Done, String> {
+        let replayed = matches!(key, Key::Fixed(_));
+        let expect = self.expect(s, replayed);
+        let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
+        let stats = self
+            .rt
+            .block_on(client::run(Arc::new(plan), Arc::default()));
+        let fmt = |q| {
+            stats
+                .quantile(q)
+                .map_or("-".to_owned(), report::format_duration)
+        };
+        let mut line = format!(
+            "  {:.0} req/s, p50 {}, p99 {}, {} errors",
+            stats.rps(),
+            fmt(0.5),
+            fmt(0.99),
+            stats.errors
+        );
+        if stats.errors + stats.warmup_errors > 0 {
+            line.push_str(&format!(
+                " ({} in the warm-up): {}",
+                stats.warmup_errors,
+                stats.error_summary()
+            ));
+        }
+        println!("{line}");
+        let mut note = format!("expects {}", expect.describe());
+        if stats.capped {
+            note.push_str("; hit --max-requests");
+        }
+        if let Some(proxy) = proxy {
+            note.push_str(&check_proxy(proxy)?);
+        }
+        Ok(Done::row(s, Outcome::Timed(stats), note))
+    }
+
+    /// One finished key, then every request replays it; the upstream must see it once.
+    fn replay(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
+        let key = format!("replay-{:016x}-{}", self.nonce, s.name);
+        let value = HeaderValue::try_from(key.as_str()).map_err(|e| e.to_string())?;
+        let spec = self.spec(proxy.addr, IDEMPOTENT_PATH, Key::Fixed(value), s.big);
+        let first = self
+            .rt
+            .block_on(client::send_once(proxy.addr, spec.build(0)))?;
+        self.expect(s, false)
+            .check(&first)
+            .map_err(|e| format!("the first request of the replayed key: {e}"))?;
+
+        let mut done = self.timed(s, proxy.addr, IDEMPOTENT_PATH, spec.key, Some(proxy))?;
+        let forwarded = self.rt.block_on(storm::mock_stats(self.mock.addr))?["total"]
+            .as_u64()
+            .unwrap_or(0);
+        if forwarded != 1 {
+            println!("  FAIL: the upstream was called {forwarded} times for one replayed key");
+            done.failed = true;
+            done.summary.push(format!(
+                "{}: FAIL: {forwarded} upstream calls for one key",
+                s.name
+            ));
+        }
+        Ok(done)
+    }
+
+    fn storm(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
+        let plan = storm::StormPlan {
+            proxy: proxy.addr,
+            mock: self.mock.addr,
+            keys: self.args.storm_keys.max(1),
+            duplicates: self.args.storm_duplicates,
+            delay: self.args.storm_delay,
+            body: Bytes::from_static(BODY),
+            nonce: self.nonce,
+        };
+        let report = self.rt.block_on(storm::run(&plan))?;
+        let note = check_proxy(proxy)?;
+        println!("  {}", report.summary());
+        let mut summary = Vec::new();
+        for warning in &report.warnings {
+            println!("  warning: {warning}");
+            summary.push(format!("{}: warning: {warning}", s.name));
+        }
+        let failed = !report.passed();
+        if failed {
+            println!("  FAIL: {} broken invariant(s):", report.failures.len());
+            for failure in report.failures.iter().take(10) {
+                println!("  FAIL:   {failure}");
+            }
+            summary.push(format!(
+                "{}: FAIL: {} (first: {})",
+                s.name,
+                report.failures.len(),
+                report.failures[0]
+            ));
+        }
+        let mut done = Done::row(
+            s,
+            Outcome::Storm(report),
+            note.trim_start_matches("; ").to_owned(),
+        );
+        done.summary = summary;
+        done.failed = failed;
+        Ok(done)
+    }
+
+    fn fill(&self, s: &Scenario) -> Result<Done, String> {
+        let keys = self.args.fill_keys;
+        let config = StoreConfig::Memory {
+            max_entries: (keys + MAX_ENTRIES).max(2_000_000),
+        };
+        let mut proxy = self.start_proxy(s.name, &config)?;
+        let spec = self.spec(proxy.addr, IDEMPOTENT_PATH, self.new_keys(), false);
+        let plan = fill::FillPlan {
+            load: self.plan(proxy.addr, spec, self.expect(s, false)),
+            proxy_pid: proxy.process.pid(),
+            mock: self.mock.addr,
+            keys,
+            timeout: self.args.fill_timeout,
+            fill_keys: self.new_keys(),
+            full_keys: self.new_keys(),
+        };
+        let report = self.rt.block_on(fill::run(plan))?;
+        let note = check_proxy(&mut proxy)?;
+        let summary = report.summary();
+        for line in &summary {
+            println!("  {line}");
+        }
+        let store_note = |n: u64| format!("expects 200; store holds ~{n} keys{note}");
+        let keys_full = report.keys_before + report.keys_filled;
+        Ok(Done {
+            rows: vec![
+                Row {
+                    name: format!("{}/empty", s.name),
+                    big: false,
+                    outcome: Outcome::Timed(report.empty),
+                    note: store_note(0),
+                },
+                Row {
+                    name: format!("{}/full", s.name),
+                    big: false,
+                    outcome: Outcome::Timed(report.full),
+                    note: store_note(keys_full),
+                },
+            ],
+            summary,
+            failed: false,
+        })
+    }
+
+    /// Stops every child, then removes the temp directory unless it is to be kept.
+    fn finish(self, failed: bool) {
+        let Bench {
+            args,
+            nginx,
+            redis,
+            mock,
+            dir,
+            ..
+        } = self;
+        drop((nginx, redis, mock));
+        if args.keep_logs || failed {
+            let path = dir.keep();
+            println!("Configs and logs kept in {}", path.display());
+        }
+    }
+}
+
+/// SIGINT or SIGTERM: the handles of the children will not be dropped, so they are killed here.
+async fn interrupted() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// The proxy is still running; its log lines (warnings, at the default filter) are shown.
+fn check_proxy(proxy: &mut Proxy) -> Result<String, String> {
+    proxy.process.ensure_running()?;
+    let lines = proxy.process.log_lines();
+    if lines.is_empty() {
+        return Ok(String::new());
+    }
+    for line in lines.iter().take(3) {
+        println!("  proxy log: {line}");
+    }
+    Ok(format!("; proxy logged {} line(s)", lines.len()))
+}

@@ -1,0 +1,457 @@
+//! The child processes of a run: the mock upstream, the proxy, `redis-server` and nginx.
+//!
+//! Each one is killed when its handle is dropped, also while unwinding from a panic. Everything
+//! listens on 127.0.0.1 only; each process writes its log into the run's temporary directory.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError, mpsc};
+use std::time::{Duration, Instant};
+
+/// How long a child may take to start listening.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long nginx gets to stop its workers after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
+/// Every running child (pid, stop with SIGTERM first), for [`kill_all`].
+static RUNNING: Mutex<Vec<(u32, bool)>> = Mutex::new(Vec::new());
+
+/// Kills every running child at once: for a bench interrupted by a signal, whose handles will
+/// not be dropped.
+pub fn kill_all() {
+    let running = RUNNING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    for (pid, terminate_first) in running {
+        let signal = if terminate_first { "-TERM" } else { "-KILL" };
+        let _ = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status();
+    }
+}
+
+/// A running child process with its log file; killed on drop.
+pub struct ChildProcess {
+    name: String,
+    child: Child,
+    log: PathBuf,
+    /// Stop with SIGTERM first (nginx: SIGKILL on the master would orphan its workers).
+    terminate_first: bool,
+}
+
+impl ChildProcess {
+    /// Spawns `command` with stdin closed and stderr into `log`. Stdout is the caller's choice.
+    fn spawn(
+        name: String,
+        command: &mut Command,
+        log: PathBuf,
+        terminate_first: bool,
+    ) -> Result<Self, String> {
+        let file = File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .map_err(|e| format!("start {name}: {e}"))?;
+        RUNNING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((child.id(), terminate_first));
+        Ok(ChildProcess {
+            name,
+            child,
+            log,
+            terminate_first,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// An error, with the end of its log, if the process has exited.
+    pub fn ensure_running(&mut self) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => {
+                let lines = self.log_lines();
+                let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+                Err(format!(
+                    "{} exited ({status}); the end of {}:\n{tail}",
+                    self.name,
+                    self.log.display()
+                ))
+            }
+            Err(e) => Err(format!("{}: {e}", self.name)),
+        }
+    }
+
+    /// The lines of its log so far.
+    pub fn log_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.log)
+            .map(|text| text.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    /// Waits until `addr` accepts connections, failing early if the process exits.
+    fn wait_listening(&mut self, addr: SocketAddr) -> Result<(), String> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            self.ensure_running()?;
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{} did not listen on {addr} in time", self.name));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        self.stop();
+        let pid = self.child.id();
+        RUNNING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(p, _)| *p != pid);
+    }
+}
+
+impl ChildProcess {
+    fn stop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        if self.terminate_first {
+            let pid = self.child.id().to_string();
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            let deadline = Instant::now() + STOP_GRACE;
+            while Instant::now() < deadline {
+                if matches!(self.child.try_wait(), Ok(Some(_))) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A loopback port that was free a moment ago (never 6379, the default Redis port).
+pub fn free_port() -> Result<u16, String> {
+    loop {
+        let listener =
+            TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| format!("local_addr: {e}"))?
+            .port();
+        if port != 6379 {
+            return Ok(port);
+        }
+    }
+}
+
+/// The binary `env_var` names (empty or `none`: treat it as not installed), else `name` on
+/// `PATH` or in the sbin directories (nginx lives in /usr/sbin).
+pub fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
+    if let Some(value) = std::env::var_os(env_var) {
+        let none = value.is_empty() || value == "none";
+        return (!none).then(|| PathBuf::from(value));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// The resident set size of a process, from `/proc/PID/status` (`VmRSS`), in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The `mock-upstream` binary, on a port it picked itself.
+pub struct Mock {
+    _process: ChildProcess,
+    pub addr: SocketAddr,
+}
+
+impl Mock {
+    pub fn start(bin: &Path, dir: &Path) -> Result<Mock, String> {
+        let mut process = ChildProcess::spawn(
+            "mock-upstream".to_owned(),
+            Command::new(bin)
+                .args(["--listen", "127.0.0.1:0"])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped()),
+            dir.join("mock-upstream.log"),
+            false,
+        )?;
+        let stdout = process
+            .child
+            .stdout
+            .take()
+            .ok_or("mock-upstream: no stdout")?;
+        // The first stdout line names the address: `mock-upstream listening on http://ADDR`.
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let read = BufReader::new(stdout).read_line(&mut line).map(|_| line);
+            let _ = tx.send(read);
+        });
+        let line = rx
+            .recv_timeout(START_TIMEOUT)
+            .map_err(|_| "mock-upstream did not print its address in time".to_owned())?
+            .map_err(|e| format!("mock-upstream stdout: {e}"))?;
+        let addr = line
+            .trim()
+            .strip_prefix("mock-upstream listening on http://")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("mock-upstream printed {line:?}, not its address"))?;
+        process.wait_listening(addr)?;
+        Ok(Mock {
+            _process: process,
+            addr,
+        })
+    }
+}
+
+/// The store a proxy process is configured with.
+pub enum StoreConfig {
+    Memory { max_entries: u64 },
+    Redis { url: String },
+}
+
+/// Paths the proxy routes: the idempotent route and the pass-through route. Both are mock echo
+/// paths of the same length, so the upstream does the same work for either.
+pub const IDEMPOTENT_PATH: &str = "/echo/idem";
+pub const PASSTHROUGH_PATH: &str = "/echo/pass";
+
+/// An `idemproxy` process in front of the mock.
+pub struct Proxy {
+    pub process: ChildProcess,
+    pub addr: SocketAddr,
+}
+
+impl Proxy {
+    /// Starts the proxy binary with its config written to `DIR/proxy-LABEL.yaml`. The proxy
+    /// logs its address only at `info`, so the port is picked here (bind port 0, drop) and the
+    /// start retried on another port if it was taken meanwhile.
+    pub fn start(
+        bin: &Path,
+        dir: &Path,
+        label: &str,
+        store: &StoreConfig,
+        upstream: SocketAddr,
+        ttl: &str,
+        rust_log: &str,
+    ) -> Result<Proxy, String> {
+        let file_label = label.replace('/', "-");
+        let config = dir.join(format!("proxy-{file_label}.yaml"));
+        let mut last_error = String::new();
+        for _attempt in 0..3 {
+            let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            let yaml = proxy_yaml(addr, store, upstream, ttl);
+            std::fs::write(&config, yaml)
+                .map_err(|e| format!("write {}: {e}", config.display()))?;
+            let mut process = ChildProcess::spawn(
+                format!("idemproxy ({label})"),
+                Command::new(bin)
+                    .arg("--config")
+                    .arg(&config)
+                    .env("RUST_LOG", rust_log)
+                    .stdout(Stdio::null()),
+                dir.join(format!("proxy-{file_label}.log")),
+                false,
+            )?;
+            match process.wait_listening(addr) {
+                Ok(()) => return Ok(Proxy { process, addr }),
+                Err(e) => last_error = e,
+            }
+        }
+        Err(last_error)
+    }
+}
+
+fn proxy_yaml(listen: SocketAddr, store: &StoreConfig, upstream: SocketAddr, ttl: &str) -> String {
+    let store = match store {
+        StoreConfig::Memory { max_entries } => {
+            format!("  backend: memory\n  max_entries: {max_entries}\n")
+        }
+        StoreConfig::Redis { url } => format!("  backend: redis\n  url: {url}\n"),
+    };
+    format!(
+        "listen: {listen}
+shutdown_timeout: 1s
+store:
+{store}  key_prefix: \"idemproxy-load:\"
+upstreams:
+  mock:
+    url: http://{upstream}
+routes:
+  - name: idempotent
+    methods: [POST]
+    path: {IDEMPOTENT_PATH}
+    upstream: mock
+    idempotency:
+      ttl: {ttl}
+      lock_ttl: 10s
+      max_response_body: 1MiB
+  - name: pass-through
+    path: /*
+    upstream: mock
+"
+    )
+}
+
+/// A `redis-server` of the run's own: a free loopback port, no persistence.
+pub struct Redis {
+    _process: ChildProcess,
+    port: u16,
+}
+
+impl Redis {
+    pub fn start(bin: &Path, dir: &Path) -> Result<Redis, String> {
+        let port = free_port()?;
+        let port_text = port.to_string();
+        let mut process = ChildProcess::spawn(
+            "redis-server".to_owned(),
+            Command::new(bin)
+                .args(["--port", &port_text, "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                .args(["--loglevel", "warning"])
+                .stdout(Stdio::null()),
+            dir.join("redis-server.log"),
+            false,
+        )?;
+        process.wait_listening(SocketAddr::from(([127, 0, 0, 1], port)))?;
+        let redis = Redis {
+            _process: process,
+            port,
+        };
+        redis.command("PING")?;
+        Ok(redis)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Empties it, so each scenario starts from nothing.
+    pub fn flush(&self) -> Result<(), String> {
+        self.command("FLUSHALL")
+    }
+
+    fn command(&self, name: &str) -> Result<(), String> {
+        let client = redis::Client::open(self.url()).map_err(|e| format!("redis: {e}"))?;
+        let mut connection = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .map_err(|e| format!("redis: connect: {e}"))?;
+        redis::cmd(name)
+            .query::<()>(&mut connection)
+            .map_err(|e| format!("redis: {name}: {e}"))
+    }
+}
+
+/// nginx as a plain reverse proxy to the mock: the reference a proxy is compared with.
+pub struct Nginx {
+    _process: ChildProcess,
+    pub addr: SocketAddr,
+}
+
+impl Nginx {
+    /// Runs `nginx -p DIR/nginx -c nginx.conf` in the foreground (`daemon off`), with a
+    /// keep-alive pool to the mock and every temp path under its own prefix.
+    pub fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx, String> {
+        let prefix = dir.join("nginx");
+        std::fs::create_dir_all(&prefix)
+            .map_err(|e| format!("create {}: {e}", prefix.display()))?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let conf = prefix.join("nginx.conf");
+        let text = nginx_conf(&prefix, addr, upstream, &missing_modules(bin));
+        std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
+        let mut process = ChildProcess::spawn(
+            "nginx".to_owned(),
+            Command::new(bin)
+                .arg("-p")
+                .arg(&prefix)
+                .arg("-c")
+                .arg(&conf)
+                .arg("-e")
+                .arg(prefix.join("error.log"))
+                .stdout(Stdio::null()),
+            dir.join("nginx.stderr.log"),
+            true,
+        )?;
+        process.wait_listening(addr)?;
+        Ok(Nginx {
+            _process: process,
+            addr,
+        })
+    }
+}
+
+/// The `--without-http_*_module` flags nginx was built with (their directives are unknown).
+fn missing_modules(bin: &Path) -> String {
+    Command::new(bin)
+        .arg("-V")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stderr).into_owned())
+        .unwrap_or_default()
+}
+
+fn nginx_conf(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, build: &str) -> String {
+    let p = prefix.display();
+    let mut temp_paths =
+        format!("    client_body_temp_path {p}/client_body;\n    proxy_temp_path {p}/proxy;\n");
+    for module in ["fastcgi", "uwsgi", "scgi"] {
+        if !build.contains(&format!("--without-http_{module}_module")) {
+            temp_paths.push_str(&format!("    {module}_temp_path {p}/{module};\n"));
+        }
+    }
+    format!(
+        "worker_processes auto;
+daemon off;
+pid {p}/nginx.pid;
+error_log {p}/error.log warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    access_log off;
+{temp_paths}    keepalive_requests 1000000;
+    keepalive_timeout 75s;
+    upstream mock {{
+        server {upstream};
+        keepalive 64;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://mock;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+            proxy_buffer_size 16k;
+            proxy_buffers 8 16k;
+            proxy_max_temp_file_size 0;
+        }}
+    }}
+}}
+"
+    )
+}

@@ -1,0 +1,152 @@
+//! The table printed at the end: one row per scenario, with ratios to the baselines measured in
+//! the same run (nginx `proxy_pass` and the proxy's pass-through route, of the same body size).
+
+use std::time::Duration;
+
+use crate::client::Stats;
+use crate::storm::StormReport;
+
+pub enum Outcome {
+    Timed(Stats),
+    Storm(StormReport),
+    Skipped(String),
+}
+
+pub struct Row {
+    pub name: String,
+    /// 64 KiB responses: compared with the 64 KiB baselines.
+    pub big: bool,
+    pub outcome: Outcome,
+    pub note: String,
+}
+
+const HEADERS: [&str; 11] = [
+    "scenario",
+    "req/s",
+    "p50",
+    "p99",
+    "p99.9",
+    "errors",
+    "req/s vs nginx",
+    "p99 vs nginx",
+    "req/s vs pass",
+    "p99 vs pass",
+    "notes",
+];
+
+/// The table, as lines of text.
+pub fn table(rows: &[Row]) -> Vec<String> {
+    let mut cells: Vec<[String; 11]> = vec![HEADERS.map(str::to_owned)];
+    for row in rows {
+        cells.push(cells_of(row, rows));
+    }
+    let mut widths = [0; 11];
+    for line in &cells {
+        for (width, cell) in widths.iter_mut().zip(line) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    cells
+        .iter()
+        .map(|line| {
+            let mut text = String::new();
+            for (i, (cell, width)) in line.iter().zip(widths).enumerate() {
+                let pad = " ".repeat(width - cell.chars().count());
+                match i {
+                    0 => text.push_str(&format!("{cell}{pad}")),
+                    10 => text.push_str(cell),
+                    _ => text.push_str(&format!("{pad}{cell}")),
+                }
+                text.push_str("  ");
+            }
+            text.trim_end().to_owned()
+        })
+        .collect()
+}
+
+fn cells_of(row: &Row, rows: &[Row]) -> [String; 11] {
+    let dash = || "-".to_owned();
+    let latency = |h: &Stats, q| h.quantile(q).map_or_else(dash, format_duration);
+    match &row.outcome {
+        Outcome::Timed(stats) => {
+            let (nginx, pass) = baselines(rows, row.big);
+            let rps_ratio = |base: Option<&Stats>| {
+                base.filter(|b| b.rps() > 0.0)
+                    .map_or_else(dash, |b| format!("{:.2}x", stats.rps() / b.rps()))
+            };
+            let p99_ratio = |base: Option<&Stats>| match (
+                stats.quantile(0.99),
+                base.and_then(|b| b.quantile(0.99)),
+            ) {
+                (Some(p99), Some(base)) if !base.is_zero() => {
+                    format!("{:.2}x", p99.as_secs_f64() / base.as_secs_f64())
+                }
+                _ => dash(),
+            };
+            [
+                row.name.clone(),
+                format!("{:.0}", stats.rps()),
+                latency(stats, 0.5),
+                latency(stats, 0.99),
+                latency(stats, 0.999),
+                stats.errors.to_string(),
+                rps_ratio(nginx),
+                p99_ratio(nginx),
+                rps_ratio(pass),
+                p99_ratio(pass),
+                row.note.clone(),
+            ]
+        }
+        Outcome::Storm(storm) => {
+            let h = &storm.histogram;
+            let q = |q| (!h.is_empty()).then(|| Duration::from_micros(h.value_at_quantile(q)));
+            let fmt = |d: Option<Duration>| d.map_or_else(dash, format_duration);
+            [
+                row.name.clone(),
+                dash(),
+                fmt(q(0.5)),
+                fmt(q(0.99)),
+                fmt(q(0.999)),
+                storm.other.values().sum::<u64>().to_string(),
+                dash(),
+                dash(),
+                dash(),
+                dash(),
+                storm.summary(),
+            ]
+        }
+        Outcome::Skipped(reason) => {
+            let mut cells = [(); 11].map(|()| dash());
+            cells[0] = row.name.clone();
+            cells[10] = format!("skipped: {reason}");
+            cells
+        }
+    }
+}
+
+/// The nginx and pass-through rows of the same body size, if they ran.
+fn baselines(rows: &[Row], big: bool) -> (Option<&Stats>, Option<&Stats>) {
+    let find = |name: &str| {
+        rows.iter().find_map(|r| match &r.outcome {
+            Outcome::Timed(stats) if r.name == name => Some(stats),
+            _ => None,
+        })
+    };
+    if big {
+        (find("64k-nginx"), find("64k-passthrough"))
+    } else {
+        (find("nginx"), find("passthrough"))
+    }
+}
+
+/// `412µs`, `3.25ms`, `1.20s`.
+pub fn format_duration(d: Duration) -> String {
+    let micros = d.as_micros();
+    if micros < 1000 {
+        format!("{micros}µs")
+    } else if micros < 1_000_000 {
+        format!("{:.2}ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{:.2}s", d.as_secs_f64())
+    }
+}
