@@ -198,7 +198,8 @@ impl Inner {
     fn try_claim(&self, key: &MapKey, held: &Held, lease: Duration) -> Result<Option<Bytes>, ()> {
         let mut shard = self.shard(key);
         let now = self.now();
-        let slot = Slot {
+        // Made only when the claim is taken: a replay or a conflict allocates nothing here.
+        let slot = || Slot {
             expires: now.saturating_add(millis(lease)),
             record: Arc::from(&held.encoded[..]),
         };
@@ -206,7 +207,7 @@ impl Inner {
             MapEntry::Occupied(o) if o.get().expires > now => Ok(Some(shared(&o.get().record))),
             // An expired record is absent: take its place (the count does not change).
             MapEntry::Occupied(mut o) => {
-                o.insert(slot);
+                o.insert(slot());
                 shard.wake(key);
                 Ok(None)
             }
@@ -214,7 +215,7 @@ impl Inner {
                 if !self.reserve() {
                     return Err(());
                 }
-                v.insert(slot);
+                v.insert(slot());
                 Ok(None)
             }
         }
