@@ -931,6 +931,25 @@ impl std::ops::Deref for Secret {
     }
 }
 
+/// The longest secret file read: a token or a password is a few dozen bytes, and a wrong path
+/// such as `/dev/zero` must be refused, not read until memory runs out.
+const MAX_SECRET_BYTES: u64 = 64 * 1024;
+
+fn read_secret_file(path: &str) -> Result<String, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_SECRET_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {path}: {e}"))?;
+    if bytes.len() as u64 > MAX_SECRET_BYTES {
+        return Err(format!(
+            "{path} is longer than {MAX_SECRET_BYTES} bytes: not a secret file"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))
+}
+
 /// Reads `NAME_file` or `NAME_env` (at most one), trimming a trailing newline. An unreadable
 /// file, an unset variable or an empty secret is an error naming the field.
 fn secret(
@@ -948,10 +967,7 @@ fn secret(
             );
             return None;
         }
-        (Some(path), None) => (
-            format!("{name}_file"),
-            std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}")),
-        ),
+        (Some(path), None) => (format!("{name}_file"), read_secret_file(path)),
         (None, Some(var)) => (
             format!("{name}_env"),
             std::env::var(var).map_err(|_| format!("the environment variable {var} is not set")),
