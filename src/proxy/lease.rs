@@ -1,9 +1,9 @@
 //! The lease: a held claim, renewed every `lock_ttl/3` while the upstream call runs, then
 //! completed with the result or released — only by the holder of its token.
 //!
-//! Renewal runs in the exchange's own task, beside the upstream call ([`Lease::renewing`]), not
+//! Renewal runs in the exchange's future, beside the upstream call ([`Lease::renewing`]), not
 //! in a task of its own: nothing can outlive the exchange and keep a key blocked, and a request
-//! costs one spawned task, not two.
+//! spawns no task for it.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -12,9 +12,10 @@
 //!   (`Store::claim`); nothing here checks first and acts after.
 //! - Everything the proxy refuses (400, 413, 422, 409) is decided before or instead of a claim,
 //!   so a refused request never holds a key.
-//! - The claim, the upstream call and the completion run in a task of their own: a client that
-//!   disconnects drops only its wait for the answer, never a claim half made, the call or the
-//!   completion, so its retry is a replay.
+//! - The claim, the upstream call and the completion are never cancelled: they run in the
+//!   request's task and move to a task of their own if the client disconnects ([`detach`]), so
+//!   a client that leaves drops only its wait for the answer, never a claim half made, the call
+//!   or the completion, and its retry is a replay.
 //! - The holder renews its lease every `lock_ttl/3` while the upstream call runs, and writes
 //!   the result with a compare-and-set on its token. A holder that lost its lease (it stalled
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
@@ -23,6 +24,7 @@
 //!   be valid.
 
 pub mod admission;
+mod detach;
 mod exchange;
 mod lease;
 mod pending;
@@ -47,6 +49,7 @@ use crate::route::{IdempotencySettings, RouteSettings};
 use crate::store::StoreHandle;
 use crate::upstream::Upstream;
 
+use self::detach::{Detachable, Panicked};
 use self::pending::PendingSaves;
 
 pub use replay::REPLAYED;
@@ -315,7 +318,7 @@ impl Proxy {
     }
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a
-    /// key), then claimed and run in a task of its own.
+    /// key), then claimed and run to its end whether or not the client stays.
     async fn idempotent(
         self: &Arc<Self>,
         route: &Arc<Route>,
@@ -339,9 +342,9 @@ impl Proxy {
             tracing::warn!(route = %route.name, "too many exchanges running after their clients left: 503");
             return refuse(Problem::Overloaded, Outcome::Overloaded);
         }
-        // From the claim on, everything runs in a task of its own: a client that goes away
-        // can cancel neither a claim in flight (which would leave the key blocked until its
-        // lease expired) nor the upstream call and the completion (its retry gets a replay).
+        // From the claim on, nothing is cancelled: a client that goes away cancels neither a
+        // claim in flight (which would leave the key blocked until its lease expired) nor the
+        // upstream call and the completion (its retry gets a replay).
         let client_gone = Arc::new(Attachment::default());
         let key_hash = KeyHash {
             id: *admitted.key.id(),
@@ -359,36 +362,39 @@ impl Proxy {
             client_gone.clone(),
         );
         let detached = self.metrics.detached_exchanges.clone();
-        let task = {
+        // Run here, in the request's task (no spawn, no hop to another thread); if the client
+        // leaves first, the exchange moves to a task of its own and runs to its end. Either
+        // way shutdown waits for it (the tracker).
+        let exchange = {
             let client_gone = client_gone.clone();
             let detached = detached.clone();
-            self.tasks.spawn(async move {
+            Detachable::new(self.tasks.track_future(async move {
                 // Dropped when the exchange ends, by a panic too, so the gauge never drifts.
                 let _ended = ExchangeEnd {
                     attachment: client_gone,
                     detached,
                 };
                 exchange.claim_and_run().await
-            })
+            }))
         };
         // Dropped with this future when the client leaves: counts the exchange as detached.
         let _watch = ClientWatch {
             attachment: client_gone,
             detached,
         };
-        let (mut resp, outcome) = answer_of(task.await, &route.name);
+        let (mut resp, outcome) = answer_of(exchange.await, &route.name);
         // For the request log (extensions are never sent).
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
     }
 }
 
-/// The answer of an exchange task. One that ended without an answer (a panic) is the proxy's
-/// own failure, a 500 of its own type: not an upstream error, which would tell the client the
+/// The answer of an exchange. One that ended without an answer (a panic) is the proxy's own
+/// failure, a 500 of its own type: not an upstream error, which would tell the client the
 /// upstream may have acted.
-fn answer_of(joined: Result<Answer, tokio::task::JoinError>, route: &str) -> Answer {
-    joined.unwrap_or_else(|e| {
-        tracing::error!(route, error = %e, "exchange task ended without an answer");
+fn answer_of(ended: Result<Answer, Panicked>, route: &str) -> Answer {
+    ended.unwrap_or_else(|Panicked(e)| {
+        tracing::error!(route, error = %e, "the exchange ended without an answer");
         refuse(Problem::Internal, Outcome::Internal)
     })
 }
@@ -492,15 +498,15 @@ mod tests {
     use http_body_util::BodyExt;
 
     #[tokio::test]
-    async fn a_dead_exchange_task_is_an_internal_error_not_an_upstream_failure() {
-        let joined = tokio::spawn(async {
+    async fn a_dead_exchange_is_an_internal_error_not_an_upstream_failure() {
+        let ended = Detachable::new(async {
             if true {
                 panic!("the exchange failed inside");
             }
             refuse(Problem::NoRoute, Outcome::NoRoute)
         })
         .await;
-        let (resp, outcome) = answer_of(joined, "r");
+        let (resp, outcome) = answer_of(ended, "r");
         assert_eq!(outcome, Outcome::Internal);
         assert_eq!(resp.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
         let body = resp.into_body().collect().await.expect("body").to_bytes();
