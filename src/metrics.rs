@@ -206,9 +206,12 @@ pub struct Metrics {
     replica_acks_missing: Family<OpLabel, Counter>,
 }
 
-/// One route's series, registered at start.
+/// One route's series, registered at start. A clone shares them (one reference count, not
+/// one per series: the exchange and its lease each hold one per request).
 #[derive(Clone)]
-pub struct RouteMetrics {
+pub struct RouteMetrics(Arc<RouteSeries>);
+
+struct RouteSeries {
     requests: Vec<(Counter, Histogram)>,
     lost_leases: Counter,
     unprotected: Counter,
@@ -221,7 +224,7 @@ pub struct RouteMetrics {
 impl RouteMetrics {
     /// Counts one finished request.
     pub fn request(&self, outcome: Outcome, took: Duration) {
-        if let Some((count, duration)) = self.requests.get(outcome as usize) {
+        if let Some((count, duration)) = self.0.requests.get(outcome as usize) {
             count.inc();
             duration.observe(took.as_secs_f64());
         }
@@ -229,28 +232,28 @@ impl RouteMetrics {
 
     /// Counts a lost lease.
     pub fn lost_lease(&self) {
-        self.lost_leases_total.fetch_add(1, Ordering::Relaxed);
-        self.lost_leases.inc();
+        self.0.lost_leases_total.fetch_add(1, Ordering::Relaxed);
+        self.0.lost_leases.inc();
     }
 
     /// Counts a request whose key was derived (`key_from`).
     pub fn derived_key(&self) {
-        self.derived_keys.inc();
+        self.0.derived_keys.inc();
     }
 
     /// Counts a lease renewal.
     pub fn lease_renewed(&self) {
-        self.lease_renewals.inc();
+        self.0.lease_renewals.inc();
     }
 
     /// Counts a request forwarded without protection.
     pub fn unprotected(&self) {
-        self.unprotected.inc();
+        self.0.unprotected.inc();
     }
 
     /// Counts a result given up on.
     pub fn save_abandoned(&self) {
-        self.saves_abandoned.inc();
+        self.0.saves_abandoned.inc();
     }
 }
 
@@ -399,7 +402,7 @@ impl Metrics {
         let label = RouteLabel {
             route: route.to_owned(),
         };
-        RouteMetrics {
+        RouteMetrics(Arc::new(RouteSeries {
             requests: Outcome::ALL
                 .iter()
                 .map(|o| {
@@ -419,7 +422,7 @@ impl Metrics {
             lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
             derived_keys: self.derived_keys.get_or_create(&label).clone(),
             lost_leases_total: self.lost_leases_total.clone(),
-        }
+        }))
     }
 
     /// Registers an upstream's call duration histogram and hands it out.

@@ -102,6 +102,14 @@ const HOP_BY_HOP: &[&str] = &[
 
 /// Removes hop-by-hop headers, including every header that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names is cheaper than a lookup of each.
+    let any = headers.keys().any(|name| {
+        let name = name.as_str();
+        HOP_BY_HOP.contains(&name) || name.starts_with("proxy-")
+    });
+    if !any {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -358,7 +366,7 @@ impl Upstream {
         let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let mut buf = BytesMut::new();
+        let mut buf = Gathered::default();
         loop {
             let frame = match tokio::time::timeout_at(deadline, incoming.frame()).await {
                 Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
@@ -372,12 +380,11 @@ impl Upstream {
                 Ok(Some(Ok(frame))) => frame,
             };
             if let Ok(data) = frame.into_data() {
-                buf.extend_from_slice(&data);
-                if buf.len() as u64 > limit {
+                if buf.push(data) > limit {
                     return Ok((
                         parts,
                         Bounded::Over {
-                            prefix: buf.freeze(),
+                            prefix: buf.into_bytes(),
                             rest: body::with_deadline(
                                 body::boxed(incoming),
                                 deadline,
@@ -388,7 +395,35 @@ impl Upstream {
                 }
             }
         }
-        Ok((parts, Bounded::Complete(buf.freeze())))
+        Ok((parts, Bounded::Complete(buf.into_bytes())))
+    }
+}
+
+/// A body read frame by frame: a body of one frame (the usual small response) is kept as it
+/// came, without a copy; a longer one is joined.
+#[derive(Default)]
+struct Gathered {
+    first: Option<Bytes>,
+    joined: BytesMut,
+}
+
+impl Gathered {
+    /// Adds a frame; the length so far.
+    fn push(&mut self, data: Bytes) -> u64 {
+        match self.first.take() {
+            None if self.joined.is_empty() => self.first = Some(data),
+            first => {
+                if let Some(first) = first {
+                    self.joined.extend_from_slice(&first);
+                }
+                self.joined.extend_from_slice(&data);
+            }
+        }
+        self.first.as_ref().map_or(self.joined.len(), Bytes::len) as u64
+    }
+
+    fn into_bytes(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.joined.freeze())
     }
 }
 
@@ -487,6 +522,23 @@ mod tests {
         );
         assert!(h.get("idempotency-key").is_none(), "forward_key: false");
         assert!(h.get("x-secret").is_none() && h.get("connection").is_none());
+    }
+
+    #[test]
+    fn a_body_gathered_frame_by_frame_keeps_every_byte_in_order() {
+        let mut one = Gathered::default();
+        assert_eq!(one.push(Bytes::from_static(b"abc")), 3);
+        assert_eq!(one.into_bytes(), "abc");
+        let mut three = Gathered::default();
+        three.push(Bytes::from_static(b"ab"));
+        three.push(Bytes::new());
+        assert_eq!(three.push(Bytes::from_static(b"cde")), 5);
+        assert_eq!(three.into_bytes(), "abcde");
+        let mut empty_first = Gathered::default();
+        empty_first.push(Bytes::new());
+        assert_eq!(empty_first.push(Bytes::from_static(b"x")), 1);
+        assert_eq!(empty_first.into_bytes(), "x");
+        assert_eq!(Gathered::default().into_bytes(), "");
     }
 
     #[test]
