@@ -25,6 +25,10 @@ pub struct Args {
     /// Load before the measurement starts (not counted).
     #[arg(long, env = "LOAD_WARMUP", default_value = "1s", value_parser = humantime::parse_duration)]
     pub warmup: Duration,
+    /// Runs of the whole selection, one after another; each row of the table is the round
+    /// with the median req/s, which steadies the ratios on a noisy machine.
+    #[arg(long, env = "LOAD_ROUNDS", default_value_t = 1)]
+    pub rounds: usize,
     /// Keep-alive connections, one request in flight on each.
     #[arg(long, env = "LOAD_CONNECTIONS", default_value_t = 32)]
     pub connections: usize,

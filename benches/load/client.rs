@@ -245,6 +245,9 @@ pub struct Stats {
     pub window: Duration,
     /// The request cap ended the run before its time was up.
     pub capped: bool,
+    /// CPU time of the server under test per answered request (warm-up included), when its
+    /// process could be read.
+    pub cpu_per_request: Option<Duration>,
 }
 
 impl Stats {
@@ -258,6 +261,7 @@ impl Stats {
             reconnects: 0,
             window: Duration::ZERO,
             capped: false,
+            cpu_per_request: None,
         }
     }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::client::{self, Key, LoadPlan, Stats};
-use crate::procs;
+use crate::procs::{self, CpuMeter};
 use crate::storm::{mock_stats, reset_mock};
 
 /// How often the fill prints a progress line.
@@ -66,6 +66,7 @@ impl FillReport {
             }
         };
         let p99 = |s: &Stats| s.quantile(0.99).map_or(0.0, |d| d.as_secs_f64());
+        let cpu = |s: &Stats| s.cpu_per_request.map_or(0.0, |d| d.as_secs_f64());
         vec![
             format!(
                 "fill: {} keys added in {:.1?} ({:.0} keys/s, {} errors); the store held {} before",
@@ -81,9 +82,10 @@ impl FillReport {
                 mib(self.rss_after)
             ),
             format!(
-                "fill: full/empty throughput {}, p99 {}",
+                "fill: full/empty throughput {}, p99 {}, proxy CPU per request {}",
                 ratio(self.full.rps(), self.empty.rps()),
-                ratio(p99(&self.full), p99(&self.empty))
+                ratio(p99(&self.full), p99(&self.empty)),
+                ratio(cpu(&self.full), cpu(&self.empty))
             ),
         ]
     }
@@ -92,7 +94,7 @@ impl FillReport {
 pub async fn run(plan: FillPlan) -> Result<FillReport, String> {
     reset_mock(plan.mock).await?;
     println!("  fill: new-key on the empty store ...");
-    let empty = client::run(Arc::new(plan.load.clone()), Arc::default()).await;
+    let empty = measured(plan.load.clone(), plan.proxy_pid).await;
     // Every call the upstream counted is a finished key in the store (the answers are 200s).
     let keys_before = forwarded(plan.mock).await?;
     reset_mock(plan.mock).await?;
@@ -125,7 +127,7 @@ pub async fn run(plan: FillPlan) -> Result<FillReport, String> {
     println!("  fill: new-key on the full store ...");
     let mut full = plan.load;
     full.spec.key = plan.full_keys;
-    let full = client::run(Arc::new(full), Arc::default()).await;
+    let full = measured(full, plan.proxy_pid).await;
     Ok(FillReport {
         empty,
         full,
@@ -136,6 +138,15 @@ pub async fn run(plan: FillPlan) -> Result<FillReport, String> {
         rss_before,
         rss_after,
     })
+}
+
+/// A load run with the proxy's CPU time per request.
+async fn measured(load: LoadPlan, proxy_pid: u32) -> Stats {
+    let answered = Arc::new(AtomicU64::new(0));
+    let cpu = CpuMeter::start(proxy_pid);
+    let mut stats = client::run(Arc::new(load), answered.clone()).await;
+    stats.cpu_per_request = cpu.per_request(answered.load(Ordering::Relaxed));
+    stats
 }
 
 async fn forwarded(mock: SocketAddr) -> Result<u64, String> {

@@ -32,6 +32,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use clap::Parser;
@@ -40,7 +41,7 @@ use tokio::runtime::Runtime;
 
 use args::Args;
 use client::{Expect, Key, LoadPlan, RequestSpec};
-use procs::{IDEMPOTENT_PATH, Mock, Nginx, PASSTHROUGH_PATH, Proxy, Redis, StoreConfig};
+use procs::{CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, PASSTHROUGH_PATH, Proxy, Redis, StoreConfig};
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
 
@@ -100,6 +101,12 @@ impl Done {
         println!("  skipped: {reason}");
         Done::row(s, Outcome::Skipped(reason.to_owned()), String::new())
     }
+}
+
+/// The server a timed run loads: a proxy of this run (checked afterwards), or another process.
+enum Server<'a> {
+    Proxy(&'a mut Proxy),
+    Other(u32),
 }
 
 /// One run's world. Children are dropped (killed) before the directory their logs are in.
@@ -200,23 +207,30 @@ fn run(args: Args) -> Result<bool, String> {
     };
 
     let mut all = Done::default();
-    for (i, s) in selected.iter().enumerate() {
-        println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
-        let done = bench.scenario(s).unwrap_or_else(|e| {
-            println!("  FAIL: {e}");
-            let reason = e.lines().next().unwrap_or_default();
-            let mut done = Done::row(
-                s,
-                Outcome::Skipped(format!("error: {reason}")),
-                String::new(),
-            );
-            done.failed = true;
-            done
-        });
-        all.rows.extend(done.rows);
-        all.summary.extend(done.summary);
-        all.failed |= done.failed;
+    let rounds = bench.args.rounds.max(1);
+    for round in 1..=rounds {
+        if rounds > 1 {
+            println!("round {round}/{rounds}");
+        }
+        for (i, s) in selected.iter().enumerate() {
+            println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
+            let done = bench.scenario(s).unwrap_or_else(|e| {
+                println!("  FAIL: {e}");
+                let reason = e.lines().next().unwrap_or_default();
+                let mut done = Done::row(
+                    s,
+                    Outcome::Skipped(format!("error: {reason}")),
+                    String::new(),
+                );
+                done.failed = true;
+                done
+            });
+            all.rows.extend(done.rows);
+            all.summary.extend(done.summary);
+            all.failed |= done.failed;
+        }
     }
+    all.rows = report::median_rows(all.rows);
 
     println!();
     for line in report::table(&all.rows) {
@@ -251,9 +265,15 @@ impl Bench {
         // per-key map stays small.
         self.rt.block_on(storm::reset_mock(self.mock.addr))?;
         match s.target {
-            Target::Direct => self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, None),
+            Target::Direct => {
+                let server = Server::Other(self.mock.pid());
+                self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, server)
+            }
             Target::Nginx => match &self.nginx {
-                Some(nginx) => self.timed(s, nginx.addr, PASSTHROUGH_PATH, Key::None, None),
+                Some(nginx) => {
+                    let server = Server::Other(nginx.pid());
+                    self.timed(s, nginx.addr, PASSTHROUGH_PATH, Key::None, server)
+                }
                 None => Ok(Done::skipped(s, "nginx is not installed")),
             },
             Target::Passthrough => {
@@ -261,14 +281,26 @@ impl Bench {
                     max_entries: MAX_ENTRIES,
                 };
                 let mut proxy = self.start_proxy(s.name, &config)?;
-                self.timed(s, proxy.addr, PASSTHROUGH_PATH, Key::None, Some(&mut proxy))
+                self.timed(
+                    s,
+                    proxy.addr,
+                    PASSTHROUGH_PATH,
+                    Key::None,
+                    Server::Proxy(&mut proxy),
+                )
             }
             Target::NewKey(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {
                     return Ok(Done::skipped(s, "redis-server is not installed"));
                 };
                 let key = self.new_keys();
-                self.timed(s, proxy.addr, IDEMPOTENT_PATH, key, Some(&mut proxy))
+                self.timed(
+                    s,
+                    proxy.addr,
+                    IDEMPOTENT_PATH,
+                    key,
+                    Server::Proxy(&mut proxy),
+                )
             }
             Target::Replay(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {
@@ -362,21 +394,36 @@ impl Bench {
         }
     }
 
-    /// A timed closed-loop run; `proxy`, if any, is checked afterwards (still running, log).
+    /// A timed closed-loop run against `server`, whose CPU time per request is measured; a
+    /// proxy is checked afterwards (still running, log).
     fn timed(
         &self,
         s: &Scenario,
         addr: SocketAddr,
         path: &'static str,
         key: Key,
-        proxy: Option<&mut Proxy>,
+        server: Server<'_>,
     ) -> Result<Done, String> {
         let replayed = matches!(key, Key::Fixed(_));
         let expect = self.expect(s, replayed);
         let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
-        let stats = self
+        let pid = match &server {
+            Server::Proxy(proxy) => proxy.process.pid(),
+            Server::Other(pid) => *pid,
+        };
+        // Redis works for the proxy on the same cores: its CPU per request goes in the notes.
+        let redis = match (s.store(), &self.redis) {
+            (Some(Store::Redis), Some(redis)) => Some(redis.pid()),
+            _ => None,
+        };
+        let answered = Arc::new(AtomicU64::new(0));
+        let (server_cpu, redis_cpu) = (CpuMeter::start(pid), redis.map(CpuMeter::start));
+        let mut stats = self
             .rt
-            .block_on(client::run(Arc::new(plan), Arc::default()));
+            .block_on(client::run(Arc::new(plan), answered.clone()));
+        let requests = answered.load(Ordering::Relaxed);
+        stats.cpu_per_request = server_cpu.per_request(requests);
+        let redis_cpu = redis_cpu.and_then(|m| m.per_request(requests));
         let fmt = |q| {
             stats
                 .quantile(q)
@@ -398,10 +445,16 @@ impl Bench {
         }
         println!("{line}");
         let mut note = format!("expects {}", expect.describe());
+        if let Some(cpu) = redis_cpu {
+            note.push_str(&format!(
+                "; redis-server {}/req",
+                report::format_duration(cpu)
+            ));
+        }
         if stats.capped {
             note.push_str("; hit --max-requests");
         }
-        if let Some(proxy) = proxy {
+        if let Server::Proxy(proxy) = server {
             note.push_str(&check_proxy(proxy)?);
         }
         Ok(Done::row(s, Outcome::Timed(stats), note))
@@ -419,7 +472,13 @@ impl Bench {
             .check(&first)
             .map_err(|e| format!("the first request of the replayed key: {e}"))?;
 
-        let mut done = self.timed(s, proxy.addr, IDEMPOTENT_PATH, spec.key, Some(proxy))?;
+        let mut done = self.timed(
+            s,
+            proxy.addr,
+            IDEMPOTENT_PATH,
+            spec.key,
+            Server::Proxy(proxy),
+        )?;
         let forwarded = self.rt.block_on(storm::mock_stats(self.mock.addr))?["total"]
             .as_u64()
             .unwrap_or(0);

@@ -175,6 +175,60 @@ pub fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
 }
 
 /// The resident set size of a process, from `/proc/PID/status` (`VmRSS`), in bytes.
+/// The CPU time (user + system, every thread) used so far by the process `pid` and by its
+/// children (nginx's workers), from `/proc/*/stat`; `None` where `/proc` cannot be read.
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    /// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
+    const TICKS_PER_SECOND: u64 = 100;
+    let mut ticks = 0;
+    let mut found = false;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(Ok(this)) = entry.file_name().to_str().map(str::parse::<u32>) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // After the parenthesised command name: state, ppid, ..., utime (11th), stime (12th).
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ppid = fields.get(1).and_then(|f| f.parse::<u32>().ok());
+        if this != pid && ppid != Some(pid) {
+            continue;
+        }
+        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+        if let (Some(user), Some(system)) = (field(11), field(12)) {
+            ticks += user + system;
+            found |= this == pid;
+        }
+    }
+    found.then(|| Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND))
+}
+
+/// The CPU time a process (and its children) uses over a stretch of load, per request.
+pub struct CpuMeter {
+    pid: u32,
+    before: Option<Duration>,
+}
+
+impl CpuMeter {
+    pub fn start(pid: u32) -> CpuMeter {
+        CpuMeter {
+            pid,
+            before: cpu_time(pid),
+        }
+    }
+
+    /// CPU time since the start over `requests` (`None` if `/proc` could not be read).
+    pub fn per_request(&self, requests: u64) -> Option<Duration> {
+        let used = cpu_time(self.pid)?.checked_sub(self.before?)?;
+        let n = u32::try_from(requests).ok().filter(|n| *n > 0)?;
+        Some(used / n)
+    }
+}
+
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
@@ -184,8 +238,14 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 
 /// The `mock-upstream` binary, on a port it picked itself.
 pub struct Mock {
-    _process: ChildProcess,
+    process: ChildProcess,
     pub addr: SocketAddr,
+}
+
+impl Mock {
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
 }
 
 impl Mock {
@@ -221,10 +281,7 @@ impl Mock {
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| format!("mock-upstream printed {line:?}, not its address"))?;
         process.wait_listening(addr)?;
-        Ok(Mock {
-            _process: process,
-            addr,
-        })
+        Ok(Mock { process, addr })
     }
 }
 
@@ -318,7 +375,7 @@ routes:
 
 /// A `redis-server` of the run's own: a free loopback port, no persistence.
 pub struct Redis {
-    _process: ChildProcess,
+    process: ChildProcess,
     port: u16,
 }
 
@@ -337,16 +394,17 @@ impl Redis {
             false,
         )?;
         process.wait_listening(SocketAddr::from(([127, 0, 0, 1], port)))?;
-        let redis = Redis {
-            _process: process,
-            port,
-        };
+        let redis = Redis { process, port };
         redis.command("PING")?;
         Ok(redis)
     }
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 
     /// Empties it, so each scenario starts from nothing.
@@ -367,7 +425,7 @@ impl Redis {
 
 /// nginx as a plain reverse proxy to the mock: the reference a proxy is compared with.
 pub struct Nginx {
-    _process: ChildProcess,
+    process: ChildProcess,
     pub addr: SocketAddr,
 }
 
@@ -396,10 +454,12 @@ impl Nginx {
             true,
         )?;
         process.wait_listening(addr)?;
-        Ok(Nginx {
-            _process: process,
-            addr,
-        })
+        Ok(Nginx { process, addr })
+    }
+
+    /// The master's pid; its workers are its children (see [`cpu_time`]).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 }
 

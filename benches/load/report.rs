@@ -20,27 +20,33 @@ pub struct Row {
     pub note: String,
 }
 
-const HEADERS: [&str; 11] = [
+/// The table's columns.
+const COLUMNS: usize = 14;
+
+const HEADERS: [&str; COLUMNS] = [
     "scenario",
     "req/s",
     "p50",
     "p99",
     "p99.9",
     "errors",
+    "cpu/req",
     "req/s vs nginx",
     "p99 vs nginx",
+    "cpu vs nginx",
     "req/s vs pass",
     "p99 vs pass",
+    "cpu vs pass",
     "notes",
 ];
 
 /// The table, as lines of text.
 pub fn table(rows: &[Row]) -> Vec<String> {
-    let mut cells: Vec<[String; 11]> = vec![HEADERS.map(str::to_owned)];
+    let mut cells: Vec<[String; COLUMNS]> = vec![HEADERS.map(str::to_owned)];
     for row in rows {
         cells.push(cells_of(row, rows));
     }
-    let mut widths = [0; 11];
+    let mut widths = [0; COLUMNS];
     for line in &cells {
         for (width, cell) in widths.iter_mut().zip(line) {
             *width = (*width).max(cell.chars().count());
@@ -54,7 +60,7 @@ pub fn table(rows: &[Row]) -> Vec<String> {
                 let pad = " ".repeat(width - cell.chars().count());
                 match i {
                     0 => text.push_str(&format!("{cell}{pad}")),
-                    10 => text.push_str(cell),
+                    i if i == COLUMNS - 1 => text.push_str(cell),
                     _ => text.push_str(&format!("{pad}{cell}")),
                 }
                 text.push_str("  ");
@@ -64,7 +70,7 @@ pub fn table(rows: &[Row]) -> Vec<String> {
         .collect()
 }
 
-fn cells_of(row: &Row, rows: &[Row]) -> [String; 11] {
+fn cells_of(row: &Row, rows: &[Row]) -> [String; COLUMNS] {
     let dash = || "-".to_owned();
     let latency = |h: &Stats, q| h.quantile(q).map_or_else(dash, format_duration);
     match &row.outcome {
@@ -83,6 +89,15 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; 11] {
                 }
                 _ => dash(),
             };
+            let cpu_ratio = |base: Option<&Stats>| match (
+                stats.cpu_per_request,
+                base.and_then(|b| b.cpu_per_request),
+            ) {
+                (Some(cpu), Some(base)) if !base.is_zero() => {
+                    format!("{:.2}x", cpu.as_secs_f64() / base.as_secs_f64())
+                }
+                _ => dash(),
+            };
             [
                 row.name.clone(),
                 format!("{:.0}", stats.rps()),
@@ -90,10 +105,13 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; 11] {
                 latency(stats, 0.99),
                 latency(stats, 0.999),
                 stats.errors.to_string(),
+                stats.cpu_per_request.map_or_else(dash, format_duration),
                 rps_ratio(nginx),
                 p99_ratio(nginx),
+                cpu_ratio(nginx),
                 rps_ratio(pass),
                 p99_ratio(pass),
+                cpu_ratio(pass),
                 row.note.clone(),
             ]
         }
@@ -112,16 +130,56 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; 11] {
                 dash(),
                 dash(),
                 dash(),
+                dash(),
+                dash(),
+                dash(),
                 storm.summary(),
             ]
         }
         Outcome::Skipped(reason) => {
-            let mut cells = [(); 11].map(|()| dash());
+            let mut cells = [(); COLUMNS].map(|()| dash());
             cells[0] = row.name.clone();
-            cells[10] = format!("skipped: {reason}");
+            cells[COLUMNS - 1] = format!("skipped: {reason}");
             cells
         }
     }
+}
+
+/// One row per scenario, in first-run order, out of the rows of several rounds: the timed run
+/// with the median req/s (the lower middle of an even count), else the last row (a storm or
+/// a skip; a failed storm is already reported by then).
+pub fn median_rows(rows: Vec<Row>) -> Vec<Row> {
+    let mut groups: Vec<Vec<Row>> = Vec::new();
+    for row in rows {
+        match groups.iter_mut().find(|g| g[0].name == row.name) {
+            Some(group) => group.push(row),
+            None => groups.push(vec![row]),
+        }
+    }
+    groups
+        .into_iter()
+        .filter_map(|mut group| {
+            let rounds = group.len();
+            let rps = |r: &Row| match &r.outcome {
+                Outcome::Timed(stats) => Some(stats.rps()),
+                _ => None,
+            };
+            if group.iter().all(|r| rps(r).is_some()) {
+                group.sort_by(|a, b| {
+                    rps(a)
+                        .partial_cmp(&rps(b))
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                });
+                let mut row = group.swap_remove((rounds - 1) / 2);
+                if rounds > 1 {
+                    row.note.push_str(&format!("; median of {rounds} rounds"));
+                }
+                Some(row)
+            } else {
+                group.pop()
+            }
+        })
+        .collect()
 }
 
 /// The nginx and pass-through rows of the same body size, if they ran.
