@@ -9,12 +9,6 @@ use clap::{Parser, Subcommand};
 use idemproxy::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
-/// mimalloc instead of the system allocator: the proxy allocates and frees small buffers on
-/// every request from two or more threads, where glibc's malloc spent ~12% of the proxy's CPU
-/// (BENCHMARKS.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// A reverse proxy that gives HTTP routes exactly-once effect through Idempotency-Key.
 #[derive(Debug, Parser)]
 #[command(version, about, args_conflicts_with_subcommands = true)]
