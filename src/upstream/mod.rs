@@ -366,7 +366,12 @@ impl Upstream {
         let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let mut buf = Gathered::default();
+        // A declared length (up to the bound) sizes the buffer once, instead of doubling it
+        // (and copying what it holds) as frames arrive.
+        let declared = http_body::Body::size_hint(&incoming)
+            .exact()
+            .map_or(0, |n| n.min(limit.saturating_add(1)));
+        let mut buf = Gathered::with_capacity(usize::try_from(declared).unwrap_or(0));
         loop {
             let frame = match tokio::time::timeout_at(deadline, incoming.frame()).await {
                 Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
@@ -405,15 +410,27 @@ impl Upstream {
 struct Gathered {
     first: Option<Bytes>,
     joined: BytesMut,
+    /// The whole body's expected size, reserved when frames start being joined.
+    reserve: usize,
 }
 
 impl Gathered {
+    /// Room for `capacity` bytes, taken only if a second frame comes.
+    fn with_capacity(capacity: usize) -> Gathered {
+        Gathered {
+            first: None,
+            joined: BytesMut::new(),
+            reserve: capacity,
+        }
+    }
+
     /// Adds a frame; the length so far.
     fn push(&mut self, data: Bytes) -> u64 {
         match self.first.take() {
             None if self.joined.is_empty() => self.first = Some(data),
             first => {
                 if let Some(first) = first {
+                    self.joined.reserve(self.reserve.max(first.len() + data.len()));
                     self.joined.extend_from_slice(&first);
                 }
                 self.joined.extend_from_slice(&data);
@@ -539,6 +556,10 @@ mod tests {
         assert_eq!(empty_first.push(Bytes::from_static(b"x")), 1);
         assert_eq!(empty_first.into_bytes(), "x");
         assert_eq!(Gathered::default().into_bytes(), "");
+        let mut sized = Gathered::with_capacity(6);
+        sized.push(Bytes::from_static(b"abc"));
+        assert_eq!(sized.push(Bytes::from_static(b"def")), 6);
+        assert_eq!(sized.into_bytes(), "abcdef");
     }
 
     #[test]
