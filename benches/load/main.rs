@@ -208,10 +208,12 @@ fn run(args: Args) -> Result<bool, String> {
 
     let mut all = Done::default();
     let rounds = bench.args.rounds.max(1);
+    let mut ratios = Vec::new();
     for round in 1..=rounds {
         if rounds > 1 {
             println!("round {round}/{rounds}");
         }
+        let first_row = all.rows.len();
         for (i, s) in selected.iter().enumerate() {
             println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
             let done = bench.scenario(s).unwrap_or_else(|e| {
@@ -229,8 +231,12 @@ fn run(args: Args) -> Result<bool, String> {
             all.summary.extend(done.summary);
             all.failed |= done.failed;
         }
+        ratios.push(report::RoundRatios::of(&all.rows[first_row..]));
     }
     all.rows = report::median_rows(all.rows);
+    if rounds > 1 {
+        all.summary.extend(report::round_ratio_lines(&ratios));
+    }
 
     println!();
     for line in report::table(&all.rows) {

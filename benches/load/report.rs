@@ -182,6 +182,81 @@ pub fn median_rows(rows: Vec<Row>) -> Vec<Row> {
         .collect()
 }
 
+/// A row's name, and its req/s over nginx's and over the pass-through's.
+type RowRatios = (String, Option<f64>, Option<f64>);
+
+/// One round's ratios: each timed row's req/s over those of its baselines in the same round.
+pub struct RoundRatios(Vec<RowRatios>);
+
+impl RoundRatios {
+    /// From the rows of one round.
+    pub fn of(rows: &[Row]) -> RoundRatios {
+        RoundRatios(
+            rows.iter()
+                .filter_map(|row| match &row.outcome {
+                    Outcome::Timed(stats) => {
+                        let (nginx, pass) = baselines(rows, row.big);
+                        let ratio = |base: Option<&Stats>| {
+                            base.filter(|b| b.rps() > 0.0)
+                                .map(|b| stats.rps() / b.rps())
+                        };
+                        Some((row.name.clone(), ratio(nginx), ratio(pass)))
+                    }
+                    _ => None,
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Lines under the table of a run of several rounds: each row's ratios to nginx and to the
+/// pass-through round by round, and their median. Rows' medians are taken one by one, so
+/// the table's ratios may pair rounds; these never do.
+pub fn round_ratio_lines(rounds: &[RoundRatios]) -> Vec<String> {
+    let mut names: Vec<&str> = Vec::new();
+    for round in rounds {
+        for (name, ..) in &round.0 {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+    }
+    let width = names.iter().map(|n| n.chars().count()).max().unwrap_or(0);
+    let series = |name: &str, pick: fn(&RowRatios) -> Option<f64>| {
+        let mut values: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| r.0.iter().find(|e| e.0 == name).and_then(pick))
+            .collect();
+        if values.is_empty() {
+            return None;
+        }
+        let shown: Vec<String> = values.iter().map(|v| format!("{v:.2}")).collect();
+        values.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        Some(format!(
+            "{} (median {:.2})",
+            shown.join(" "),
+            values[(values.len() - 1) / 2]
+        ))
+    };
+    let mut lines = vec!["Req/s ratios within each round, in round order:".to_owned()];
+    for name in names {
+        let nginx = series(name, |e| e.1);
+        let pass = series(name, |e| e.2);
+        if nginx.is_none() && pass.is_none() {
+            continue;
+        }
+        let mut line = format!("  {name:width$}");
+        if let Some(nginx) = nginx {
+            line.push_str(&format!("  vs nginx {nginx}"));
+        }
+        if let Some(pass) = pass {
+            line.push_str(&format!("  vs pass {pass}"));
+        }
+        lines.push(line);
+    }
+    lines
+}
+
 /// The nginx and pass-through rows of the same body size, if they ran.
 fn baselines(rows: &[Row], big: bool) -> (Option<&Stats>, Option<&Stats>) {
     let find = |name: &str| {

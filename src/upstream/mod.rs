@@ -430,7 +430,8 @@ impl Gathered {
             None if self.joined.is_empty() => self.first = Some(data),
             first => {
                 if let Some(first) = first {
-                    self.joined.reserve(self.reserve.max(first.len() + data.len()));
+                    self.joined
+                        .reserve(self.reserve.max(first.len() + data.len()));
                     self.joined.extend_from_slice(&first);
                 }
                 self.joined.extend_from_slice(&data);
