@@ -15,8 +15,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::cluster::{NodeLine, RedisCluster};
-use common::{Backend, Env, ProxyProcess, Reply, TestProxy, client, eventually, send};
-use http::{HeaderMap, HeaderName, StatusCode};
+use common::{
+    Backend, Env, ProxyProcess, Reply, TestProxy, book_with, booking_store_key, client, eventually,
+    send,
+};
+use http::{HeaderName, StatusCode};
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
@@ -74,28 +77,8 @@ impl World {
     }
 }
 
-/// `POST {proxy}/bookings` with a key, a JSON body and extra headers (the mock's `X-Mock-*`).
 async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
-    let mut req = client()
-        .post(proxy.url("/bookings"))
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .body(BODY);
-    for (name, value) in extra {
-        req = req.header(*name, *value);
-    }
-    send(req).await
-}
-
-/// The store key of `key` on route `create-booking`, default prefix and scope, no caller.
-fn store_key(key: &str) -> String {
-    idemproxy::key::store_key(
-        "idemproxy:",
-        "create-booking",
-        &[HeaderName::from_static("authorization")],
-        &HeaderMap::new(),
-        key,
-    )
+    book_with(&proxy.url(""), key, BODY, extra).await
 }
 
 /// The cluster slot of a key without a hash tag: CRC16 (XMODEM) of the key, mod 16384.
@@ -118,7 +101,7 @@ fn slot_of(key: &str) -> u16 {
 fn keys_in_slot(prefix: &str, slot: u16, n: usize) -> Vec<String> {
     (0u64..)
         .map(|i| format!("{prefix}-{i}"))
-        .filter(|k| slot_of(&store_key(k)) == slot)
+        .filter(|k| slot_of(&booking_store_key(k)) == slot)
         .take(n)
         .collect()
 }
@@ -166,8 +149,8 @@ async fn forward_then_byte_identical_replay() {
     assert_eq!(w.env.mock.calls("c-1"), 1, "the upstream ran it once");
     // The record lives on the primary that serves its slot, with a TTL.
     let ttl: i64 = redis::cmd("PTTL")
-        .arg(store_key("c-1"))
-        .query(&mut w.conn_for(&store_key("c-1")))
+        .arg(booking_store_key("c-1"))
+        .query(&mut w.conn_for(&booking_store_key("c-1")))
         .expect("PTTL");
     assert!(ttl > 0, "the record has a TTL on its slot's primary: {ttl}");
 }
@@ -351,7 +334,7 @@ async fn corrupt_records_are_store_errors() {
     let w = World::new(0).await;
     let reject = w.proxy("").await;
     let forward = w.proxy("on_store_error: forward").await;
-    let garbage = store_key("c-garbage");
+    let garbage = booking_store_key("c-garbage");
     let _: () = redis::cmd("SET")
         .arg(&garbage)
         .arg(b"\x00\xffnot a record".as_slice())
@@ -359,7 +342,7 @@ async fn corrupt_records_are_store_errors() {
         .arg(60_000)
         .query(&mut w.conn_for(&garbage))
         .expect("SET garbage");
-    let wrongtype = store_key("c-wrongtype");
+    let wrongtype = booking_store_key("c-wrongtype");
     let _: () = redis::cmd("RPUSH")
         .arg(&wrongtype)
         .arg("x")
@@ -694,14 +677,18 @@ fn assert_no_duplicate(w: &World, tally: &Tally) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_migration_during_traffic() {
     let hot = "hot-migrating";
-    let slot = slot_of(&store_key(hot));
+    let slot = slot_of(&booking_store_key(hot));
     // Keys of the same slot, found while the cluster starts.
     let in_slot = tokio::task::spawn_blocking(move || keys_in_slot("mig-slot", slot, 6));
     let w = Arc::new(World::new(0).await);
     let in_slot = in_slot.await.expect("keys of the hot slot");
-    assert_eq!(w.cluster.slot_of(&store_key(hot)), slot, "CRC16 slot");
     assert_eq!(
-        w.cluster.slot_of(&store_key(&in_slot[0])),
+        w.cluster.slot_of(&booking_store_key(hot)),
+        slot,
+        "CRC16 slot"
+    );
+    assert_eq!(
+        w.cluster.slot_of(&booking_store_key(&in_slot[0])),
         slot,
         "CRC16 slot"
     );
@@ -760,13 +747,13 @@ async fn slot_migration_during_traffic() {
     assert_forwarded(&first);
 
     assert_eq!(w.cluster.owner_of(slot).id, to.id, "the slot moved");
-    let mut on_new: Vec<String> = vec![store_key(hot)];
+    let mut on_new: Vec<String> = vec![booking_store_key(hot)];
     on_new.extend(
         tally
             .keys
             .iter()
             .filter(|k| k.starts_with("mig-slot"))
-            .map(|k| store_key(k)),
+            .map(|k| booking_store_key(k)),
     );
     assert!(on_new.len() >= 3, "keys of the slot were sent: {on_new:?}");
     for key in &on_new {
@@ -795,7 +782,7 @@ async fn coordinated_failover_during_traffic() {
     let hot = "hot-failover";
     let before = post(&proxy, hot, &[]).await;
     assert_forwarded(&before);
-    let slot = w.cluster.slot_of(&store_key(hot));
+    let slot = w.cluster.slot_of(&booking_store_key(hot));
     let old = w.cluster.owner_of(slot);
     let replica = w.cluster.replica_of(&old);
 

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::relay::Relay;
 use common::{
-    Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, client, eventually, free_port, send,
+    Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
+    client, eventually, free_port,
 };
-use http::{HeaderMap, HeaderName, StatusCode};
+use http::{HeaderName, StatusCode};
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::mock::{self, MockUpstream};
 use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
@@ -26,19 +27,6 @@ use idemproxy::store::{Claim, Held, Store, StoreHandle, StoreKey};
 
 /// The request body every booking here sends (the fingerprint covers it, not the headers).
 const BODY: &str = r#"{"seat":"12A"}"#;
-
-/// `POST {base}/bookings` with a key, a JSON body and extra headers (the mock's `X-Mock-*`).
-async fn post(base: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Reply {
-    let mut req = client()
-        .post(format!("{base}/bookings"))
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .body(body.to_owned());
-    for (name, value) in extra {
-        req = req.header(*name, *value);
-    }
-    send(req).await
-}
 
 /// The proxy's base URL.
 fn base(proxy: &TestProxy) -> String {
@@ -62,18 +50,6 @@ fn assert_forwarded(r: &Reply) {
     assert_eq!(r.header("idempotent-replayed"), "", "not a replay");
 }
 
-/// The Redis key the proxy uses for `key` on route `create-booking`, for a caller without
-/// `Authorization` (the default scope), under the default prefix.
-fn redis_key(key: &str) -> String {
-    idemproxy::key::store_key(
-        "idemproxy:",
-        "create-booking",
-        &[HeaderName::from_static("authorization")],
-        &HeaderMap::new(),
-        key,
-    )
-}
-
 /// `yaml` with the upstream's response timeout set to `t`.
 fn with_upstream_timeout(yaml: &str, t: &str) -> String {
     let out = yaml.replace("    timeout: 5s\n", &format!("    timeout: {t}\n"));
@@ -93,7 +69,7 @@ async fn first_forwarded_after_outage(
 ) -> (String, Reply) {
     for n in 0..attempts {
         let key = format!("{prefix}-{n}");
-        let r = post(base, &key, BODY, &[]).await;
+        let r = book_with(base, &key, BODY, &[]).await;
         if r.status == 201 {
             return (key, r);
         }
@@ -130,7 +106,7 @@ async fn connect_failure_releases_the_claim(backend: Backend) {
     let base = base(&proxy);
 
     for attempt in 0..2 {
-        let r = post(&base, "cf-1", BODY, &[]).await;
+        let r = book_with(&base, "cf-1", BODY, &[]).await;
         r.assert_problem(502, "upstream-unavailable");
         assert_eq!(
             r.header("idempotent-replayed"),
@@ -154,10 +130,10 @@ async fn connect_failure_releases_the_claim(backend: Backend) {
     let served = tokio::spawn(mock::serve(listener, upstream.clone(), async move {
         let _ = stopped.await;
     }));
-    let now = post(&base, "cf-1", BODY, &[]).await;
+    let now = book_with(&base, "cf-1", BODY, &[]).await;
     assert_forwarded(&now);
     assert_eq!(upstream.calls("cf-1"), 1);
-    let again = post(&base, "cf-1", BODY, &[]).await;
+    let again = book_with(&base, "cf-1", BODY, &[]).await;
     assert_replay_of(&again, &now);
     assert_eq!(
         upstream.calls("cf-1"),
@@ -174,13 +150,13 @@ async fn reset_after_sending_is_kept_as_a_502(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&env.config("on_unknown_outcome: keep")).await;
     let base = base(&proxy);
-    let first = post(&base, "reset-1", BODY, &[("X-Mock-Reset", "true")]).await;
+    let first = book_with(&base, "reset-1", BODY, &[("X-Mock-Reset", "true")]).await;
     first.assert_problem(502, "upstream-failed");
     assert_eq!(first.header("idempotent-replayed"), "");
     assert_eq!(env.mock.calls("reset-1"), 1, "the upstream received it");
 
     // The retry would succeed upstream, but the first may have acted: replay the 502.
-    let again = post(&base, "reset-1", BODY, &[]).await;
+    let again = book_with(&base, "reset-1", BODY, &[]).await;
     again.assert_problem(502, "upstream-failed");
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls("reset-1"), 1, "never run twice");
@@ -193,11 +169,11 @@ async fn timeout_is_kept_as_a_504(backend: Backend) {
     let yaml = with_upstream_timeout(&env.config(""), "300ms");
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
-    let first = post(&base, "slow-up", BODY, &[("X-Mock-Delay", "2s")]).await;
+    let first = book_with(&base, "slow-up", BODY, &[("X-Mock-Delay", "2s")]).await;
     first.assert_problem(504, "upstream-timeout");
     assert_eq!(env.mock.calls("slow-up"), 1);
 
-    let again = post(&base, "slow-up", BODY, &[]).await;
+    let again = book_with(&base, "slow-up", BODY, &[]).await;
     again.assert_problem(504, "upstream-timeout");
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls("slow-up"), 1, "never run twice");
@@ -209,11 +185,11 @@ async fn partial_response_is_an_unknown_outcome(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&env.config("")).await;
     let base = base(&proxy);
-    let first = post(&base, "partial-1", BODY, &[("X-Mock-Partial", "true")]).await;
+    let first = book_with(&base, "partial-1", BODY, &[("X-Mock-Partial", "true")]).await;
     first.assert_problem(502, "upstream-failed");
     assert_eq!(env.mock.calls("partial-1"), 1);
 
-    let again = post(&base, "partial-1", BODY, &[]).await;
+    let again = book_with(&base, "partial-1", BODY, &[]).await;
     again.assert_problem(502, "upstream-failed");
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls("partial-1"), 1, "never run twice");
@@ -242,11 +218,11 @@ async fn release_lets_a_retry_run_again(backend: Backend) {
             504,
         ),
     ] {
-        let first = post(&base, key, BODY, &[fault]).await;
+        let first = book_with(&base, key, BODY, &[fault]).await;
         first.assert_problem(status, slug);
         assert_eq!(env.mock.calls(key), 1);
 
-        let retry = post(&base, key, BODY, &[]).await;
+        let retry = book_with(&base, key, BODY, &[]).await;
         assert_forwarded(&retry);
         assert_eq!(
             env.mock.calls(key),
@@ -254,7 +230,7 @@ async fn release_lets_a_retry_run_again(backend: Backend) {
             "{key}: the retry ran upstream again"
         );
 
-        let again = post(&base, key, BODY, &[]).await;
+        let again = book_with(&base, key, BODY, &[]).await;
         assert_replay_of(&again, &retry);
         assert_eq!(env.mock.calls(key), 2, "{key}: then it is replayed");
     }
@@ -272,9 +248,9 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
     let base = base(&proxy);
     let first = {
         let base = base.clone();
-        tokio::spawn(
-            async move { post(&base, "renew-1", BODY, &[("X-Mock-Delay", "1200ms")]).await },
-        )
+        tokio::spawn(async move {
+            book_with(&base, "renew-1", BODY, &[("X-Mock-Delay", "1200ms")]).await
+        })
     };
     assert!(
         eventually(Duration::from_secs(3), || env.mock.calls("renew-1") == 1).await,
@@ -282,7 +258,7 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
     );
     // Twice lock_ttl later: an unrenewed claim would have expired by now.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let during = post(&base, "renew-1", BODY, &[]).await;
+    let during = book_with(&base, "renew-1", BODY, &[]).await;
     during.assert_problem(409, "request-in-progress");
     assert!(
         !during.header("retry-after").is_empty(),
@@ -292,7 +268,7 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
 
     let first = first.await.expect("first request");
     assert_forwarded(&first);
-    let after = post(&base, "renew-1", BODY, &[]).await;
+    let after = book_with(&base, "renew-1", BODY, &[]).await;
     assert_replay_of(&after, &first);
     assert_eq!(env.mock.calls("renew-1"), 1);
     assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
@@ -414,7 +390,7 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
     let key = "taken-over";
     let first = {
         let base = base.clone();
-        tokio::spawn(async move { post(&base, key, BODY, &[("X-Mock-Delay", "1s")]).await })
+        tokio::spawn(async move { book_with(&base, key, BODY, &[("X-Mock-Delay", "1s")]).await })
     };
     assert!(
         eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
@@ -422,7 +398,7 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
     );
     let mut conn = env.redis().conn();
     let deleted: i64 = ::redis::cmd("DEL")
-        .arg(redis_key(key))
+        .arg(booking_store_key(key))
         .query(&mut conn)
         .expect("DEL");
     assert_eq!(
@@ -430,7 +406,7 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
         "the first's claim is under the documented store key"
     );
 
-    let second = post(&base, key, BODY, &[]).await;
+    let second = book_with(&base, key, BODY, &[]).await;
     assert_forwarded(&second);
     assert_eq!(env.mock.calls(key), 2);
 
@@ -450,7 +426,7 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
         "the lost-lease counter is exported"
     );
 
-    let repeat = post(&base, key, BODY, &[]).await;
+    let repeat = book_with(&base, key, BODY, &[]).await;
     assert_replay_of(&repeat, &second);
     assert_eq!(env.mock.calls(key), 2);
 }
@@ -486,12 +462,12 @@ async fn redis_killed_proxy_process_claim_expires_within_lock_ttl() {
     victim.signal("-KILL");
     let killed = Instant::now();
 
-    let right_after = post(&base(&survivor), key, BODY, &[]).await;
+    let right_after = book_with(&base(&survivor), key, BODY, &[]).await;
     right_after.assert_problem(409, "request-in-progress");
 
     let deadline = killed + lock_ttl + Duration::from_secs(1);
     let forwarded = loop {
-        let r = post(&base(&survivor), key, BODY, &[]).await;
+        let r = book_with(&base(&survivor), key, BODY, &[]).await;
         if r.status == 201 {
             break r;
         }
@@ -504,7 +480,7 @@ async fn redis_killed_proxy_process_claim_expires_within_lock_ttl() {
     };
     assert_forwarded(&forwarded);
     assert_eq!(env.mock.calls(key), 2, "the retry ran again");
-    let again = post(&base(&survivor), key, BODY, &[]).await;
+    let again = book_with(&base(&survivor), key, BODY, &[]).await;
     assert_replay_of(&again, &forwarded);
     assert_eq!(env.mock.calls(key), 2);
     in_flight.abort();
@@ -521,13 +497,13 @@ async fn redis_paused_gives_503_in_bounded_time_then_recovers() {
     let env = Env::new(Backend::Redis).await;
     let proxy = env.proxy(&env.config("")).await;
     let base = base(&proxy);
-    let warm = post(&base, "warm", BODY, &[]).await;
+    let warm = book_with(&base, "warm", BODY, &[]).await;
     assert_forwarded(&warm);
 
     env.redis().pause();
     for key in ["paused-new", "warm"] {
         let started = Instant::now();
-        let r = post(&base, key, BODY, &[]).await;
+        let r = book_with(&base, key, BODY, &[]).await;
         let took = started.elapsed();
         r.assert_problem(503, "store-unavailable");
         assert!(
@@ -546,10 +522,10 @@ async fn redis_paused_gives_503_in_bounded_time_then_recovers() {
 
     env.redis().resume();
     let (key, first) = first_forwarded_after_outage(&env, &base, "after-pause", 50).await;
-    let again = post(&base, &key, BODY, &[]).await;
+    let again = book_with(&base, &key, BODY, &[]).await;
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls(&key), 1);
-    let warm_again = post(&base, "warm", BODY, &[]).await;
+    let warm_again = book_with(&base, "warm", BODY, &[]).await;
     assert_replay_of(&warm_again, &warm);
 }
 
@@ -562,10 +538,10 @@ async fn redis_claim_that_timed_out_is_a_conflict_until_its_lease_expires() {
     let lock_ttl = Duration::from_secs(1);
     let proxy = env.proxy(&env.config("lock_ttl: 1s")).await;
     let base = base(&proxy);
-    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+    assert_forwarded(&book_with(&base, "warm", BODY, &[]).await);
 
     env.redis().pause();
-    let r = post(&base, "limbo", BODY, &[]).await;
+    let r = book_with(&base, "limbo", BODY, &[]).await;
     r.assert_problem(503, "store-unavailable");
     env.redis().resume();
     let resumed = Instant::now();
@@ -575,11 +551,11 @@ async fn redis_claim_that_timed_out_is_a_conflict_until_its_lease_expires() {
         "a timed-out claim forwards nothing"
     );
 
-    let r = post(&base, "limbo", BODY, &[]).await;
+    let r = book_with(&base, "limbo", BODY, &[]).await;
     r.assert_problem(409, "request-in-progress");
     let deadline = resumed + lock_ttl + Duration::from_secs(1);
     let forwarded = loop {
-        let r = post(&base, "limbo", BODY, &[]).await;
+        let r = book_with(&base, "limbo", BODY, &[]).await;
         if r.status == 201 {
             break r;
         }
@@ -593,7 +569,7 @@ async fn redis_claim_that_timed_out_is_a_conflict_until_its_lease_expires() {
     };
     assert_forwarded(&forwarded);
     assert_eq!(env.mock.calls("limbo"), 1);
-    assert_replay_of(&post(&base, "limbo", BODY, &[]).await, &forwarded);
+    assert_replay_of(&book_with(&base, "limbo", BODY, &[]).await, &forwarded);
 }
 
 /// Redis dies: `on_store_error: reject` answers 503 and forwards nothing; `forward` passes the
@@ -603,22 +579,22 @@ async fn redis_killed_rejects_or_forwards_unprotected() {
     let mut env = Env::new(Backend::Redis).await;
     let reject = env.proxy(&env.config("on_store_error: reject")).await;
     let forward = env.proxy(&env.config("on_store_error: forward")).await;
-    assert_forwarded(&post(&base(&reject), "warm-r", BODY, &[]).await);
-    assert_forwarded(&post(&base(&forward), "warm-f", BODY, &[]).await);
+    assert_forwarded(&book_with(&base(&reject), "warm-r", BODY, &[]).await);
+    assert_forwarded(&book_with(&base(&forward), "warm-f", BODY, &[]).await);
 
     env.redis_mut().kill();
 
     let started = Instant::now();
-    let r = post(&base(&reject), "dead-r", BODY, &[]).await;
+    let r = book_with(&base(&reject), "dead-r", BODY, &[]).await;
     r.assert_problem(503, "store-unavailable");
     assert!(started.elapsed() < Duration::from_secs(2), "bounded time");
     assert_eq!(env.mock.calls("dead-r"), 0, "reject forwards nothing");
 
-    let f = post(&base(&forward), "dead-f", BODY, &[]).await;
+    let f = book_with(&base(&forward), "dead-f", BODY, &[]).await;
     assert_forwarded(&f);
     assert_eq!(env.mock.calls("dead-f"), 1);
     // Unprotected: the same key again runs again (that is what `forward` trades away).
-    let f2 = post(&base(&forward), "dead-f", BODY, &[]).await;
+    let f2 = book_with(&base(&forward), "dead-f", BODY, &[]).await;
     assert_forwarded(&f2);
     assert_eq!(env.mock.calls("dead-f"), 2);
 
@@ -647,11 +623,11 @@ async fn redis_restarted_proxy_recovers_without_restart() {
     let mut env = Env::new(Backend::Redis).await;
     let proxy = env.proxy(&env.config("")).await;
     let base = base(&proxy);
-    assert_forwarded(&post(&base, "before-restart", BODY, &[]).await);
+    assert_forwarded(&book_with(&base, "before-restart", BODY, &[]).await);
 
     env.redis_mut().restart();
     let (key, first) = first_forwarded_after_outage(&env, &base, "after-restart", 50).await;
-    let again = post(&base, &key, BODY, &[]).await;
+    let again = book_with(&base, &key, BODY, &[]).await;
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls(&key), 1);
 }
@@ -666,13 +642,13 @@ async fn redis_stall_after_the_upstream_answered_loses_nothing() {
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
     // Loads the scripts and the connection before the fault.
-    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+    assert_forwarded(&book_with(&base, "warm", BODY, &[]).await);
 
     let first = {
         let base = base.clone();
-        tokio::spawn(
-            async move { post(&base, "stall-1", BODY, &[("X-Mock-Delay", "600ms")]).await },
-        )
+        tokio::spawn(async move {
+            book_with(&base, "stall-1", BODY, &[("X-Mock-Delay", "600ms")]).await
+        })
     };
     assert!(
         eventually(Duration::from_secs(3), || env.mock.calls("stall-1") == 1).await,
@@ -691,7 +667,7 @@ async fn redis_stall_after_the_upstream_answered_loses_nothing() {
 
     let deadline = Instant::now() + Duration::from_secs(3);
     let replay = loop {
-        let r = post(&base, "stall-1", BODY, &[]).await;
+        let r = book_with(&base, "stall-1", BODY, &[]).await;
         if r.status == 201 {
             break r;
         }
@@ -723,11 +699,13 @@ async fn redis_lost_save_is_retried_in_the_background() {
         .replace(&env.redis().url(), &format!("redis://{}/0", relay.addr()));
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
-    assert_forwarded(&post(&base, "warm", BODY, &[]).await);
+    assert_forwarded(&book_with(&base, "warm", BODY, &[]).await);
 
     let first = {
         let base = base.clone();
-        tokio::spawn(async move { post(&base, "cut-1", BODY, &[("X-Mock-Delay", "600ms")]).await })
+        tokio::spawn(
+            async move { book_with(&base, "cut-1", BODY, &[("X-Mock-Delay", "600ms")]).await },
+        )
     };
     assert!(
         eventually(Duration::from_secs(3), || env.mock.calls("cut-1") == 1).await,
@@ -742,7 +720,7 @@ async fn redis_lost_save_is_retried_in_the_background() {
     // The save did not reach Redis: the key still holds the claim.
     let mut conn = env.redis().conn();
     let raw: Vec<u8> = ::redis::cmd("GET")
-        .arg(redis_key("cut-1"))
+        .arg(booking_store_key("cut-1"))
         .query(&mut conn)
         .expect("GET");
     assert!(
@@ -756,7 +734,7 @@ async fn redis_lost_save_is_retried_in_the_background() {
 
     let deadline = Instant::now() + Duration::from_secs(3);
     let replay = loop {
-        let r = post(&base, "cut-1", BODY, &[]).await;
+        let r = book_with(&base, "cut-1", BODY, &[]).await;
         if r.status == 201 {
             break r;
         }
@@ -788,10 +766,10 @@ async fn redis_undecodable_records_are_store_errors() {
     let mut conn = env.redis().conn();
 
     // A real record, as the proxy wrote it, copied under another key with version byte 2.
-    let original = post(&base(&reject), "original", BODY, &[]).await;
+    let original = book_with(&base(&reject), "original", BODY, &[]).await;
     assert_forwarded(&original);
     let record: Vec<u8> = ::redis::cmd("GET")
-        .arg(redis_key("original"))
+        .arg(booking_store_key("original"))
         .query(&mut conn)
         .expect("GET");
     assert_eq!(&record[..4], b"IDP\x01", "the record's magic and version");
@@ -802,7 +780,7 @@ async fn redis_undecodable_records_are_store_errors() {
         ("future-version", future),
     ] {
         let _: () = ::redis::cmd("SET")
-            .arg(redis_key(key))
+            .arg(booking_store_key(key))
             .arg(value)
             .arg("PX")
             .arg(60_000)
@@ -810,7 +788,7 @@ async fn redis_undecodable_records_are_store_errors() {
             .expect("SET");
         for (name, proxy) in [("reject", &reject), ("forward", &forward)] {
             for attempt in 0..2 {
-                let r = post(&base(proxy), key, BODY, &[]).await;
+                let r = book_with(&base(proxy), key, BODY, &[]).await;
                 r.assert_problem(503, "store-unavailable");
                 assert_eq!(
                     r.header("idempotent-replayed"),
@@ -877,7 +855,9 @@ async fn redis_sigterm_finishes_and_saves_the_request_in_flight() {
     let addr = p.addr;
     let in_flight = {
         let url = p.url("");
-        tokio::spawn(async move { post(&url, "term-1", BODY, &[("X-Mock-Delay", "1s")]).await })
+        tokio::spawn(
+            async move { book_with(&url, "term-1", BODY, &[("X-Mock-Delay", "1s")]).await },
+        )
     };
     assert!(
         eventually(Duration::from_secs(5), || env.mock.calls("term-1") == 1).await,
@@ -901,7 +881,7 @@ async fn redis_sigterm_finishes_and_saves_the_request_in_flight() {
     assert_eq!(code, Some(0), "exit code; log:\n{}", p.log());
 
     let proxy = env.proxy(&yaml).await;
-    let again = post(&base(&proxy), "term-1", BODY, &[]).await;
+    let again = book_with(&base(&proxy), "term-1", BODY, &[]).await;
     assert_replay_of(&again, &first);
     assert_eq!(env.mock.calls("term-1"), 1, "its result was saved");
 }
@@ -916,7 +896,9 @@ async fn fifty_duplicates(a: &TestProxy, b: &TestProxy, key: &'static str) -> Ve
     let tasks: Vec<_> = (0..50)
         .map(|i| {
             let base = bases[i % 2].clone();
-            tokio::spawn(async move { post(&base, key, BODY, &[("X-Mock-Delay", "500ms")]).await })
+            tokio::spawn(
+                async move { book_with(&base, key, BODY, &[("X-Mock-Delay", "500ms")]).await },
+            )
         })
         .collect();
     let mut replies = Vec::with_capacity(tasks.len());
@@ -957,7 +939,7 @@ async fn redis_two_instances_fifty_duplicates_one_booking() {
     }
     assert_eq!(env.mock.calls("multi-1"), 1, "exactly one booking");
     for p in [&a, &b] {
-        let r = post(&base(p), "multi-1", BODY, &[]).await;
+        let r = book_with(&base(p), "multi-1", BODY, &[]).await;
         assert_replay_of(&r, &original);
         assert_eq!(r.header("location"), original.header("location"));
     }

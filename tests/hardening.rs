@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Backend, Env, Reply, TestProxy, client, eventually, send};
-use http::{HeaderMap, HeaderName};
+use common::{
+    Backend, Env, Reply, TestProxy, book_with, booking_store_key, client, eventually, send,
+};
 use idemproxy::metrics::Outcome;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -18,28 +19,8 @@ use tokio::net::{TcpListener, TcpStream};
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
 
-/// `POST {proxy}/bookings` with a key, a JSON body and extra headers.
 async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
-    let mut req = client()
-        .post(proxy.url("/bookings"))
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .body(BODY);
-    for (name, value) in extra {
-        req = req.header(*name, *value);
-    }
-    send(req).await
-}
-
-/// The Redis key of `key` on route `create-booking` for a caller without `Authorization`.
-fn redis_key(key: &str) -> String {
-    idemproxy::key::store_key(
-        "idemproxy:",
-        "create-booking",
-        &[HeaderName::from_static("authorization")],
-        &HeaderMap::new(),
-        key,
-    )
+    book_with(&proxy.url(""), key, BODY, extra).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -120,7 +101,7 @@ async fn redis_wrongtype_under_a_store_key_is_a_corrupt_record() {
     let mut conn = env.redis().conn();
     let key = "a-list-lives-here";
     let _: i64 = ::redis::cmd("LPUSH")
-        .arg(redis_key(key))
+        .arg(booking_store_key(key))
         .arg("not a record")
         .query(&mut conn)
         .expect("LPUSH");
@@ -136,7 +117,7 @@ async fn redis_wrongtype_under_a_store_key_is_a_corrupt_record() {
     }
     assert_eq!(env.mock.calls(key), 0, "never forwarded");
     let still: Vec<String> = ::redis::cmd("LRANGE")
-        .arg(redis_key(key))
+        .arg(booking_store_key(key))
         .arg(0)
         .arg(-1)
         .query(&mut conn)

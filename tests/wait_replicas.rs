@@ -9,8 +9,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::cluster::wait_for;
-use common::{Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, client, eventually, send};
-use http::{HeaderMap, HeaderName};
+use common::{
+    Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
+    client, eventually, send,
+};
 use idemproxy::metrics::StoreOp;
 
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -80,25 +82,7 @@ fn wait_in_sync(replica: &RedisServer) {
 }
 
 async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
-    let mut req = client()
-        .post(proxy.url("/bookings"))
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .body(BODY);
-    for (name, value) in extra {
-        req = req.header(*name, *value);
-    }
-    send(req).await
-}
-
-fn store_key(key: &str) -> String {
-    idemproxy::key::store_key(
-        "idemproxy:",
-        "create-booking",
-        &[HeaderName::from_static("authorization")],
-        &HeaderMap::new(),
-        key,
-    )
+    book_with(&proxy.url(""), key, BODY, extra).await
 }
 
 fn assert_forwarded(r: &Reply) {
@@ -132,7 +116,7 @@ async fn acknowledged_claims_forward_and_replay() {
     assert_replay_of(&post(&proxy, "wr-1", &[]).await, &first);
     assert_eq!(r.env.mock.calls("wr-1"), 1);
     assert!(
-        value_at(r.replica.port(), &store_key("wr-1")).is_some(),
+        value_at(r.replica.port(), &booking_store_key("wr-1")).is_some(),
         "the saved record is on the replica"
     );
     let m = proxy.metrics();
@@ -176,7 +160,7 @@ async fn unacknowledged_claim_is_released_and_refused() {
             "{name}: nothing forwarded"
         );
         assert_eq!(
-            value_at(r.env.redis().port(), &store_key("wr-paused")),
+            value_at(r.env.redis().port(), &booking_store_key("wr-paused")),
             None,
             "{name}: the claim was released"
         );
@@ -299,7 +283,7 @@ async fn unacknowledged_save_still_answers_and_is_counted() {
         "the short acknowledgement of the save is counted"
     );
     assert_eq!(m.lost_leases_count(), 0, "the save landed: no lease lost");
-    let saved = value_at(r.env.redis().port(), &store_key("wr-save")).expect("saved");
+    let saved = value_at(r.env.redis().port(), &booking_store_key("wr-save")).expect("saved");
     assert!(
         saved.starts_with(b"IDP"),
         "a finished record on the primary"

@@ -452,14 +452,32 @@ pub async fn send(req: reqwest::RequestBuilder) -> Reply {
 
 /// `POST {proxy}/bookings` with a key and a JSON body.
 pub async fn book(proxy: &TestProxy, key: &str, body: &str) -> Reply {
-    send(
-        client()
-            .post(proxy.url("/bookings"))
-            .header("Idempotency-Key", key)
-            .header("Content-Type", "application/json")
-            .body(body.to_owned()),
+    book_with(&proxy.url(""), key, body, &[]).await
+}
+
+/// `POST {base}/bookings` with a key, a JSON body and extra headers (the mock's `X-Mock-*`).
+pub async fn book_with(base: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Reply {
+    let mut req = client()
+        .post(format!("{base}/bookings"))
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .body(body.to_owned());
+    for (name, value) in extra {
+        req = req.header(*name, *value);
+    }
+    send(req).await
+}
+
+/// The store key of `key` on the harness's route `create-booking` (default prefix, default
+/// `Authorization` scope) for a caller without `Authorization`.
+pub fn booking_store_key(key: &str) -> String {
+    idemproxy::key::store_key(
+        "idemproxy:",
+        "create-booking",
+        &[http::HeaderName::from_static("authorization")],
+        &http::HeaderMap::new(),
+        key,
     )
-    .await
 }
 
 /// The `idemproxy` binary built by cargo for the integration tests.
