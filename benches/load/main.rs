@@ -6,9 +6,10 @@
 //! nginx `proxy_pass` as the reference proxy (each skipped, with a message, when not installed),
 //! all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
 //! for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines,
-//! then one table with each scenario's throughput, latency quantiles, errors, and its ratios to
-//! nginx and to the pass-through route: this machine is shared and noisy, the ratios are what
-//! to read. See BENCHMARKS.md, or run `cargo bench --bench load -- --help`.
+//! then one table with each scenario's throughput, latency quantiles, errors, the CPU time the
+//! server under test spent per request, and its ratios to nginx and to the pass-through route:
+//! this machine is shared and noisy, the ratios are what to read (`--rounds N` repeats the
+//! whole selection and keeps medians). See BENCHMARKS.md, or run `cargo bench --bench load -- --help`.
 //!
 //! # Layout
 //! - `args`: the flags and their environment variables.
