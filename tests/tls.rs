@@ -9,12 +9,13 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::pki::Pki;
 use common::{Env, ProxyProcess, TestProxy, book, eventually, write_config};
 use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
@@ -23,9 +24,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idemproxy::config::Config;
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
-};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
@@ -34,52 +32,8 @@ use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore, ServerConfig};
 
-/// A test CA and a server certificate it signed, as PEM files in a directory of their own.
-struct Pki {
-    dir: tempfile::TempDir,
-    /// The CA certificate.
-    ca: PathBuf,
-    /// The server certificate (127.0.0.1, localhost).
-    cert: PathBuf,
-    /// The server certificate's key.
-    key: PathBuf,
-}
-
+/// What the TLS tests do with a [`Pki`].
 impl Pki {
-    fn new() -> Pki {
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "idemproxy test CA");
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().expect("CA key"))
-            .expect("CA certificate");
-        let key = KeyPair::generate().expect("server key");
-        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
-            .expect("server params")
-            .signed_by(&key, &ca)
-            .expect("server certificate");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let pki = Pki {
-            ca: dir.path().join("ca.pem"),
-            cert: dir.path().join("cert.pem"),
-            key: dir.path().join("key.pem"),
-            dir,
-        };
-        std::fs::write(&pki.ca, ca.pem()).expect("write ca.pem");
-        std::fs::write(&pki.cert, cert.pem()).expect("write cert.pem");
-        std::fs::write(&pki.key, key.serialize_pem()).expect("write key.pem");
-        pki
-    }
-
-    /// Writes `text` to a file of this directory and returns its path.
-    fn file(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.dir.path().join(name);
-        std::fs::write(&path, text).expect("write a test file");
-        path
-    }
-
     /// The `tls:` section that serves this server certificate.
     fn listener_yaml(&self) -> String {
         format!(

@@ -18,6 +18,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod pki;
 pub mod relay;
 pub mod secured;
 

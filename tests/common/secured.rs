@@ -1,71 +1,19 @@
 //! A `redis-server` that wants TLS (a test CA's certificate, made here with rcgen) and/or a
 //! password, for `rediss://`, `store.ca_file` and `store.password_file`.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
-};
-
 use super::cluster::wait_for;
 use super::free_port;
-
-/// A test CA and a server certificate it signed (127.0.0.1, localhost), as PEM files.
-pub struct RedisPki {
-    dir: tempfile::TempDir,
-    /// The CA certificate.
-    pub ca: PathBuf,
-    /// The server certificate.
-    pub cert: PathBuf,
-    /// Its key.
-    pub key: PathBuf,
-}
-
-impl RedisPki {
-    /// Makes the CA and the server certificate.
-    pub fn generate() -> RedisPki {
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "idemproxy test Redis CA");
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().expect("CA key"))
-            .expect("CA certificate");
-        let key = KeyPair::generate().expect("server key");
-        let cert = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
-            .expect("server params")
-            .signed_by(&key, &ca)
-            .expect("server certificate");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let pki = RedisPki {
-            ca: dir.path().join("ca.pem"),
-            cert: dir.path().join("cert.pem"),
-            key: dir.path().join("key.pem"),
-            dir,
-        };
-        std::fs::write(&pki.ca, ca.pem()).expect("write ca.pem");
-        std::fs::write(&pki.cert, cert.pem()).expect("write cert.pem");
-        std::fs::write(&pki.key, key.serialize_pem()).expect("write key.pem");
-        pki
-    }
-
-    /// Writes `text` to a file of this directory and returns its path.
-    pub fn file(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.dir.path().join(name);
-        std::fs::write(&path, text).expect("write a test file");
-        path
-    }
-}
+use super::pki::Pki;
 
 /// A `redis-server` with TLS only (`--port 0`), a password, or both. Killed on drop.
 pub struct SecuredRedis {
     /// Its port (the TLS port with TLS).
     pub port: u16,
     /// The CA that signed its certificate, with TLS.
-    pub pki: Option<RedisPki>,
+    pub pki: Option<Pki>,
     /// Its password, if it wants one.
     pub password: Option<String>,
     child: Option<Child>,
@@ -75,7 +23,7 @@ impl SecuredRedis {
     /// Starts one on a free port: with TLS when `tls`, wanting `password` when given.
     pub fn start(tls: bool, password: Option<&str>) -> SecuredRedis {
         let port = free_port();
-        let pki = tls.then(RedisPki::generate);
+        let pki = tls.then(Pki::new);
         let mut cmd = Command::new(super::redis_binary());
         match &pki {
             Some(pki) => {
