@@ -345,7 +345,12 @@ impl Store for MemoryStore {
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
         let Some(slot) = shard.holds(&key, held, now) else {
-            return Ok(false);
+            // A completion sent again after it landed counts as done, as on Redis.
+            let landed = shard
+                .map
+                .get(&key)
+                .is_some_and(|s| s.expires > now && *s.record == done[..]);
+            return Ok(landed);
         };
         slot.expires = now.saturating_add(millis(ttl));
         slot.record = Arc::from(&done[..]);

@@ -121,7 +121,8 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, key: &StoreKey, held: &Held, lease: Duration)
     -> Result<bool, StoreError>;
     /// Replaces the claim by the finished record `done`, kept for `ttl`, if `held` still holds
-    /// the key. `false`: the lease was lost and nothing was written.
+    /// the key; `true` too if the key already holds exactly `done` (a completion retried after
+    /// its answer was lost). `false`: the lease was lost and nothing was written.
     async fn complete(
         &self,
         key: &StoreKey,
