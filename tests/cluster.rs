@@ -13,18 +13,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::cluster::{NodeLine, RedisCluster};
 use common::{
     Backend, Env, ProxyProcess, Reply, TestProxy, book_with, booking_store_key, client, eventually,
     send,
 };
-use http::{HeaderName, StatusCode};
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
+use idemproxy::store::StoreHandle;
 use idemproxy::store::redis::RedisStore;
-use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
 
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -240,20 +237,6 @@ async fn lease_renewal_keeps_a_slow_claim() {
     assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
 }
 
-fn done(fingerprint: [u8; 32], body: &'static str) -> Entry {
-    Entry::Done {
-        fingerprint,
-        outcome: Saved::Response(SavedResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
-                HeaderName::from_static("content-type"),
-                http::HeaderValue::from_static("application/json"),
-            )],
-            body: Bytes::from_static(body.as_bytes()),
-        }),
-    }
-}
-
 /// §4.4: the compare-and-set on the token, at the store, on a cluster: once A's lease expired
 /// and B claimed, nothing A does touches the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,67 +246,7 @@ async fn stale_holder_cannot_overwrite_a_newer_holder() {
     let inner = RedisStore::cluster(&w.cluster.seeds(), &RedisAccess::default(), timeout)
         .expect("cluster store");
     let store = StoreHandle::new(Arc::new(inner), timeout, Arc::new(Metrics::new()));
-    let key = &StoreKey::new(
-        idemproxy::key::namespace("idemproxy:", "create-booking"),
-        0,
-        [9; 32],
-    );
-    let fp = [7u8; 32];
-    let a = Held::new(Entry::InFlight {
-        token: [1; 16],
-        fingerprint: fp,
-    });
-    let b = Held::new(Entry::InFlight {
-        token: [2; 16],
-        fingerprint: fp,
-    });
-    let long = Duration::from_secs(30);
-    assert_eq!(
-        store
-            .claim(key, &a, Duration::from_millis(200))
-            .await
-            .expect("A claims"),
-        Claim::Claimed
-    );
-    assert_eq!(
-        store.claim(key, &b, long).await.expect("B tries"),
-        Claim::Existing(a.entry.clone())
-    );
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while store.get(key).await.expect("get").is_some() {
-        assert!(Instant::now() < deadline, "A's lease did not expire");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        store.claim(key, &b, long).await.expect("B claims"),
-        Claim::Claimed
-    );
-    let from_a = done(fp, r#"{"id":"from A"}"#);
-    let from_b = done(fp, r#"{"id":"from B"}"#);
-    assert!(
-        !store
-            .complete(key, &a, &from_a.encode(), long)
-            .await
-            .expect("A completes"),
-        "A's save must not land"
-    );
-    assert!(!store.renew(key, &a, long).await.expect("A renews"));
-    assert!(!store.release(key, &a).await.expect("A releases"));
-    assert!(
-        store
-            .complete(key, &b, &from_b.encode(), long)
-            .await
-            .expect("B completes")
-    );
-    assert!(
-        store
-            .complete(key, &b, &from_b.encode(), long)
-            .await
-            .expect("B's completion sent twice"),
-        "a completion sent again after it landed counts as done"
-    );
-    assert!(!store.release(key, &b).await.expect("B releases after"));
-    assert_eq!(store.get(key).await.expect("get"), Some(from_b));
+    common::store_checks::stale_holder_cannot_overwrite_a_newer_holder(&store).await;
 }
 
 /// §4.5: a record that does not decode, or another Redis type under the key, is a store error

@@ -11,19 +11,17 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::relay::Relay;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
     client, eventually, free_port,
 };
-use http::{HeaderName, StatusCode};
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::mock::{self, MockUpstream};
-use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
+use idemproxy::record::Entry;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
-use idemproxy::store::{Claim, Held, Store, StoreHandle, StoreKey};
+use idemproxy::store::{Store, StoreHandle};
 
 /// The request body every booking here sends (the fingerprint covers it, not the headers).
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -274,20 +272,6 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
     assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
 }
 
-fn done(fingerprint: [u8; 32], body: &'static str) -> Entry {
-    Entry::Done {
-        fingerprint,
-        outcome: Saved::Response(SavedResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
-                HeaderName::from_static("content-type"),
-                http::HeaderValue::from_static("application/json"),
-            )],
-            body: Bytes::from_static(body.as_bytes()),
-        }),
-    }
-}
-
 /// The compare-and-set on the token, at the store: A's lease expires, B claims the key; from
 /// then on nothing A does (complete, renew, release) touches the key, and B's record stands.
 async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
@@ -298,85 +282,7 @@ async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
         None => Arc::new(MemoryStore::new(1000)),
     };
     let store = StoreHandle::new(inner, timeout, Arc::new(Metrics::new()));
-    let key = &StoreKey::new(
-        idemproxy::key::namespace("idemproxy:", "create-booking"),
-        0,
-        [9; 32],
-    );
-    let fp = [7u8; 32];
-    let a = Held::new(Entry::InFlight {
-        token: [1; 16],
-        fingerprint: fp,
-    });
-    let b = Held::new(Entry::InFlight {
-        token: [2; 16],
-        fingerprint: fp,
-    });
-    let long = Duration::from_secs(30);
-
-    assert_eq!(
-        store
-            .claim(key, &a, Duration::from_millis(200))
-            .await
-            .expect("A claims"),
-        Claim::Claimed
-    );
-    assert_eq!(
-        store.claim(key, &b, long).await.expect("B tries"),
-        Claim::Existing(a.entry.clone()),
-        "while A's lease runs, B sees A's claim"
-    );
-
-    // A stalls and does not renew: its lease runs out.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while store.get(key).await.expect("get").is_some() {
-        assert!(Instant::now() < deadline, "A's lease did not expire");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        !store.renew(key, &a, long).await.expect("renew"),
-        "an expired lease cannot be renewed"
-    );
-
-    assert_eq!(
-        store.claim(key, &b, long).await.expect("B claims"),
-        Claim::Claimed
-    );
-    let from_a = done(fp, r#"{"id":"from A"}"#);
-    let from_b = done(fp, r#"{"id":"from B"}"#);
-    assert!(
-        !store
-            .complete(key, &a, &from_a.encode(), long)
-            .await
-            .expect("A completes"),
-        "A's save must not land"
-    );
-    assert!(!store.renew(key, &a, long).await.expect("A renews"));
-    assert!(!store.release(key, &a).await.expect("A releases"));
-    assert_eq!(
-        store.get(key).await.expect("get"),
-        Some(b.entry.clone()),
-        "B's claim is untouched"
-    );
-
-    assert!(
-        store
-            .complete(key, &b, &from_b.encode(), long)
-            .await
-            .expect("B completes")
-    );
-    assert!(
-        !store
-            .complete(key, &a, &from_a.encode(), long)
-            .await
-            .expect("A completes late")
-    );
-    assert!(!store.release(key, &a).await.expect("A releases late"));
-    assert!(
-        !store.release(key, &b).await.expect("B releases after"),
-        "a finished record is not a claim: nobody may release it"
-    );
-    assert_eq!(store.get(key).await.expect("get"), Some(from_b));
+    common::store_checks::stale_holder_cannot_overwrite_a_newer_holder(&store).await;
 }
 
 /// At the proxy, on Redis: the first holder's claim disappears while its upstream call runs (as

@@ -21,6 +21,7 @@ pub mod cluster;
 pub mod pki;
 pub mod relay;
 pub mod secured;
+pub mod store_checks;
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
