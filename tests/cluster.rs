@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::cluster::{NodeLine, RedisCluster};
 use common::{
     Backend, Env, ProxyProcess, Reply, TestProxy, book_with, booking_store_key, client, eventually,
-    send,
+    send, spawn_booking,
 };
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
@@ -160,20 +160,7 @@ async fn in_flight_is_409_or_waits_and_mismatch_is_422() {
     let reject = w.proxy("").await;
     let wait = w.proxy("on_conflict: wait\nwait_timeout: 5s").await;
 
-    let first = {
-        let url = reject.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "c-slow")
-                    .header("Content-Type", "application/json")
-                    .header("X-Mock-Delay", "800ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(reject.url(""), "c-slow", BODY, "800ms");
     assert!(
         eventually(Duration::from_secs(5), || w.env.mock.calls("c-slow") == 1).await,
         "the first request reached the upstream"
@@ -211,20 +198,7 @@ async fn in_flight_is_409_or_waits_and_mismatch_is_422() {
 async fn lease_renewal_keeps_a_slow_claim() {
     let w = World::new(0).await;
     let proxy = w.proxy("lock_ttl: 300ms").await;
-    let first = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "c-renew")
-                    .header("Content-Type", "application/json")
-                    .header("X-Mock-Delay", "1200ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(proxy.url(""), "c-renew", BODY, "1200ms");
     assert!(eventually(Duration::from_secs(3), || w.env.mock.calls("c-renew") == 1).await);
     tokio::time::sleep(Duration::from_millis(600)).await;
     post(&proxy, "c-renew", &[])
@@ -625,20 +599,7 @@ async fn slot_migration_during_traffic() {
         .expect("another primary");
 
     // The hot key's first request holds its claim (on the old primary) across the move.
-    let first = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", hot)
-                    .header("Content-Type", "application/json")
-                    .header("X-Mock-Delay", "1500ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(proxy.url(""), hot, BODY, "1500ms");
     assert!(eventually(Duration::from_secs(5), || w.env.mock.calls(hot) == 1).await);
 
     let stop = Arc::new(AtomicBool::new(false));

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     Backend, Env, Reply, TestProxy, book_with, booking_store_key, client, eventually, send,
+    spawn_booking,
 };
 use idemproxy::metrics::Outcome;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -41,36 +42,12 @@ async fn redis_waiter_that_saw_the_key_held_answers_503_on_a_store_error() {
         )
         .await;
     let key = "waiter-store-error";
-    let first = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", key)
-                    .header("X-Mock-Delay", "2500ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(proxy.url(""), key, BODY, "2500ms");
     assert!(
         eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
         "the first request reached the upstream"
     );
-    let second = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", key)
-                    .header("X-Mock-Delay", "2500ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let second = spawn_booking(proxy.url(""), key, BODY, "2500ms");
     // Let the second one see the claim and start waiting, then stall Redis past the store
     // timeout (300ms) so that its next poll fails.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -637,19 +614,7 @@ async fn redis_waiters_stop_polling_when_their_client_is_gone() {
         .proxy(&env.config("on_conflict: wait\nwait_timeout: 10s"))
         .await;
     let key = "abandoned-wait";
-    let first = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", key)
-                    .header("X-Mock-Delay", "3s")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(proxy.url(""), key, BODY, "3s");
     assert!(eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await);
     let quick = reqwest::Client::builder()
         .timeout(Duration::from_millis(300))

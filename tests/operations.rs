@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{
     Backend, Env, ProxyProcess, Reply, TestProxy, binary, client, eventually, free_port, send,
-    write_config,
+    spawn_booking, write_config,
 };
 use http::{HeaderMap, HeaderName, HeaderValue};
 use tokio::net::TcpListener;
@@ -93,19 +93,7 @@ async fn health_readiness_and_metrics_count_every_outcome(backend: Backend) {
 
     assert_eq!(post(&proxy, "m-1", &[]).await.status, 201);
     assert_eq!(post(&proxy, "m-1", &[]).await.status, 201);
-    let slow = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "m-2")
-                    .header("X-Mock-Delay", "800ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let slow = spawn_booking(proxy.url(""), "m-2", BODY, "800ms");
     assert!(eventually(Duration::from_secs(3), || env.mock.calls("m-2") == 1).await);
     assert_eq!(post(&proxy, "m-2", &[]).await.status, 409);
     let mismatch = send(
@@ -229,19 +217,7 @@ async fn readiness_is_503_while_draining() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(up, "ready before the drain");
-    let slow = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "drain-1")
-                    .header("X-Mock-Delay", "1500ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let slow = spawn_booking(proxy.url(""), "drain-1", BODY, "1500ms");
     assert!(eventually(Duration::from_secs(3), || env.mock.calls("drain-1") == 1).await);
     proxy.signal("-TERM");
     let mut saw_draining = false;
@@ -356,19 +332,7 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
     assert_eq!(other.status, 404);
 
     // In flight: shown, never forgotten.
-    let slow = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "kt-2")
-                    .header("X-Mock-Delay", "1s")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let slow = spawn_booking(proxy.url(""), "kt-2", BODY, "1s");
     assert!(eventually(Duration::from_secs(3), || env.mock.calls("kt-2") == 1).await);
     let url = format!("{base}/keys/create-booking?key=kt-2");
     assert_eq!(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::cluster::wait_for;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
-    client, eventually, send,
+    client, eventually, send, spawn_booking,
 };
 use idemproxy::metrics::StoreOp;
 
@@ -185,20 +185,7 @@ async fn a_slow_wait_does_not_stall_other_requests() {
     let proxy = r.proxy("", "wait_replicas: 1\ntimeout: 2s").await;
     let warm = post(&proxy, "wr-warm", &[]).await;
     assert_forwarded(&warm);
-    let in_flight = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "wr-in-flight")
-                    .header("Content-Type", "application/json")
-                    .header("X-Mock-Delay", "3s")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let in_flight = spawn_booking(proxy.url(""), "wr-in-flight", BODY, "3s");
     assert!(
         eventually(Duration::from_secs(5), || r.env.mock.calls("wr-in-flight")
             == 1)
@@ -256,20 +243,7 @@ async fn a_slow_wait_does_not_stall_other_requests() {
 async fn unacknowledged_save_still_answers_and_is_counted() {
     let r = Replicated::new().await;
     let proxy = r.proxy("", "wait_replicas: 1").await;
-    let first = {
-        let url = proxy.url("/bookings");
-        tokio::spawn(async move {
-            send(
-                client()
-                    .post(url)
-                    .header("Idempotency-Key", "wr-save")
-                    .header("Content-Type", "application/json")
-                    .header("X-Mock-Delay", "800ms")
-                    .body(BODY),
-            )
-            .await
-        })
-    };
+    let first = spawn_booking(proxy.url(""), "wr-save", BODY, "800ms");
     assert!(eventually(Duration::from_secs(5), || r.env.mock.calls("wr-save") == 1).await);
     r.replica.pause();
     let first = first.await.expect("the request");

@@ -470,6 +470,18 @@ pub async fn book_with(base: &str, key: &str, body: &str, extra: &[(&str, &str)]
     send(req).await
 }
 
+/// Starts `POST {base}/bookings` (as [`book_with`]) with the mock's `X-Mock-Delay: delay`, in
+/// a task of its own: a first request that holds its claim while the test goes on.
+pub fn spawn_booking(
+    base: String,
+    key: &str,
+    body: &str,
+    delay: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let (key, body, delay) = (key.to_owned(), body.to_owned(), delay.to_owned());
+    tokio::spawn(async move { book_with(&base, &key, &body, &[("X-Mock-Delay", &delay)]).await })
+}
+
 /// The store key of `key` on the harness's route `create-booking` (default prefix, default
 /// `Authorization` scope) for a caller without `Authorization`.
 pub fn booking_store_key(key: &str) -> String {
