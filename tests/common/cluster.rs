@@ -382,17 +382,8 @@ fn spawn_node(dir: &std::path::Path, port: u16, bus: u16) -> Child {
             "2000",
             "--dir",
             &dir.display().to_string(),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--bind",
-            "127.0.0.1",
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
         ])
+        .args(super::REDIS_EPHEMERAL)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

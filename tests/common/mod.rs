@@ -69,6 +69,21 @@ macro_rules! both_stores {
     };
 }
 
+/// The `redis-server` flags of every test server: loopback only, nothing persisted, in the
+/// foreground, quiet.
+pub const REDIS_EPHEMERAL: [&str; 10] = [
+    "--bind",
+    "127.0.0.1",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--daemonize",
+    "no",
+    "--loglevel",
+    "warning",
+];
+
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
     let l = StdListener::bind("127.0.0.1:0").expect("bind a free port");
@@ -110,21 +125,9 @@ impl RedisServer {
 
     fn spawn(&mut self) {
         let child = Command::new(redis_binary())
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--loglevel",
-                "warning",
-                "--dir",
-            ])
+            .args(["--port", &self.port.to_string()])
+            .args(REDIS_EPHEMERAL)
+            .arg("--dir")
             .arg(self.dir.path())
             .args(&self.extra)
             .stdout(Stdio::null())

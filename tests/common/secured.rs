@@ -41,18 +41,7 @@ impl SecuredRedis {
             cmd.args(["--requirepass", p]);
         }
         let child = cmd
-            .args([
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--loglevel",
-                "warning",
-            ])
+            .args(super::REDIS_EPHEMERAL)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
