@@ -103,25 +103,17 @@ fn keys_in_slot(prefix: &str, slot: u16, n: usize) -> Vec<String> {
         .collect()
 }
 
-/// Every header as `name: value` lines, sorted, without `Idempotent-Replayed`.
-fn header_lines(reply: &Reply) -> Vec<String> {
-    let mut lines: Vec<String> = reply
-        .headers
-        .iter()
-        .filter(|(name, _)| name.as_str() != "idempotent-replayed")
-        .map(|(name, value)| format!("{name}: {}", String::from_utf8_lossy(value.as_bytes())))
-        .collect();
-    lines.sort();
-    lines
-}
-
 /// Asserts `again` is the replay of `first`: same status, headers and body bytes, marked.
 fn assert_replay_of(first: &Reply, again: &Reply) {
     assert_eq!(first.header("idempotent-replayed"), "", "a first response");
     assert_eq!(again.header("idempotent-replayed"), "true", "replay marker");
     assert_eq!(again.status, first.status, "replayed status");
     assert_eq!(again.body, first.body, "replayed body is byte-identical");
-    assert_eq!(header_lines(again), header_lines(first), "replayed headers");
+    assert_eq!(
+        again.header_lines(),
+        first.header_lines(),
+        "replayed headers"
+    );
 }
 
 /// Asserts `r` came from the upstream now, a new booking.

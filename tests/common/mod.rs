@@ -400,6 +400,19 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Every header as `name: value` lines, sorted, without `Idempotent-Replayed`: what a replay
+    /// must repeat of the first response.
+    pub fn header_lines(&self) -> Vec<String> {
+        let mut lines: Vec<String> = self
+            .headers
+            .iter()
+            .filter(|(name, _)| name.as_str() != "idempotent-replayed")
+            .map(|(name, value)| format!("{name}: {}", String::from_utf8_lossy(value.as_bytes())))
+            .collect();
+        lines.sort();
+        lines
+    }
+
     /// A header's value as text ("" when absent).
     pub fn header(&self, name: &str) -> String {
         self.headers
