@@ -92,6 +92,10 @@ pub struct RawConfig {
     /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30s.
     #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
+    /// After SIGTERM/SIGINT, how long to keep accepting while `/readyz` answers 503, so that
+    /// load balancers polling readiness move traffic away before the listener closes. Default 0s.
+    #[serde(default, with = "duration")]
+    pub drain_delay: Duration,
     /// The idempotency record store.
     #[serde(default)]
     pub store: RawStore,
@@ -142,6 +146,13 @@ pub struct RawLimits {
     /// Bytes of those results, at most. Default 64MiB.
     #[serde(default = "defaults::max_pending_save_bytes", with = "byte_size")]
     pub max_pending_save_bytes: u64,
+    /// How long a response may make no write progress (a client that stopped reading) before
+    /// it is abandoned and its connection closed. Default 30s.
+    #[serde(default = "defaults::send_timeout", with = "duration")]
+    pub send_timeout: Duration,
+    /// Open admin-listener connections at most. Default 256.
+    #[serde(default = "defaults::max_admin_connections")]
+    pub max_admin_connections: u32,
 }
 
 impl Default for RawLimits {
@@ -153,6 +164,8 @@ impl Default for RawLimits {
             max_detached_exchanges: defaults::max_detached_exchanges(),
             max_pending_saves: defaults::max_pending_saves(),
             max_pending_save_bytes: defaults::max_pending_save_bytes(),
+            send_timeout: defaults::send_timeout(),
+            max_admin_connections: defaults::max_admin_connections(),
         }
     }
 }
@@ -403,6 +416,12 @@ pub mod defaults {
     pub(crate) fn body_read_timeout() -> Duration {
         Duration::from_secs(30)
     }
+    pub(crate) fn send_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub(crate) fn max_admin_connections() -> u32 {
+        256
+    }
     pub(crate) fn max_detached_exchanges() -> u32 {
         1000
     }
@@ -550,6 +569,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// How long in-flight requests may run after a stop signal.
     pub shutdown_timeout: Duration,
+    /// How long to keep accepting, unready, after a stop signal.
+    pub drain_delay: Duration,
     /// The store.
     pub store: StoreSettings,
     /// Upstreams by name.
@@ -575,6 +596,10 @@ pub struct Limits {
     pub max_pending_saves: u32,
     /// Bytes of those, at most.
     pub max_pending_save_bytes: u64,
+    /// How long a response may make no write progress before its connection is closed.
+    pub send_timeout: Duration,
+    /// Open admin-listener connections at most.
+    pub max_admin_connections: u32,
 }
 
 /// Which store, and how to reach it.
@@ -796,6 +821,12 @@ impl RawConfig {
             self.shutdown_timeout,
             bounds::SHUTDOWN_TIMEOUT,
         );
+        at_most(
+            &mut err,
+            "drain_delay",
+            self.drain_delay,
+            bounds::DRAIN_DELAY,
+        );
         validate_limits(&self.limits, &mut err);
         let store = validate_store(&self.store, &mut err);
 
@@ -842,6 +873,7 @@ impl RawConfig {
                 admin_token,
                 log_format: self.log_format,
                 shutdown_timeout: self.shutdown_timeout,
+                drain_delay: self.drain_delay,
                 store,
                 upstreams,
                 routes,
@@ -852,6 +884,8 @@ impl RawConfig {
                     max_detached_exchanges: self.limits.max_detached_exchanges,
                     max_pending_saves: self.limits.max_pending_saves,
                     max_pending_save_bytes: self.limits.max_pending_save_bytes,
+                    send_timeout: self.limits.send_timeout,
+                    max_admin_connections: self.limits.max_admin_connections,
                 },
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
@@ -897,6 +931,10 @@ pub mod bounds {
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(600);
     /// `limits.body_read_timeout`.
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `limits.send_timeout`.
+    pub const SEND_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// `drain_delay`.
+    pub const DRAIN_DELAY: Duration = Duration::from_secs(3600);
     /// `limits.max_pending_save_bytes`.
     pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
 }
@@ -1021,6 +1059,7 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
     for (field, value) in [
         ("limits.max_connections", l.max_connections),
         ("limits.max_pending_saves", l.max_pending_saves),
+        ("limits.max_admin_connections", l.max_admin_connections),
     ] {
         if value == 0 {
             err(field.into(), "must be at least 1".into());
@@ -1044,6 +1083,7 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
             l.body_read_timeout,
             bounds::BODY_READ_TIMEOUT,
         ),
+        ("limits.send_timeout", l.send_timeout, bounds::SEND_TIMEOUT),
     ] {
         if value.is_zero() {
             err(field.into(), "must be greater than zero".into());
