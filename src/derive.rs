@@ -184,11 +184,9 @@ pub fn read(
                     .ok_or_else(|| fail("the path has no such segment".into())),
                 KeyPart::Query(name) => {
                     let query = head.uri.query().unwrap_or("");
-                    let mut found = form_urlencoded::parse(query.as_bytes())
-                        .filter(|(k, _)| k == name.as_str())
-                        .map(|(_, v)| v.into_owned());
+                    let mut found = query_values(query, name.as_bytes());
                     match (found.next(), found.next()) {
-                        (Some(v), None) => Ok(Value::Text(v.into_bytes())),
+                        (Some(v), None) => Ok(Value::Text(v)),
                         (None, _) => Err(fail("the query parameter is absent".into())),
                         (Some(_), Some(_)) => {
                             Err(fail("the query parameter appears more than once".into()))
@@ -359,6 +357,30 @@ pub fn derived_id(derived: &str) -> crate::key::KeyId {
     h.finalize().into()
 }
 
+/// The values of the query parameter `name`, each decoded to the bytes it stands for (`+` is
+/// a space, `%XX` a byte). Not through a UTF-8 string: a lossy decoding would map `%FF` and
+/// `%FE` to the same U+FFFD, and two different values would derive one key (SPEC §4.1).
+fn query_values<'a>(query: &'a str, name: &'a [u8]) -> impl Iterator<Item = Vec<u8>> + 'a {
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .filter_map(move |pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (form_decode(k) == name).then(|| form_decode(v))
+        })
+}
+
+/// `application/x-www-form-urlencoded` decoding to bytes: `+` is a space, then `%XX`.
+fn form_decode(raw: &str) -> Vec<u8> {
+    if raw.contains('+') {
+        percent_decode(&raw.replace('+', " "))
+    } else {
+        percent_decode(raw)
+    }
+}
+
+/// Percent-decoding to bytes (never through a UTF-8 string, which would be lossy); a `%` that
+/// starts no valid escape stands for itself.
 fn percent_decode(raw: &str) -> Vec<u8> {
     let bytes = raw.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
@@ -431,6 +453,19 @@ mod tests {
             canonical_json(br#"{"b":1}"#)
         );
         assert_eq!(canonical_json(b"not json"), None);
+    }
+
+    #[test]
+    fn query_values_are_the_bytes_they_decode_to() {
+        let values = |q: &'static str| query_values(q, b"ref").collect::<Vec<_>>();
+        // Not UTF-8, and different: never one value (a lossy decode made both U+FFFD).
+        assert_eq!(values("ref=%FF"), vec![vec![0xFF]]);
+        assert_eq!(values("ref=%FE"), vec![vec![0xFE]]);
+        assert_ne!(values("ref=%FF"), values("ref=%FE"));
+        assert_eq!(values("a=1&ref=x+y&b"), vec![b"x y".to_vec()]);
+        assert_eq!(values("r%65f=1&ref=2"), vec![b"1".to_vec(), b"2".to_vec()]);
+        assert_eq!(values("ref"), vec![Vec::<u8>::new()]);
+        assert!(values("refx=1&&=2").is_empty());
     }
 
     #[test]

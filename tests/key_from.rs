@@ -89,6 +89,7 @@ both_stores!(
     a_keyless_refund_job_retried_runs_once,
     another_body_under_the_same_derived_key_is_a_422,
     every_kind_of_part_makes_its_own_key,
+    values_that_are_not_utf8_never_share_a_key,
     every_unreadable_part_is_a_400_and_claims_nothing,
     values_are_canonical,
     the_header_key_wins,
@@ -193,6 +194,38 @@ async fn every_kind_of_part_makes_its_own_key(backend: Backend) {
         );
     }
     assert_eq!(env.mock.stats().total, 6);
+}
+
+/// SPEC §4.1: values compare as the bytes they decode to. `%FF` and `%FE` are not UTF-8 and
+/// not equal: a lossy decoding (both U+FFFD) gave them one key, and the second request got the
+/// first one's response replayed. Checked for the query, the path and a header.
+async fn values_that_are_not_utf8_never_share_a_key(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&yaml(&env, "")).await;
+    let body = r#"{"n":1}"#;
+    for (what, a, b) in [
+        ("query", "/jobs/J1/run?day=%FF", "/jobs/J1/run?day=%FE"),
+        ("path", "/jobs/%FF/run?day=mon", "/jobs/%FE/run?day=mon"),
+    ] {
+        let first = job(&proxy, "POST", a, "t1", body).await;
+        assert_fresh(&first);
+        let second = job(&proxy, "POST", b, "t1", body).await;
+        assert_fresh(&second);
+        assert_replay(&job(&proxy, "POST", a, "t1", body).await, &first);
+        assert_ne!(first.body, second.body, "{what}: two operations, two answers");
+    }
+    let tenant = |byte: u8| {
+        let value = http::HeaderValue::from_bytes(&[b't', byte]).expect("obs-text value");
+        client()
+            .post(proxy.url("/jobs/J1/run?day=mon"))
+            .header("X-Tenant", value)
+            .body(body)
+    };
+    let first = send(tenant(0xFF)).await;
+    assert_fresh(&first);
+    assert_fresh(&send(tenant(0xFE)).await);
+    assert_replay(&send(tenant(0xFF)).await, &first);
+    assert_eq!(env.mock.stats().total, 6, "six different operations ran, once each");
 }
 
 /// A part that cannot be read answers 400 naming it; nothing is claimed or forwarded.
