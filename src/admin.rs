@@ -146,7 +146,10 @@ fn authorized(headers: &HeaderMap, token: &str) -> bool {
     let Some(given) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        // The auth scheme is case-insensitive (RFC 9110 §11.1); the token is not.
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim_start_matches(' '))
     else {
         return false;
     };
@@ -224,6 +227,20 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
                         "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
                     )
                 })?;
+            // The key as the client sent it: bare or quoted, one key either way (SPEC §4.1),
+            // so it goes through the same parser as the request header.
+            let value = HeaderValue::from_str(&key).map_err(|_| {
+                refusal(
+                    StatusCode::BAD_REQUEST,
+                    "the key is not a valid header value",
+                )
+            })?;
+            let key = crate::key::parse(&value).map_err(|_| {
+                refusal(
+                    StatusCode::BAD_REQUEST,
+                    "the key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)",
+                )
+            })?;
             proxy.store_key(route, &scope, &key)
         }
     };

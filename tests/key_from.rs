@@ -212,7 +212,10 @@ async fn values_that_are_not_utf8_never_share_a_key(backend: Backend) {
         let second = job(&proxy, "POST", b, "t1", body).await;
         assert_fresh(&second);
         assert_replay(&job(&proxy, "POST", a, "t1", body).await, &first);
-        assert_ne!(first.body, second.body, "{what}: two operations, two answers");
+        assert_ne!(
+            first.body, second.body,
+            "{what}: two operations, two answers"
+        );
     }
     let tenant = |byte: u8| {
         let value = http::HeaderValue::from_bytes(&[b't', byte]).expect("obs-text value");
@@ -225,7 +228,11 @@ async fn values_that_are_not_utf8_never_share_a_key(backend: Backend) {
     assert_fresh(&first);
     assert_fresh(&send(tenant(0xFE)).await);
     assert_replay(&send(tenant(0xFF)).await, &first);
-    assert_eq!(env.mock.stats().total, 6, "six different operations ran, once each");
+    assert_eq!(
+        env.mock.stats().total,
+        6,
+        "six different operations ran, once each"
+    );
 }
 
 /// A part that cannot be read answers 400 naming it; nothing is claimed or forwarded.

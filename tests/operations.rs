@@ -283,6 +283,22 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
     assert_eq!(get(by_key.clone(), Some("wrong")).await.status, 401);
     let shown = get(by_key.clone(), Some("s3cret-token")).await;
     assert_eq!(shown.status, 200, "{:?}", shown.body);
+    // The auth scheme is case-insensitive (RFC 9110 §11.1); the token is not.
+    for (authorization, status) in [
+        ("bearer s3cret-token", 200),
+        ("BEARER s3cret-token", 200),
+        ("Bearer S3CRET-TOKEN", 401),
+        ("Basic s3cret-token", 401),
+        ("Bearers3cret-token", 401),
+    ] {
+        let r = send(
+            client()
+                .get(by_key.clone())
+                .header("Authorization", authorization),
+        )
+        .await;
+        assert_eq!(r.status, status, "{authorization}");
+    }
     let doc = shown.json();
     assert_eq!(doc["state"], "finished");
     assert_eq!(doc["status"], 201);
@@ -431,6 +447,32 @@ async fn command_line_health_and_keys() {
     assert_eq!(doc["state"], "finished");
     assert_eq!(doc["status"], 502);
     let hash = doc["key_hash"].as_str().expect("hash").to_owned();
+    // "The key, as the client sent it": its quoted Structured Field form is the same key.
+    let (code, out, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--key",
+        "\"cli-secret-key-1\"",
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(0), "the quoted form finds the record: {err}");
+    let quoted: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(quoted["key_hash"], hash.as_str());
+    let (code, _, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--key",
+        "bad key",
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(1), "an invalid key is refused: {err}");
+    assert!(err.contains("400"), "{err}");
 
     // The request log names the key by its hash, never by the key.
     let log = proxy.log();
