@@ -1,0 +1,506 @@
+//! The checks: evidence read from Redis, loss windows, and the exactly-once invariants.
+
+use super::*;
+
+/// Every record that is an in-progress claim (`"IDP" 0x01 'P' …`, see `src/record.rs`), with
+/// its remaining TTL.
+pub(crate) fn in_progress_records(redis: &RedisServer) -> Vec<String> {
+    let mut conn = redis.conn();
+    let mut cursor: u64 = 0;
+    let mut found = Vec::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) = ::redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg("idemproxy:*")
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut conn)
+            .expect("SCAN");
+        for key in keys {
+            let value: Option<Vec<u8>> =
+                ::redis::cmd("GET").arg(&key).query(&mut conn).expect("GET");
+            if value.is_some_and(|v| v.starts_with(b"IDP\x01P")) {
+                let pttl: i64 = ::redis::cmd("PTTL")
+                    .arg(&key)
+                    .query(&mut conn)
+                    .expect("PTTL");
+                found.push(format!("{key} (pttl {pttl}ms)"));
+            }
+        }
+        cursor = next;
+        if cursor == 0 {
+            return found;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The checks
+// ---------------------------------------------------------------------------------------------
+
+pub(crate) struct RunData<'a> {
+    pub(crate) spec: &'a RunSpec,
+    pub(crate) ops: &'a [Arc<OpSpec>],
+    pub(crate) attempts: Vec<Attempt>,
+    pub(crate) ends: Vec<(usize, usize, ClientEnd)>,
+    pub(crate) execs: Vec<Exec>,
+    pub(crate) tap_errors: Vec<String>,
+    pub(crate) ledger: BTreeMap<String, u64>,
+    pub(crate) windows: Vec<Window>,
+    pub(crate) last_fault: Duration,
+    pub(crate) in_progress: Vec<String>,
+    pub(crate) verifications: Vec<(usize, Attempt, Attempt)>,
+}
+
+pub(crate) struct Outcome {
+    pub(crate) failures: Vec<String>,
+    pub(crate) summary: String,
+}
+
+/// A fault that can make an operation run again.
+#[derive(Debug, Clone)]
+pub(crate) struct LossWindow {
+    pub(crate) start: Duration,
+    pub(crate) end: Duration,
+    pub(crate) loss: Loss,
+    pub(crate) what: String,
+    /// Part of it was the machine stalling ([`Loss::Machine`]).
+    pub(crate) machine: bool,
+}
+
+/// The claim-losing windows: restarts that lost data, kills of B, and Redis unavailability
+/// merged with neighbours closer than `lock_ttl`, kept when the merged span reaches
+/// `lock_ttl / 3`.
+pub(crate) fn loss_windows(windows: &[Window]) -> Vec<LossWindow> {
+    let mut out: Vec<LossWindow> = windows
+        .iter()
+        .filter(|w| matches!(w.loss, Loss::RecordsLost | Loss::ClaimsOfB))
+        .map(|w| LossWindow {
+            start: w.start,
+            end: w.end,
+            loss: w.loss,
+            what: w.what.clone(),
+            machine: false,
+        })
+        .collect();
+    let mut stalls: Vec<&Window> = windows
+        .iter()
+        .filter(|w| matches!(w.loss, Loss::Unavailable | Loss::Machine))
+        .collect();
+    stalls.sort_by_key(|w| w.start);
+    let mut merged: Vec<LossWindow> = Vec::new();
+    for w in stalls {
+        match merged.last_mut() {
+            Some(m) if w.start <= m.end + LOCK_TTL => {
+                m.end = m.end.max(w.end);
+                m.what = format!("{} + {}", m.what, w.what);
+                m.machine |= w.loss == Loss::Machine;
+            }
+            _ => merged.push(LossWindow {
+                start: w.start,
+                end: w.end,
+                loss: Loss::Unavailable,
+                what: w.what.clone(),
+                machine: w.loss == Loss::Machine,
+            }),
+        }
+    }
+    out.extend(
+        merged
+            .into_iter()
+            .filter(|m| m.end - m.start >= LOCK_TTL / 3),
+    );
+    out.sort_by_key(|w| w.start);
+    out
+}
+
+/// Does `w` explain that the execution at `prev` (through `via`) ran again at `next`? The
+/// fault must come after the earlier execution's claim (at most `slack` before it reached the
+/// upstream) and before the later one.
+pub(crate) fn explains(w: &LossWindow, prev: &Exec, next: &Exec, slack: Duration) -> bool {
+    let after_claim = w.end + slack >= prev.at;
+    let before_next = w.start <= next.at;
+    match w.loss {
+        Loss::ClaimsOfB => prev.via == "b" && after_claim && before_next,
+        _ => after_claim && before_next,
+    }
+}
+
+pub(crate) fn check(d: &RunData<'_>) -> Outcome {
+    let mut failures = Vec::new();
+    // With a persistent Redis and no proxy kills, nothing may run twice — unless the machine
+    // stalled long enough to lose a lease (measured, and printed in the timeline).
+    let strict = d.spec.persistent;
+    let losses: Vec<LossWindow> = loss_windows(&d.windows)
+        .into_iter()
+        .filter(|w| !strict || w.machine)
+        .collect();
+    let slack = Duration::from_secs(1) + max_upstream_latency(&d.windows);
+    let op_of: HashMap<(String, String), usize> = d
+        .ops
+        .iter()
+        .map(|o| ((format!("Bearer {}", o.tenant), o.key.clone()), o.idx))
+        .collect();
+    let mut attempts_of: HashMap<usize, Vec<&Attempt>> = HashMap::new();
+    for a in &d.attempts {
+        attempts_of.entry(a.op).or_default().push(a);
+    }
+    for v in attempts_of.values_mut() {
+        v.sort_by_key(|a| (a.sent, a.id));
+    }
+    let history = |op: usize| -> String {
+        let mut s = String::new();
+        for a in attempts_of.get(&op).into_iter().flatten().take(30) {
+            let _ = write!(s, "\n      {}", a.line());
+        }
+        s
+    };
+
+    // The tap is the evidence: it must be whole.
+    for e in &d.tap_errors {
+        failures.push(format!("harness: the upstream tap lost track: {e}"));
+    }
+    let mut execs_of: HashMap<usize, Vec<&Exec>> = HashMap::new();
+    let mut tap_by_key: HashMap<&str, u64> = HashMap::new();
+    for e in &d.execs {
+        *tap_by_key.entry(e.key.as_str()).or_default() += 1;
+        match op_of.get(&(e.auth.clone(), e.key.clone())) {
+            Some(op) => execs_of.entry(*op).or_default().push(e),
+            None => failures.push(format!(
+                "the upstream received an operation no client sent: {} {:?}",
+                e.auth, e.key
+            )),
+        }
+    }
+    for v in execs_of.values_mut() {
+        v.sort_by_key(|e| e.at);
+    }
+    for (key, calls) in &d.ledger {
+        let seen = tap_by_key.get(key.as_str()).copied().unwrap_or(0);
+        if *calls > seen {
+            failures.push(format!(
+                "harness: the mock counted {calls} executions of {key:?}, the tap saw {seen}"
+            ));
+        }
+    }
+    let ledger_total: u64 = d.ledger.values().sum();
+
+    // Every answer is one the contract allows.
+    for a in &d.attempts {
+        if let Verdict::Unexpected(why) = verdict(&a.result) {
+            failures.push(format!(
+                "op {} got an answer the contract does not allow ({why}): {}",
+                a.op,
+                a.line()
+            ));
+        }
+    }
+
+    // Bodies: a booking embeds its own request; a booking id answers one operation.
+    let mut booking_owner: HashMap<String, usize> = HashMap::new();
+    let mut bookings_of: HashMap<usize, HashSet<String>> = HashMap::new();
+    for a in &d.attempts {
+        let AttemptResult::Answer {
+            status: 201, body, ..
+        } = &a.result
+        else {
+            continue;
+        };
+        let op = &d.ops[a.op];
+        let doc: serde_json::Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => {
+                failures.push(format!(
+                    "op {}: a 201 that is not JSON ({e}): {}",
+                    a.op,
+                    a.line()
+                ));
+                continue;
+            }
+        };
+        let expected: serde_json::Value =
+            serde_json::from_str(&op.body).expect("the op body is JSON");
+        if doc["request"] != expected {
+            failures.push(format!(
+                "op {} ({}/{}) got another request's booking: {}",
+                a.op,
+                op.tenant,
+                op.key,
+                a.line()
+            ));
+        }
+        let Some(id) = doc["id"].as_str() else {
+            failures.push(format!(
+                "op {}: a booking without an id: {}",
+                a.op,
+                a.line()
+            ));
+            continue;
+        };
+        let owner = *booking_owner.entry(id.to_owned()).or_insert(a.op);
+        if owner != a.op {
+            failures.push(format!(
+                "booking {id} was answered to op {owner} and to op {}",
+                a.op
+            ));
+        }
+        bookings_of.entry(a.op).or_default().insert(id.to_owned());
+    }
+
+    // Executions: every re-execution explained, or none at all (persistent run).
+    let mut twice = 0usize;
+    let mut explained_by: BTreeMap<String, usize> = BTreeMap::new();
+    for op in d.ops {
+        let execs = execs_of.get(&op.idx).cloned().unwrap_or_default();
+        let succeeded = attempts_of
+            .get(&op.idx)
+            .into_iter()
+            .flatten()
+            .any(|a| matches!(a.result, AttemptResult::Answer { status: 201, .. }));
+        if succeeded && execs.is_empty() {
+            failures.push(format!(
+                "op {} got a 201 but the upstream never received it{}",
+                op.idx,
+                history(op.idx)
+            ));
+        }
+        let bookings = bookings_of.get(&op.idx).map_or(0, HashSet::len);
+        if bookings > execs.len() {
+            failures.push(format!(
+                "op {}: {bookings} different bookings answered, {} executions",
+                op.idx,
+                execs.len()
+            ));
+        }
+        if execs.len() < 2 {
+            continue;
+        }
+        twice += 1;
+        let times: Vec<String> = execs
+            .iter()
+            .map(|e| format!("+{} via {} (attempt {})", secs(e.at), e.via, e.attempt))
+            .collect();
+        let explanations: Vec<Option<&LossWindow>> = execs
+            .windows(2)
+            .map(|pair| losses.iter().find(|w| explains(w, pair[0], pair[1], slack)))
+            .collect();
+        for w in explanations.iter().flatten() {
+            let kind = if w.machine {
+                format!("{:?}+Machine", w.loss)
+            } else {
+                format!("{:?}", w.loss)
+            };
+            *explained_by.entry(kind).or_default() += 1;
+        }
+        if strict && explanations.iter().any(Option::is_none) {
+            failures.push(format!(
+                "op {} ({}/{}) ran {} times with a persistent Redis and no proxy kills{}: {}{}",
+                op.idx,
+                op.tenant,
+                op.key,
+                execs.len(),
+                if succeeded {
+                    " (a client saw it succeed)"
+                } else {
+                    ""
+                },
+                times.join(", "),
+                history(op.idx)
+            ));
+            continue;
+        }
+        for (pair, explanation) in execs.windows(2).zip(&explanations) {
+            let (prev, next) = (pair[0], pair[1]);
+            if explanation.is_some() {
+                continue;
+            }
+            failures.push(format!(
+                "op {} ({}/{}) ran again with nothing to explain it: executions {}; \
+                     no claim-losing fault between +{} (minus {}s slack) and +{}{}{}",
+                op.idx,
+                op.tenant,
+                op.key,
+                times.join(", "),
+                secs(prev.at),
+                secs(slack),
+                secs(next.at),
+                if succeeded {
+                    "; a client saw it succeed"
+                } else {
+                    ""
+                },
+                history(op.idx)
+            ));
+        }
+    }
+
+    // Results: one body per operation, unless a claim-losing fault touched its lifetime.
+    let is_result = |a: &Attempt| match &a.result {
+        AttemptResult::Answer {
+            status, problem, ..
+        } => {
+            *status == 201
+                || (*status == 502 && problem.as_deref() == Some("upstream-failed"))
+                || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))
+        }
+        AttemptResult::Error(_) => false,
+    };
+    let body_of = |a: &Attempt| match &a.result {
+        AttemptResult::Answer { body, status, .. } => Some((*status, body.clone())),
+        AttemptResult::Error(_) => None,
+    };
+    for op in d.ops {
+        let all = attempts_of.get(&op.idx).cloned().unwrap_or_default();
+        let results: Vec<&&Attempt> = all.iter().filter(|a| is_result(a)).collect();
+        let distinct: HashSet<(u16, Bytes)> = results.iter().filter_map(|a| body_of(a)).collect();
+        let (Some(first), Some(last)) = (all.first(), all.iter().map(|a| a.ended).max()) else {
+            continue;
+        };
+        let lifetime_losses = losses
+            .iter()
+            .filter(|w| w.end + slack >= first.sent && w.start <= last)
+            .count();
+        if distinct.len() > 1 + lifetime_losses {
+            failures.push(format!(
+                "op {} ({}/{}) has {} different results and {} claim-losing fault(s) in its \
+                 lifetime: replays must be byte-identical{}",
+                op.idx,
+                op.tenant,
+                op.key,
+                distinct.len(),
+                lifetime_losses,
+                history(op.idx)
+            ));
+        }
+    }
+
+    // Nothing hangs.
+    let mut settle_after_fault = Duration::ZERO;
+    let mut settled_at: HashMap<usize, Duration> = HashMap::new();
+    for (op, client, end) in &d.ends {
+        match end {
+            ClientEnd::Settled { at } => {
+                settle_after_fault = settle_after_fault.max(at.saturating_sub(d.last_fault));
+                let e = settled_at.entry(*op).or_insert(*at);
+                *e = (*e).max(*at);
+            }
+            ClientEnd::Unsettled => failures.push(format!(
+                "op {op} client {client} did not settle within {SETTLE_BOUND:?} after the last \
+                 fault (+{}){}",
+                secs(d.last_fault),
+                history(*op)
+            )),
+            // Already reported with every unexpected answer.
+            ClientEnd::Unexpected => {}
+        }
+    }
+
+    // No in-progress record outlives lock_ttl after the last fault.
+    for r in &d.in_progress {
+        failures.push(format!(
+            "an in-progress record outlived lock_ttl after the last fault: {r}"
+        ));
+    }
+
+    // The closing replays.
+    for (op, a, b) in &d.verifications {
+        let (Some(ra), Some(rb)) = (body_of(a), body_of(b)) else {
+            failures.push(format!(
+                "op {op}: a closing request failed: {} / {}",
+                a.line(),
+                b.line()
+            ));
+            continue;
+        };
+        if !matches!(verdict(&a.result), Verdict::Settled) {
+            failures.push(format!(
+                "op {op}: after the faults, not a result: {}",
+                a.line()
+            ));
+            continue;
+        }
+        let b_replayed = matches!(b.result, AttemptResult::Answer { replayed: true, .. });
+        if ra != rb || !b_replayed {
+            failures.push(format!(
+                "op {op}: two closing requests, not a byte-identical replay:\n      {}\n      {}",
+                a.line(),
+                b.line()
+            ));
+        }
+        // Without a claim-losing fault since the op settled, its record answers unchanged.
+        let Some(settled) = settled_at.get(op) else {
+            continue;
+        };
+        let lost_since = losses
+            .iter()
+            .any(|w| w.end + slack >= *settled && w.start <= a.sent);
+        let a_replayed = matches!(a.result, AttemptResult::Answer { replayed: true, .. });
+        if !lost_since {
+            let last_result = attempts_of
+                .get(op)
+                .into_iter()
+                .flatten()
+                .filter(|x| x.client != VERIFY && is_result(x))
+                .max_by_key(|x| x.ended)
+                .and_then(|x| body_of(x));
+            if !a_replayed || last_result.as_ref() != Some(&ra) {
+                failures.push(format!(
+                    "op {op}: its record did not survive (no fault could lose it): {}{}",
+                    a.line(),
+                    history(*op)
+                ));
+            }
+        }
+    }
+
+    let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
+    for a in &d.attempts {
+        let k = match &a.result {
+            AttemptResult::Answer {
+                status,
+                replayed,
+                problem,
+                ..
+            } => format!(
+                "{status}{}{}",
+                if *replayed { " replayed" } else { "" },
+                problem
+                    .as_ref()
+                    .map(|p| format!(" {p}"))
+                    .unwrap_or_default()
+            ),
+            AttemptResult::Error(e) if e.starts_with("timed out") => "client timeout".into(),
+            AttemptResult::Error(_) => "client error".into(),
+        };
+        *statuses.entry(k).or_default() += 1;
+    }
+    let mut summary = String::new();
+    let _ = writeln!(
+        summary,
+        "operations {}, attempts {}, upstream executions {} (ledger {}), operations run more \
+         than once {} (explained re-executions: {:?}), settled at most {}s after the last \
+         fault, in-progress records left {}",
+        d.ops.len(),
+        d.attempts.len(),
+        d.execs.len(),
+        ledger_total,
+        twice,
+        explained_by,
+        secs(settle_after_fault),
+        d.in_progress.len()
+    );
+    let _ = writeln!(summary, "answers: {statuses:?}");
+    let _ = write!(summary, "claim-losing windows (slack {}s):", secs(slack));
+    for w in &losses {
+        let _ = write!(
+            summary,
+            "\n  +{}..+{} {:?}: {}",
+            secs(w.start),
+            secs(w.end),
+            w.loss,
+            w.what
+        );
+    }
+    Outcome { failures, summary }
+}
