@@ -23,6 +23,8 @@ pub use crate::route::{
 };
 use crate::tls::{ClientTls, ServerTls, TlsFile};
 
+mod load;
+
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -696,50 +698,36 @@ impl Config {
         Config::from_yaml(&text)
     }
 
-    /// Parses and validates YAML text.
+    /// Parses and validates YAML text. Every error is reported: a value that does not
+    /// deserialize is set aside (see [`load`]) so that the rest of the file is still read and
+    /// validated.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
-        RawConfig::from_yaml(text)?.validate()
+        let mut parsed = load::parse(text);
+        let validated = parsed.raw.take().map(RawConfig::validate);
+        match validated {
+            Some(Ok(config)) if parsed.errors.is_empty() => Ok(config),
+            Some(Err(errors)) => {
+                parsed.add_validation(errors.0);
+                Err(ConfigErrors(parsed.errors))
+            }
+            _ => Err(ConfigErrors(parsed.errors)),
+        }
     }
 }
 
 impl RawConfig {
-    /// Parses YAML text. Errors carry the field path and, where YAML knows it, line and column.
+    /// Parses YAML text. Errors carry the field path and, for the first one where YAML knows
+    /// it, line and column; every value that does not deserialize is reported, not only the
+    /// first.
     pub fn from_yaml(text: &str) -> Result<RawConfig, ConfigErrors> {
-        if text.trim().is_empty() {
-            return Err(ConfigErrors::one(
-                "",
-                "the configuration is empty; `listen` is required",
-            ));
+        match load::parse(text) {
+            load::Parsed {
+                raw: Some(raw),
+                errors,
+                ..
+            } if errors.is_empty() => Ok(raw),
+            parsed => Err(ConfigErrors(parsed.errors)),
         }
-        let de = yaml_serde::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let mut message = inner.to_string();
-            // yaml_serde prefixes its own, coarser path (often the parent mapping); the path
-            // from serde_path_to_error is the precise one, so name the field once.
-            let own_prefix = message
-                .split_once(": ")
-                .filter(|(head, _)| !head.is_empty() && !head.contains(' '))
-                .filter(|(head, _)| path.starts_with(head))
-                .map(|(_, rest)| rest.to_owned());
-            if let Some(rest) = own_prefix {
-                message = rest;
-            }
-            // serde_path_to_error writes `?` for a position it could not name (a syntax error
-            // before the next key); the known part of the path is what helps.
-            let path = match path.as_str() {
-                "?" => String::new(),
-                p => p.strip_suffix(".?").unwrap_or(p).to_owned(),
-            };
-            if let Some(loc) = inner.location() {
-                // yaml_serde already appends the position to some messages; say it once.
-                if !message.contains(" at line ") {
-                    message = format!("{message} at line {} column {}", loc.line(), loc.column());
-                }
-            }
-            ConfigErrors::one(if path == "." { String::new() } else { path }, message)
-        })
     }
 
     /// Checks everything serde cannot and compiles the routes. Collects every error.

@@ -1,0 +1,181 @@
+//! Issue 12, configuration hardening: a value that does not parse hides no other error (SPEC
+//! §2: `--check` prints every error), zero is refused wherever it would make the proxy
+//! unusable, the cross-field refusals of SPEC §4.5, and one way of reading a secret file for
+//! the server and the command line.
+
+mod common;
+
+use std::process::Command;
+
+use common::{binary, write_config};
+use idemproxy::config::{Config, ConfigErrors};
+
+fn errors(yaml: &str) -> ConfigErrors {
+    match Config::from_yaml(yaml) {
+        Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
+        Err(e) => e,
+    }
+}
+
+/// Whether some error sits at `path` and contains every one of `words`.
+fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
+    errs.0
+        .iter()
+        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
+}
+
+/// `routes[0]` has a duration that does not parse, `routes[1]` names an undefined upstream.
+const TTL_AND_UPSTREAM: &str = "\
+listen: 127.0.0.1:8080
+upstreams:
+  booking:
+    url: http://127.0.0.1:8081
+routes:
+  - name: create-booking
+    path: /bookings
+    upstream: booking
+    idempotency:
+      ttl: soon
+  - name: refunds
+    path: /refunds
+    upstream: billing
+";
+
+#[test]
+fn a_value_that_does_not_parse_hides_no_other_error() {
+    let errs = errors(TTL_AND_UPSTREAM);
+    assert!(
+        has(
+            &errs,
+            "routes[0].idempotency.ttl",
+            &["invalid duration", "soon"]
+        ),
+        "{errs}"
+    );
+    assert!(
+        has(
+            &errs,
+            "routes[1].upstream",
+            &["unknown upstream", "billing"]
+        ),
+        "the second route's error is reported too:\n{errs}"
+    );
+    assert_eq!(errs.0.len(), 2, "exactly these two:\n{errs}");
+    // The first error keeps the position YAML gives it: `ttl` is on line 10.
+    assert_eq!(TTL_AND_UPSTREAM.lines().nth(9), Some("      ttl: soon"));
+    assert!(
+        errs.0[0].to_string().contains("line 10 column"),
+        "{}",
+        errs.0[0]
+    );
+}
+
+#[test]
+fn type_errors_in_three_sections_are_all_reported_with_the_rest() {
+    let yaml = "\
+listen: 127.0.0.1:8080
+store:
+  timeout: fast
+upstreams:
+  booking:
+    url: http://127.0.0.1:8081
+    connect_timeout: 1 fortnight
+    retries: 3
+routes:
+  - name: create-booking
+    path: /bookings
+    upstream: booking
+    idempotency:
+      max_request_body: 12 parsecs
+      retry_statuses: [-1, 700]
+      on_conflict: sometimes
+  - just a string
+  - name: refunds
+    path: refunds
+    upstream: billing
+";
+    let errs = errors(yaml);
+    let want: &[(&str, &[&str])] = &[
+        ("store.timeout", &["invalid duration", "fast"]),
+        ("upstreams.booking.connect_timeout", &["invalid duration"]),
+        ("upstreams.booking.retries", &["unknown field", "retries"]),
+        (
+            "routes[0].idempotency.max_request_body",
+            &["invalid size", "12 parsecs"],
+        ),
+        ("routes[0].idempotency.retry_statuses[0]", &["-1"]),
+        (
+            "routes[0].idempotency.on_conflict",
+            &["unknown variant", "sometimes"],
+        ),
+        // The error after a removed list element keeps its own index.
+        (
+            "routes[0].idempotency.retry_statuses[1]",
+            &["invalid HTTP status", "700"],
+        ),
+        ("routes[1]", &["invalid type"]),
+        // And so do the routes after a route that is not a mapping.
+        ("routes[2].path", &["invalid path"]),
+        ("routes[2].upstream", &["unknown upstream", "billing"]),
+    ];
+    for (path, words) in want {
+        assert!(
+            has(&errs, path, words),
+            "no {path} error {words:?} in:\n{errs}"
+        );
+    }
+    assert_eq!(errs.0.len(), want.len(), "exactly these errors:\n{errs}");
+    for e in &errs.0 {
+        let text = e.to_string();
+        assert!(text.starts_with(&format!("{}: ", e.path)), "{text}");
+    }
+}
+
+#[test]
+fn a_removed_required_field_adds_no_missing_field_error() {
+    // `path` is required: once its bad value is set aside, the route lacks it; that is a
+    // consequence, not a second mistake.
+    let yaml = TTL_AND_UPSTREAM.replace("path: /bookings", "path: [a, b]");
+    let errs = errors(&yaml);
+    assert!(has(&errs, "routes[0].path", &["invalid type"]), "{errs}");
+    assert!(
+        !errs.to_string().contains("missing field"),
+        "no consequential missing field:\n{errs}"
+    );
+    // A field that really is missing is still reported, after the type error before it.
+    let yaml = TTL_AND_UPSTREAM.replace("    path: /refunds\n", "");
+    let errs = errors(&yaml);
+    assert!(
+        has(&errs, "routes[0].idempotency.ttl", &["invalid duration"]),
+        "{errs}"
+    );
+    assert!(
+        has(&errs, "routes[1]", &["missing field", "path"]),
+        "{errs}"
+    );
+}
+
+#[test]
+fn check_prints_every_error_when_a_value_does_not_parse() {
+    let file = write_config(TTL_AND_UPSTREAM);
+    let out = Command::new(binary())
+        .arg("--check")
+        .arg("--config")
+        .arg(file.path())
+        .env_remove("IDEMPROXY_CONFIG")
+        .output()
+        .expect("run idemproxy --check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let line = |path: &str| {
+        stderr
+            .lines()
+            .find(|l| l.contains(&format!("{path}: ")))
+            .unwrap_or_else(|| panic!("no error naming {path} on stderr:\n{stderr}"))
+            .to_owned()
+    };
+    assert!(line("routes[0].idempotency.ttl").contains("invalid duration"));
+    assert!(line("routes[0].idempotency.ttl").contains("line 10 column"));
+    assert!(line("routes[1].upstream").contains("unknown upstream"));
+    assert!(stderr.contains("2 error(s)"), "{stderr}");
+}
