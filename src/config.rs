@@ -1054,6 +1054,14 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
         }
         count_at_most(err, field, u64::from(value), bounds::COUNT);
     }
+    if l.max_detached_exchanges == 0 {
+        // The admission check refuses a new idempotent request once this many run detached:
+        // at zero that is every one of them, a 503 for all traffic.
+        err(
+            "limits.max_detached_exchanges".into(),
+            "must be at least 1: at 0 every idempotent request is refused as overloaded".into(),
+        );
+    }
     count_at_most(
         err,
         "limits.max_detached_exchanges",
@@ -1077,6 +1085,12 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
             err(field.into(), "must be greater than zero".into());
         }
         at_most(err, field, value, max);
+    }
+    if l.max_pending_save_bytes == 0 {
+        err(
+            "limits.max_pending_save_bytes".into(),
+            "must be greater than zero: no result could be kept for a retried save".into(),
+        );
     }
     count_at_most(
         err,
@@ -1660,6 +1674,13 @@ fn validate_idempotency(
         err(
             format!("{path}.max_request_body"),
             "must be greater than zero".into(),
+        );
+        ok = false;
+    }
+    if i.max_response_body == 0 {
+        err(
+            format!("{path}.max_response_body"),
+            "must be greater than zero: at 0 no response with a body could be replayed".into(),
         );
         ok = false;
     }

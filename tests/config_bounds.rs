@@ -179,3 +179,88 @@ fn check_prints_every_error_when_a_value_does_not_parse() {
     assert!(line("routes[1].upstream").contains("unknown upstream"));
     assert!(stderr.contains("2 error(s)"), "{stderr}");
 }
+
+/// A valid file; rows below add one setting to it.
+const VALID: &str = "\
+listen: 127.0.0.1:8080
+upstreams:
+  booking:
+    url: http://127.0.0.1:8081
+routes:
+  - name: create-booking
+    path: /bookings
+    upstream: booking
+    idempotency:
+      required: true
+";
+
+/// [`VALID`] with `section:` holding `line` (`section` empty: a top-level line; `idempotency`:
+/// a line of the route's idempotency settings; `upstream`: one of the upstream's).
+fn with(section: &str, line: &str) -> String {
+    match section {
+        "" => VALID.replace("upstreams:\n", &format!("{line}\nupstreams:\n")),
+        "idempotency" => VALID.replace(
+            "      required: true\n",
+            &format!("      required: true\n      {line}\n"),
+        ),
+        "upstream" => VALID.replace(
+            "    url: http://127.0.0.1:8081\n",
+            &format!("    url: http://127.0.0.1:8081\n    {line}\n"),
+        ),
+        _ => VALID.replace(
+            "upstreams:\n",
+            &format!("{section}:\n  {line}\nupstreams:\n"),
+        ),
+    }
+}
+
+/// Every count, size and duration at zero: refused where zero would leave the proxy unable to
+/// do its job, accepted where zero means something (and the docs say what).
+#[test]
+fn zero_is_refused_wherever_it_makes_the_proxy_unusable() {
+    #[rustfmt::skip]
+    let rows: &[(&str, &str, &str, Option<&str>)] = &[
+        // (section, line, field path, Some(words of the refusal) or None: accepted)
+        ("", "shutdown_timeout: 0s", "shutdown_timeout", Some("greater than zero")),
+        ("", "drain_delay: 0s", "drain_delay", None),
+        ("store", "timeout: 0s", "store.timeout", Some("greater than zero")),
+        ("store", "max_entries: 0", "store.max_entries", Some("at least 1")),
+        ("store", "wait_replicas: 0", "store.wait_replicas", None),
+        ("upstream", "connect_timeout: 0s", "upstreams.booking.connect_timeout", Some("greater than zero")),
+        ("upstream", "timeout: 0s", "upstreams.booking.timeout", Some("greater than zero")),
+        ("upstream", "pool_idle_timeout: 0s", "upstreams.booking.pool_idle_timeout", None),
+        ("limits", "max_connections: 0", "limits.max_connections", Some("at least 1")),
+        ("limits", "header_read_timeout: 0s", "limits.header_read_timeout", Some("greater than zero")),
+        ("limits", "body_read_timeout: 0s", "limits.body_read_timeout", Some("greater than zero")),
+        ("limits", "max_detached_exchanges: 0", "limits.max_detached_exchanges", Some("at least 1")),
+        ("limits", "max_pending_saves: 0", "limits.max_pending_saves", Some("at least 1")),
+        ("limits", "max_pending_save_bytes: 0", "limits.max_pending_save_bytes", Some("greater than zero")),
+        ("limits", "send_timeout: 0s", "limits.send_timeout", Some("greater than zero")),
+        ("limits", "max_admin_connections: 0", "limits.max_admin_connections", Some("at least 1")),
+        ("idempotency", "ttl: 0s", "routes[0].idempotency.ttl", Some("greater than zero")),
+        ("idempotency", "lock_ttl: 0s", "routes[0].idempotency.lock_ttl", Some("at least")),
+        ("idempotency", "on_conflict: wait\n      wait_timeout: 0s", "routes[0].idempotency.wait_timeout", Some("greater than zero")),
+        ("idempotency", "wait_timeout: 0s", "routes[0].idempotency.wait_timeout", None),
+        ("idempotency", "max_request_body: 0", "routes[0].idempotency.max_request_body", Some("greater than zero")),
+        ("idempotency", "max_response_body: 0", "routes[0].idempotency.max_response_body", Some("greater than zero")),
+        ("idempotency", "retry_statuses: []", "routes[0].idempotency.retry_statuses", None),
+        ("idempotency", "scope: []", "routes[0].idempotency.scope", None),
+    ];
+    let mut failures = Vec::new();
+    for (section, line, path, refusal) in rows {
+        let yaml = with(section, line);
+        match (Config::from_yaml(&yaml), refusal) {
+            (Ok(_), None) => {}
+            (Ok(_), Some(_)) => failures.push(format!("{path} at zero was accepted")),
+            (Err(errs), None) => failures.push(format!("{path} at zero was refused:\n{errs}")),
+            (Err(errs), Some(words)) => {
+                if !has(&errs, path, &[words]) {
+                    failures.push(format!("{path}: no error containing {words:?}:\n{errs}"));
+                } else if errs.0.len() != 1 {
+                    failures.push(format!("{path}: only that error expected:\n{errs}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
