@@ -848,6 +848,9 @@ impl RawConfig {
             if let Some(route) = validate_route(r, &path, &self.upstreams, &mut err) {
                 routes.push(route);
             }
+            if let Some(i) = &r.idempotency {
+                across_sections(i, &format!("{path}.idempotency"), &self, &mut err);
+            }
         }
 
         if !errs.is_empty() {
@@ -1532,6 +1535,42 @@ fn validate_route(
             idempotency,
         }),
         _ => None,
+    }
+}
+
+/// The refusals of SPEC §4.5 that join a route to another section: each names the route's
+/// field and, in its message, the other one.
+fn across_sections(
+    i: &RawIdempotency,
+    path: &str,
+    c: &RawConfig,
+    err: &mut impl FnMut(String, String),
+) {
+    let pending = c.limits.max_pending_save_bytes;
+    // A save the store refused is retried from memory, within these bytes; a response that
+    // can never fit is given up at once, and its key answers `result-not-kept` for ever.
+    if pending > 0 && i.max_response_body > pending {
+        err(
+            format!("{path}.max_response_body"),
+            format!(
+                "{} bytes is more than limits.max_pending_save_bytes ({pending} bytes): a response this large could never be kept while its save is retried; lower it or raise limits.max_pending_save_bytes",
+                i.max_response_body
+            ),
+        );
+    }
+    // A claim answered later than `lock_ttl` after it was sent is released unused (its lease
+    // may have expired), so a store deadline at or past the lease turns every slow answer
+    // into a 503 and leaves no margin for renewal.
+    let timeout = c.store.timeout;
+    if i.lock_ttl >= MIN_LOCK_TTL && !timeout.is_zero() && timeout >= i.lock_ttl {
+        err(
+            format!("{path}.lock_ttl"),
+            format!(
+                "{} must be longer than store.timeout ({}): a claim answered after its lease could have expired forwards nothing; raise lock_ttl or lower store.timeout",
+                humantime::format_duration(i.lock_ttl),
+                humantime::format_duration(timeout)
+            ),
+        );
     }
 }
 

@@ -6,6 +6,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
 use common::{binary, write_config};
 use idemproxy::config::{Config, ConfigErrors};
@@ -263,4 +264,74 @@ fn zero_is_refused_wherever_it_makes_the_proxy_unusable() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_response_that_can_never_fit_the_pending_save_bounds_is_refused() {
+    // SPEC §4.5: max_response_body over limits.max_pending_save_bytes; both fields named.
+    let yaml = with("idempotency", "max_response_body: 100MiB");
+    let errs = errors(&yaml);
+    assert!(
+        has(
+            &errs,
+            "routes[0].idempotency.max_response_body",
+            &["limits.max_pending_save_bytes", "67108864"]
+        ),
+        "{errs}"
+    );
+    assert_eq!(errs.0.len(), 1, "{errs}");
+    let yaml = with("limits", "max_pending_save_bytes: 4MiB");
+    let errs = errors(&yaml);
+    assert!(
+        has(
+            &errs,
+            "routes[0].idempotency.max_response_body",
+            &["limits.max_pending_save_bytes", "8388608", "4194304"]
+        ),
+        "the default max_response_body over a smaller bound: {errs}"
+    );
+    // Equal fits.
+    let yaml = with("limits", "max_pending_save_bytes: 8MiB");
+    Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("8MiB in 8MiB fits: {e}"));
+}
+
+#[test]
+fn store_timeout_must_be_shorter_than_every_lock_ttl() {
+    let yaml = with("store", "timeout: 5s").replace(
+        "      required: true\n",
+        "      required: true\n      lock_ttl: 100ms\n",
+    );
+    let errs = errors(&yaml);
+    assert!(
+        has(
+            &errs,
+            "routes[0].idempotency.lock_ttl",
+            &["store.timeout", "5s", "100ms"]
+        ),
+        "{errs}"
+    );
+    assert_eq!(errs.0.len(), 1, "{errs}");
+    // Whatever the backend.
+    for backend in [
+        "backend: redis\n  url: redis://127.0.0.1:6379/0",
+        "backend: redis-cluster\n  nodes: [redis://127.0.0.1:7000]",
+    ] {
+        let yaml = with("store", &format!("{backend}\n  timeout: 2s")).replace(
+            "      required: true\n",
+            "      required: true\n      lock_ttl: 2s\n",
+        );
+        let errs = errors(&yaml);
+        assert!(
+            has(&errs, "routes[0].idempotency.lock_ttl", &["store.timeout"]),
+            "equal is not shorter ({backend}): {errs}"
+        );
+    }
+    // Just shorter is accepted; the defaults (500ms against 10s) too.
+    let yaml = with("store", "timeout: 99ms").replace(
+        "      required: true\n",
+        "      required: true\n      lock_ttl: 100ms\n",
+    );
+    Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}"));
+    let c = Config::from_yaml(VALID).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.store.timeout, Duration::from_millis(500));
 }
