@@ -24,6 +24,10 @@ pub use crate::route::{
 use crate::tls::{ClientTls, ServerTls, TlsFile};
 
 mod load;
+mod secret;
+
+pub use secret::Secret;
+use secret::secret;
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
@@ -928,91 +932,6 @@ pub mod bounds {
     pub const DRAIN_DELAY: Duration = Duration::from_secs(3600);
     /// `limits.max_pending_save_bytes`.
     pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
-}
-
-/// A secret read from a file or an environment variable, never written inline in the YAML, and
-/// never printed (`Debug` shows `<redacted>`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret.
-    pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
-    }
-
-    /// The secret itself.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-impl std::ops::Deref for Secret {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-/// The longest secret file read: a token or a password is a few dozen bytes, and a wrong path
-/// such as `/dev/zero` must be refused, not read until memory runs out.
-const MAX_SECRET_BYTES: u64 = 64 * 1024;
-
-fn read_secret_file(path: &str) -> Result<String, String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_SECRET_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read {path}: {e}"))?;
-    if bytes.len() as u64 > MAX_SECRET_BYTES {
-        return Err(format!(
-            "{path} is longer than {MAX_SECRET_BYTES} bytes: not a secret file"
-        ));
-    }
-    String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))
-}
-
-/// Reads `NAME_file` or `NAME_env` (at most one), trimming a trailing newline. An unreadable
-/// file, an unset variable or an empty secret is an error naming the field.
-fn secret(
-    name: &str,
-    file: Option<&str>,
-    env: Option<&str>,
-    err: &mut impl FnMut(String, String),
-) -> Option<Secret> {
-    let (field, value) = match (file, env) {
-        (None, None) => return None,
-        (Some(_), Some(_)) => {
-            err(
-                format!("{name}_file"),
-                format!("set {name}_file or {name}_env, not both"),
-            );
-            return None;
-        }
-        (Some(path), None) => (format!("{name}_file"), read_secret_file(path)),
-        (None, Some(var)) => (
-            format!("{name}_env"),
-            std::env::var(var).map_err(|_| format!("the environment variable {var} is not set")),
-        ),
-    };
-    match value {
-        Ok(v) if !v.trim().is_empty() => Some(Secret(v.trim_end_matches(['\r', '\n']).to_owned())),
-        Ok(_) => {
-            err(field, "the secret is empty".into());
-            None
-        }
-        Err(message) => {
-            err(field, message);
-            None
-        }
-    }
 }
 
 /// Refuses a duration above `max`, naming the field and the bound.

@@ -8,7 +8,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{binary, write_config};
+use common::{Backend, Env, ProxyProcess, binary, client, send, write_config};
 use idemproxy::config::{Config, ConfigErrors};
 
 fn errors(yaml: &str) -> ConfigErrors {
@@ -334,4 +334,68 @@ fn store_timeout_must_be_shorter_than_every_lock_ttl() {
     Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}"));
     let c = Config::from_yaml(VALID).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c.store.timeout, Duration::from_millis(500));
+}
+
+/// The token file a person writes by hand (`echo "tok " > file`, an editor's trailing space)
+/// works from the command line against the server that read the same file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_file_with_surrounding_whitespace_works_from_the_cli() {
+    let env = Env::new(Backend::Memory).await;
+    let admin_port = common::free_port();
+    let token = write_config("  cli-token \t \n");
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!(
+            "shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:{admin_port}\nadmin_token_file: {}\n",
+            token.path().display()
+        ),
+    );
+    let proxy = ProxyProcess::spawn(&yaml);
+    let first = send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "ws-token-1")
+            .body(r#"{"seat":"1A"}"#),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let show = |token_args: &[&str], env_token: Option<&str>| {
+        let mut cmd = Command::new(binary());
+        cmd.args([
+            "keys",
+            "show",
+            "--route",
+            "create-booking",
+            "--key",
+            "ws-token-1",
+        ])
+        .args(token_args)
+        .env("IDEMPROXY_ADMIN", &admin)
+        .env_remove("IDEMPROXY_ADMIN_TOKEN");
+        if let Some(t) = env_token {
+            cmd.env("IDEMPROXY_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().expect("run idemproxy keys show");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let token_path = token.path().display().to_string();
+    let (code, out, err) = show(&["--token-file", &token_path], None);
+    assert_eq!(code, Some(0), "the same file on both sides: {err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(doc["state"], "finished");
+    assert_eq!(doc["status"], 201);
+    // The token from the environment is trimmed the same way.
+    let (code, _, err) = show(&[], Some(" cli-token\n"));
+    assert_eq!(code, Some(0), "the token from IDEMPROXY_ADMIN_TOKEN: {err}");
+    // And over HTTP, the token is what the file holds without its surrounding whitespace.
+    let url = format!("{admin}/keys/create-booking?key=ws-token-1");
+    let ok = send(client().get(&url).bearer_auth("cli-token")).await;
+    assert_eq!(ok.status, 200, "{:?}", ok.body);
+    let (code, _, err) = show(&[], Some("wrong"));
+    assert_eq!(code, Some(1), "a wrong token is refused: {err}");
 }
