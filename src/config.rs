@@ -77,6 +77,7 @@ impl ConfigErrors {
 /// The configuration as written in YAML, with defaults applied.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "the configuration: a mapping with listen, upstreams and routes")]
 pub struct RawConfig {
     /// Address the proxy listens on. Required.
     pub listen: String,
@@ -119,6 +120,7 @@ pub struct RawConfig {
 /// `tls:` as written: the listener's certificate chain and key, both PEM files.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "tls: a mapping with cert_file and key_file")]
 pub struct RawTls {
     /// The certificate chain, leaf first. Required.
     pub cert_file: String,
@@ -129,6 +131,7 @@ pub struct RawTls {
 /// `limits:` as written: what hostile or broken clients may hold at most.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "limits: a mapping of bounds")]
 pub struct RawLimits {
     /// Open client connections at most; past it, new connections wait in the accept queue.
     /// Default 10000.
@@ -203,6 +206,7 @@ pub enum Backend {
 /// `store:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "store: a mapping with backend and its settings")]
 pub struct RawStore {
     /// `memory` (default), `redis` or `redis-cluster`.
     #[serde(default)]
@@ -261,6 +265,7 @@ impl Default for RawStore {
 /// `upstreams.NAME:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "an upstream: a mapping with url")]
 pub struct RawUpstream {
     /// `http://` or `https://` base URL. Required.
     pub url: String,
@@ -283,6 +288,7 @@ pub struct RawUpstream {
 /// `routes[i]:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "a route: a mapping with name, path and upstream")]
 pub struct RawRoute {
     /// Unique name; appears in logs, metrics and store keys. Required.
     pub name: String,
@@ -312,6 +318,7 @@ fn present_means_idempotent<'de, D: Deserializer<'de>>(
 /// `routes[i].idempotency:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "idempotency settings: a mapping such as {ttl: 24h}")]
 pub struct RawIdempotency {
     /// Request header carrying the key. Default `Idempotency-Key`.
     #[serde(default = "defaults::header")]
