@@ -23,6 +23,12 @@ pub use crate::route::{
 };
 use crate::tls::{ClientTls, ServerTls, TlsFile};
 
+mod load;
+mod secret;
+
+pub use secret::Secret;
+use secret::secret;
+
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +77,7 @@ impl ConfigErrors {
 /// The configuration as written in YAML, with defaults applied.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "the configuration: a mapping with listen, upstreams and routes")]
 pub struct RawConfig {
     /// Address the proxy listens on. Required.
     pub listen: String,
@@ -113,6 +120,7 @@ pub struct RawConfig {
 /// `tls:` as written: the listener's certificate chain and key, both PEM files.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "tls: a mapping with cert_file and key_file")]
 pub struct RawTls {
     /// The certificate chain, leaf first. Required.
     pub cert_file: String,
@@ -123,6 +131,7 @@ pub struct RawTls {
 /// `limits:` as written: what hostile or broken clients may hold at most.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "limits: a mapping of bounds")]
 pub struct RawLimits {
     /// Open client connections at most; past it, new connections wait in the accept queue.
     /// Default 10000.
@@ -197,6 +206,7 @@ pub enum Backend {
 /// `store:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "store: a mapping with backend and its settings")]
 pub struct RawStore {
     /// `memory` (default), `redis` or `redis-cluster`.
     #[serde(default)]
@@ -255,6 +265,7 @@ impl Default for RawStore {
 /// `upstreams.NAME:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "an upstream: a mapping with url")]
 pub struct RawUpstream {
     /// `http://` or `https://` base URL. Required.
     pub url: String,
@@ -277,6 +288,7 @@ pub struct RawUpstream {
 /// `routes[i]:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "a route: a mapping with name, path and upstream")]
 pub struct RawRoute {
     /// Unique name; appears in logs, metrics and store keys. Required.
     pub name: String,
@@ -306,6 +318,7 @@ fn present_means_idempotent<'de, D: Deserializer<'de>>(
 /// `routes[i].idempotency:` as written.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(expecting = "idempotency settings: a mapping such as {ttl: 24h}")]
 pub struct RawIdempotency {
     /// Request header carrying the key. Default `Idempotency-Key`.
     #[serde(default = "defaults::header")]
@@ -696,50 +709,36 @@ impl Config {
         Config::from_yaml(&text)
     }
 
-    /// Parses and validates YAML text.
+    /// Parses and validates YAML text. Every error is reported: a value that does not
+    /// deserialize is set aside (see [`load`]) so that the rest of the file is still read and
+    /// validated.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
-        RawConfig::from_yaml(text)?.validate()
+        let mut parsed = load::parse(text);
+        let validated = parsed.raw.take().map(RawConfig::validate);
+        match validated {
+            Some(Ok(config)) if parsed.errors.is_empty() => Ok(config),
+            Some(Err(errors)) => {
+                parsed.add_validation(errors.0);
+                Err(ConfigErrors(parsed.errors))
+            }
+            _ => Err(ConfigErrors(parsed.errors)),
+        }
     }
 }
 
 impl RawConfig {
-    /// Parses YAML text. Errors carry the field path and, where YAML knows it, line and column.
+    /// Parses YAML text. Errors carry the field path and, for the first one where YAML knows
+    /// it, line and column; every value that does not deserialize is reported, not only the
+    /// first.
     pub fn from_yaml(text: &str) -> Result<RawConfig, ConfigErrors> {
-        if text.trim().is_empty() {
-            return Err(ConfigErrors::one(
-                "",
-                "the configuration is empty; `listen` is required",
-            ));
+        match load::parse(text) {
+            load::Parsed {
+                raw: Some(raw),
+                errors,
+                ..
+            } if errors.is_empty() => Ok(raw),
+            parsed => Err(ConfigErrors(parsed.errors)),
         }
-        let de = yaml_serde::Deserializer::from_str(text);
-        serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let mut message = inner.to_string();
-            // yaml_serde prefixes its own, coarser path (often the parent mapping); the path
-            // from serde_path_to_error is the precise one, so name the field once.
-            let own_prefix = message
-                .split_once(": ")
-                .filter(|(head, _)| !head.is_empty() && !head.contains(' '))
-                .filter(|(head, _)| path.starts_with(head))
-                .map(|(_, rest)| rest.to_owned());
-            if let Some(rest) = own_prefix {
-                message = rest;
-            }
-            // serde_path_to_error writes `?` for a position it could not name (a syntax error
-            // before the next key); the known part of the path is what helps.
-            let path = match path.as_str() {
-                "?" => String::new(),
-                p => p.strip_suffix(".?").unwrap_or(p).to_owned(),
-            };
-            if let Some(loc) = inner.location() {
-                // yaml_serde already appends the position to some messages; say it once.
-                if !message.contains(" at line ") {
-                    message = format!("{message} at line {} column {}", loc.line(), loc.column());
-                }
-            }
-            ConfigErrors::one(if path == "." { String::new() } else { path }, message)
-        })
     }
 
     /// Checks everything serde cannot and compiles the routes. Collects every error.
@@ -860,6 +859,9 @@ impl RawConfig {
             if let Some(route) = validate_route(r, &path, &self.upstreams, &mut err) {
                 routes.push(route);
             }
+            if let Some(i) = &r.idempotency {
+                across_sections(i, &format!("{path}.idempotency"), &self, &mut err);
+            }
         }
 
         if !errs.is_empty() {
@@ -939,91 +941,6 @@ pub mod bounds {
     pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
 }
 
-/// A secret read from a file or an environment variable, never written inline in the YAML, and
-/// never printed (`Debug` shows `<redacted>`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret.
-    pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
-    }
-
-    /// The secret itself.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-impl std::ops::Deref for Secret {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-/// The longest secret file read: a token or a password is a few dozen bytes, and a wrong path
-/// such as `/dev/zero` must be refused, not read until memory runs out.
-const MAX_SECRET_BYTES: u64 = 64 * 1024;
-
-fn read_secret_file(path: &str) -> Result<String, String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_SECRET_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read {path}: {e}"))?;
-    if bytes.len() as u64 > MAX_SECRET_BYTES {
-        return Err(format!(
-            "{path} is longer than {MAX_SECRET_BYTES} bytes: not a secret file"
-        ));
-    }
-    String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))
-}
-
-/// Reads `NAME_file` or `NAME_env` (at most one), trimming a trailing newline. An unreadable
-/// file, an unset variable or an empty secret is an error naming the field.
-fn secret(
-    name: &str,
-    file: Option<&str>,
-    env: Option<&str>,
-    err: &mut impl FnMut(String, String),
-) -> Option<Secret> {
-    let (field, value) = match (file, env) {
-        (None, None) => return None,
-        (Some(_), Some(_)) => {
-            err(
-                format!("{name}_file"),
-                format!("set {name}_file or {name}_env, not both"),
-            );
-            return None;
-        }
-        (Some(path), None) => (format!("{name}_file"), read_secret_file(path)),
-        (None, Some(var)) => (
-            format!("{name}_env"),
-            std::env::var(var).map_err(|_| format!("the environment variable {var} is not set")),
-        ),
-    };
-    match value {
-        Ok(v) if !v.trim().is_empty() => Some(Secret(v.trim_end_matches(['\r', '\n']).to_owned())),
-        Ok(_) => {
-            err(field, "the secret is empty".into());
-            None
-        }
-        Err(message) => {
-            err(field, message);
-            None
-        }
-    }
-}
-
 /// Refuses a duration above `max`, naming the field and the bound.
 fn at_most(err: &mut impl FnMut(String, String), path: &str, value: Duration, max: Duration) {
     if value > max {
@@ -1066,6 +983,14 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
         }
         count_at_most(err, field, u64::from(value), bounds::COUNT);
     }
+    if l.max_detached_exchanges == 0 {
+        // The admission check refuses a new idempotent request once this many run detached:
+        // at zero that is every one of them, a 503 for all traffic.
+        err(
+            "limits.max_detached_exchanges".into(),
+            "must be at least 1: at 0 every idempotent request is refused as overloaded".into(),
+        );
+    }
     count_at_most(
         err,
         "limits.max_detached_exchanges",
@@ -1089,6 +1014,12 @@ fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
             err(field.into(), "must be greater than zero".into());
         }
         at_most(err, field, value, max);
+    }
+    if l.max_pending_save_bytes == 0 {
+        err(
+            "limits.max_pending_save_bytes".into(),
+            "must be greater than zero: no result could be kept for a retried save".into(),
+        );
     }
     count_at_most(
         err,
@@ -1533,6 +1464,42 @@ fn validate_route(
     }
 }
 
+/// The refusals of SPEC §4.5 that join a route to another section: each names the route's
+/// field and, in its message, the other one.
+fn across_sections(
+    i: &RawIdempotency,
+    path: &str,
+    c: &RawConfig,
+    err: &mut impl FnMut(String, String),
+) {
+    let pending = c.limits.max_pending_save_bytes;
+    // A save the store refused is retried from memory, within these bytes; a response that
+    // can never fit is given up at once, and its key answers `result-not-kept` for ever.
+    if pending > 0 && i.max_response_body > pending {
+        err(
+            format!("{path}.max_response_body"),
+            format!(
+                "{} bytes is more than limits.max_pending_save_bytes ({pending} bytes): a response this large could never be kept while its save is retried; lower it or raise limits.max_pending_save_bytes",
+                i.max_response_body
+            ),
+        );
+    }
+    // A claim answered later than `lock_ttl` after it was sent is released unused (its lease
+    // may have expired), so a store deadline at or past the lease turns every slow answer
+    // into a 503 and leaves no margin for renewal.
+    let timeout = c.store.timeout;
+    if i.lock_ttl >= MIN_LOCK_TTL && !timeout.is_zero() && timeout >= i.lock_ttl {
+        err(
+            format!("{path}.lock_ttl"),
+            format!(
+                "{} must be longer than store.timeout ({}): a claim answered after its lease could have expired forwards nothing; raise lock_ttl or lower store.timeout",
+                humantime::format_duration(i.lock_ttl),
+                humantime::format_duration(timeout)
+            ),
+        );
+    }
+}
+
 fn header_name(
     text: &str,
     path: String,
@@ -1672,6 +1639,13 @@ fn validate_idempotency(
         err(
             format!("{path}.max_request_body"),
             "must be greater than zero".into(),
+        );
+        ok = false;
+    }
+    if i.max_response_body == 0 {
+        err(
+            format!("{path}.max_response_body"),
+            "must be greater than zero: at 0 no response with a body could be replayed".into(),
         );
         ok = false;
     }

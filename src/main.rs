@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use idemproxy::config::{Config, LogFormat};
+use idemproxy::config::{Config, LogFormat, Secret};
 use tracing_subscriber::EnvFilter;
 
 /// A reverse proxy that gives HTTP routes exactly-once effect through Idempotency-Key.
@@ -183,15 +183,22 @@ async fn keys(action: KeysAction) -> ExitCode {
         KeysAction::Show { record, body } => (http::Method::GET, record, body),
         KeysAction::Forget { record } => (http::Method::DELETE, record, false),
     };
+    // Read and trimmed exactly as the proxy reads admin_token_file, or the two would differ.
     let token = match &record.token_file {
-        Some(path) => match std::fs::read_to_string(path) {
-            Ok(t) => Some(t.trim().to_owned()),
-            Err(e) => {
-                eprintln!("error: cannot read {}: {e}", path.display());
-                return ExitCode::from(2);
-            }
+        Some(path) => Secret::read_file(path).map(Some),
+        None => match std::env::var("IDEMPROXY_ADMIN_TOKEN") {
+            Ok(text) => Secret::from_text(&text)
+                .map(Some)
+                .map_err(|e| format!("IDEMPROXY_ADMIN_TOKEN: {e}")),
+            Err(_) => Ok(None),
         },
-        None => std::env::var("IDEMPROXY_ADMIN_TOKEN").ok(),
+    };
+    let token = match token {
+        Ok(token) => token,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     };
     let path = client::record_path(
         &record.route,
@@ -201,7 +208,14 @@ async fn keys(action: KeysAction) -> ExitCode {
         record.hash.as_deref(),
         body,
     );
-    match client::call(&record.admin, method, &path, token.as_deref()).await {
+    match client::call(
+        &record.admin,
+        method,
+        &path,
+        token.as_ref().map(Secret::expose),
+    )
+    .await
+    {
         Ok((status, text)) => {
             let pretty = serde_json::from_str::<serde_json::Value>(&text)
                 .ok()

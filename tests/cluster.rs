@@ -189,7 +189,8 @@ async fn in_flight_is_409_or_waits_and_mismatch_is_422() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_renewal_keeps_a_slow_claim() {
     let w = World::new(0).await;
-    let proxy = w.proxy("lock_ttl: 300ms").await;
+    // The store deadline stays shorter than the lease (SPEC §4.5: refused otherwise).
+    let proxy = TestProxy::start(&w.config("lock_ttl: 300ms", "timeout: 250ms")).await;
     let first = spawn_booking(proxy.url(""), "c-renew", BODY, "1200ms");
     assert!(eventually(Duration::from_secs(3), || w.env.mock.calls("c-renew") == 1).await);
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -411,7 +412,8 @@ async fn keys_spread_over_every_primary_and_instances_behave_as_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_are_reloaded_on_every_node_after_a_flush() {
     let w = World::new(0).await;
-    let proxy = w.proxy("lock_ttl: 300ms").await;
+    // The store deadline stays shorter than the lease (SPEC §4.5: refused otherwise).
+    let proxy = TestProxy::start(&w.config("lock_ttl: 300ms", "timeout: 250ms")).await;
     for n in 0..6 {
         assert_forwarded(&post(&proxy, &format!("warm-{n}"), &[]).await);
     }

@@ -534,7 +534,7 @@ fn values_are_read_as_written() {
     )
     .replace("methods: [POST]", "methods: [post, PUT]");
     let yaml = format!(
-        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 2s\nlog_format: json\nshutdown_timeout: 1m\n",
+        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 200ms\nlog_format: json\nshutdown_timeout: 1m\n",
         yaml
     );
     let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
@@ -545,7 +545,7 @@ fn values_are_read_as_written() {
         BackendSettings::Memory { max_entries: 10 }
     ));
     assert_eq!(c.store.key_prefix, "idp/");
-    assert_eq!(c.store.timeout, Duration::from_secs(2));
+    assert_eq!(c.store.timeout, Duration::from_millis(200));
     let r = &c.routes[0];
     assert_eq!(
         r.methods.as_deref(),

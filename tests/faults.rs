@@ -242,7 +242,10 @@ async fn release_lets_a_retry_run_again(backend: Backend) {
 /// past `lock_ttl` is a 409, not a second forward; afterwards it is a replay.
 async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
     let env = Env::new(backend).await;
-    let proxy = env.proxy(&env.config("lock_ttl: 300ms")).await;
+    // The store deadline stays shorter than the lease (SPEC §4.5: refused otherwise).
+    let proxy = env
+        .proxy(&env.config_with("lock_ttl: 300ms", "timeout: 150ms"))
+        .await;
     let base = base(&proxy);
     let first = {
         let base = base.clone();

@@ -177,12 +177,13 @@ async fn unacknowledged_claim_is_released_and_refused() {
     assert_eq!(r.env.mock.calls("wr-paused"), 1, "forwarded once, after");
 }
 
-/// A claim waiting for a stopped replica (up to a 2s `store.timeout`) holds only its own
+/// A claim waiting for a stopped replica (up to a 1.9s `store.timeout`: shorter than the 2s lease
+/// of the harness's `pay` route, as every store deadline must be) holds only its own
 /// dedicated connection: meanwhile readiness pings, replays and conflicts answer at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_wait_does_not_stall_other_requests() {
     let r = Replicated::new().await;
-    let proxy = r.proxy("", "wait_replicas: 1\ntimeout: 2s").await;
+    let proxy = r.proxy("", "wait_replicas: 1\ntimeout: 1900ms").await;
     let warm = post(&proxy, "wr-warm", &[]).await;
     assert_forwarded(&warm);
     let in_flight = spawn_booking(proxy.url(""), "wr-in-flight", BODY, "3s");

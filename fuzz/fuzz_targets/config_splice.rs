@@ -23,9 +23,9 @@ limits:
   max_connections: 100
   header_read_timeout: 1s
   body_read_timeout: 2s
-  max_detached_exchanges: 0
+  max_detached_exchanges: 1
   max_pending_saves: 1
-  max_pending_save_bytes: 1KiB
+  max_pending_save_bytes: 8MiB
 store:
   backend: redis
   url: redis://127.0.0.1:6379/0
