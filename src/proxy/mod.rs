@@ -342,6 +342,12 @@ impl Proxy {
             tracing::warn!(route = %route.name, "too many exchanges running after their clients left: 503");
             return refuse(Problem::Overloaded, Outcome::Overloaded);
         }
+        // Saves that could not be kept whole still hold their keys (and a little memory) until
+        // the store takes their result-not-kept records; at their bound, claim nothing more.
+        if self.pending.is_saturated() {
+            tracing::warn!(route = %route.name, "too many results waiting for the store to take them: 503");
+            return refuse(Problem::Overloaded, Outcome::Overloaded);
+        }
         // From the claim on, nothing is cancelled: a client that goes away cancels neither a
         // claim in flight (which would leave the key blocked until its lease expired) nor the
         // upstream call and the completion (its retry gets a replay).

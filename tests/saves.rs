@@ -1,0 +1,119 @@
+//! Saves the proxy cannot keep, claims answered too late, upstream refusals of a request head
+//! and broken client bodies (SPEC §4.3, §4.5): each test shows a way the operation could run
+//! twice, or a client's fault blamed on the upstream.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, Env, book_with, eventually};
+
+/// The request body every booking here sends.
+const BODY: &str = r#"{"seat":"12A"}"#;
+
+fn redis_config(conn: &mut ::redis::Connection, name: &str, value: &str) {
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query(conn)
+        .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// §4.5 A save that can't be kept pending is downgraded, never given up while its lease is valid
+// ---------------------------------------------------------------------------------------------
+
+/// Two 4000-byte results are refused by a Redis out of memory (`noeviction` refuses the save's
+/// `SET` and still takes `PEXPIRE`), and together they are over `max_pending_save_bytes`. The
+/// older one can't be kept: it must keep its lease and save a `502 result-not-kept` in place of
+/// its response once Redis has room, so its retry is a replay of that problem and the upstream
+/// ran once (before the fix it was dropped, its lease expired, and its retry ran it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_save_past_the_pending_bytes_bound_keeps_its_lease_and_saves_result_not_kept() {
+    let env = Env::new(Backend::Redis).await;
+    let yaml = env.config("lock_ttl: 1s\nmax_response_body: 4KiB").replace(
+        "shutdown_timeout: 10s\n",
+        "shutdown_timeout: 10s\nlimits:\n  max_pending_save_bytes: 6KiB\n",
+    );
+    let proxy = env.proxy(&yaml).await;
+    let mut conn = env.redis().conn();
+    redis_config(&mut conn, "maxmemory-policy", "noeviction");
+
+    // Staggered, so that "kept-0" is the older pending save.
+    let mut firsts = Vec::new();
+    for (key, delay) in [("kept-0", "1s"), ("kept-1", "1200ms")] {
+        let base = proxy.url("");
+        firsts.push(tokio::spawn(async move {
+            book_with(
+                &base,
+                key,
+                BODY,
+                &[("X-Mock-Delay", delay), ("X-Mock-Body-Size", "4000")],
+            )
+            .await
+        }));
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls("kept-0") == 1
+            && env.mock.calls("kept-1") == 1)
+        .await,
+        "both claimed and forwarded"
+    );
+    redis_config(&mut conn, "maxmemory", "1");
+    for first in firsts {
+        let r = first.await.expect("first request");
+        assert_eq!(r.status, 201, "the client still gets its answer");
+        assert_eq!(r.body.len(), 4000);
+    }
+    let metrics = || proxy.metrics().encode();
+    // Longer than lock_ttl: only renewals keep both claims alive.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis_config(&mut conn, "maxmemory", "0");
+    assert!(
+        eventually(Duration::from_secs(5), || metrics()
+            .contains("idemproxy_pending_saves 0"))
+        .await,
+        "both saves landed:\n{}",
+        metrics()
+    );
+
+    let r = book_with(
+        &proxy.url(""),
+        "kept-0",
+        BODY,
+        &[("X-Mock-Delay", "1s"), ("X-Mock-Body-Size", "4000")],
+    )
+    .await;
+    assert_eq!(
+        env.mock.calls("kept-0"),
+        1,
+        "kept-0 ran once; its retry got {} (replayed: {:?})",
+        r.status,
+        r.header("idempotent-replayed")
+    );
+    let doc = r.assert_problem(502, "result-not-kept");
+    assert_eq!(r.header("idempotent-replayed"), "true", "a replay: {doc}");
+    let r = book_with(
+        &proxy.url(""),
+        "kept-1",
+        BODY,
+        &[("X-Mock-Delay", "1200ms"), ("X-Mock-Body-Size", "4000")],
+    )
+    .await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.header("idempotent-replayed"), "true");
+    assert_eq!(&r.body[..], &idemproxy::mock::body_pattern(4000)[..]);
+    assert_eq!(env.mock.calls("kept-1"), 1, "kept-1 ran once");
+    assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
+    assert!(
+        metrics().contains(r#"idemproxy_results_not_kept_total{route="create-booking"} 1"#),
+        "the older save was downgraded, and counted:\n{}",
+        metrics()
+    );
+    assert!(
+        metrics().contains(r#"idemproxy_saves_abandoned_total{route="create-booking"} 0"#),
+        "nothing was abandoned:\n{}",
+        metrics()
+    );
+}
