@@ -4,9 +4,18 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use async_trait::async_trait;
+use bytes::Bytes;
 use common::{Backend, Env, book_with, eventually};
+use idemproxy::config::Config;
+use idemproxy::metrics::Metrics;
+use idemproxy::proxy::Proxy;
+use idemproxy::store::memory::MemoryStore;
+use idemproxy::store::{Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
 
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -116,4 +125,107 @@ async fn redis_a_save_past_the_pending_bytes_bound_keeps_its_lease_and_saves_res
         "nothing was abandoned:\n{}",
         metrics()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// §4.5 A claim answered after its lease could have expired forwards nothing
+// ---------------------------------------------------------------------------------------------
+
+/// The memory store, whose claims are answered `delay` after they were made while the delay
+/// is set: the claim is taken at once, the answer comes late (a stalled scheduler, a slow
+/// network on the way back).
+struct LateClaims {
+    inner: MemoryStore,
+    delay_ms: AtomicU32,
+}
+
+#[async_trait]
+impl Store for LateClaims {
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let found = self.inner.claim(key, held, lease).await;
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(u64::from(delay))).await;
+        found
+    }
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, held, lease).await
+    }
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        done: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(key, held, done, ttl).await
+    }
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        self.inner.release(key, held).await
+    }
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        self.inner.inspect(key).await
+    }
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        self.inner.forget(key).await
+    }
+}
+
+/// A claim whose answer takes 1.3s under a `lock_ttl` of 1s: its lease may have expired (and
+/// another request may hold the key) by the time the proxy learns it won. It must forward
+/// nothing, release the claim and answer 503; the retry then runs the operation once (before
+/// the fix the late claim was forwarded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answered_after_lock_ttl_forwards_nothing_and_is_released() {
+    let env = Env::new(Backend::Memory).await;
+    let yaml = env.config("lock_ttl: 1s");
+    let config = Config::from_yaml(&yaml).expect("config");
+    let metrics = Arc::new(Metrics::new());
+    let late = Arc::new(LateClaims {
+        inner: MemoryStore::new(1000),
+        delay_ms: AtomicU32::new(1300),
+    });
+    // The handle's own deadline is longer than the delay: the late answer is not a timeout.
+    let store = StoreHandle::new(late.clone(), Duration::from_secs(5), metrics.clone());
+    let proxy = Arc::new(Proxy::new(config, store, metrics.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(idemproxy::server::serve(listener, proxy, async move {
+        let _ = stopped.await;
+    }));
+
+    let r = book_with(&base, "late-claim", BODY, &[]).await;
+    r.assert_problem(503, "store-unavailable");
+    assert_eq!(env.mock.calls("late-claim"), 0, "nothing was forwarded");
+
+    late.delay_ms.store(0, Ordering::SeqCst);
+    let r = book_with(&base, "late-claim", BODY, &[]).await;
+    assert_eq!(r.status, 201, "the key was released: {:?}", r.body);
+    assert_eq!(r.header("idempotent-replayed"), "");
+    assert_eq!(env.mock.calls("late-claim"), 1, "the retry ran it once");
+    assert_eq!(
+        metrics.lost_leases_count(),
+        0,
+        "nothing ran under the late claim: no lease was lost"
+    );
+    let _ = stop.send(());
+    let _ = served.await;
 }

@@ -82,6 +82,12 @@ impl Exchange {
                 .claim(&self.request.key, &self.held, idem.lock_ttl)
                 .await
             {
+                // The lease runs from the send time: an answer later than lock_ttl may come
+                // after it expired, and another request may hold the key and be running the
+                // operation already (SPEC §4.5).
+                Ok(Claim::Claimed) if sent.elapsed() >= idem.lock_ttl => {
+                    return self.claimed_too_late(sent).await;
+                }
                 Ok(Claim::Claimed) => return self.run(sent).await,
                 Ok(Claim::Existing(entry)) => entry,
                 Err(e) => return self.store_failure(e, seen_held).await,
@@ -162,6 +168,46 @@ impl Exchange {
                 (resp, Outcome::StoreError)
             }
         }
+    }
+
+    /// The claim sent at `sent` was won, but its answer came after its lease could have
+    /// expired: forward nothing, free the key if it is still ours, answer 503 (a retry then
+    /// claims afresh).
+    async fn claimed_too_late(self, sent: Instant) -> Answer {
+        let took = sent.elapsed();
+        let lock_ttl = self.idem.lock_ttl;
+        tracing::warn!(
+            route = %self.route.settings.name,
+            key = %self.request.key.id_hex(),
+            took_ms = took.as_millis(),
+            lock_ttl_ms = lock_ttl.as_millis(),
+            "the claim was answered after lock_ttl: its lease may have expired; released, nothing forwarded: 503"
+        );
+        // Not through `Lease::release`: a claim already expired (or taken over) is what this
+        // path expects, not a lost lease, since nothing ran under it.
+        if let Err(e) = self
+            .proxy
+            .store
+            .release(&self.request.key, &self.held)
+            .await
+        {
+            tracing::warn!(
+                route = %self.route.settings.name,
+                key = %self.request.key.id_hex(),
+                error = %e,
+                "release failed; the claim expires within lock_ttl"
+            );
+        }
+        refuse(
+            Problem::StoreUnavailable {
+                detail: format!(
+                    "the claim was answered after {}ms, later than lock_ttl ({}ms)",
+                    took.as_millis(),
+                    lock_ttl.as_millis()
+                ),
+            },
+            Outcome::StoreError,
+        )
     }
 
     /// Forwards the claimed request, keeping the lease alive, and completes or releases the
