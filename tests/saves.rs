@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use common::{Backend, Env, book_with, eventually};
+use common::{Backend, Env, Reply, TestProxy, book_with, eventually};
 use idemproxy::config::Config;
 use idemproxy::metrics::Metrics;
 use idemproxy::proxy::Proxy;
@@ -229,3 +229,64 @@ async fn a_claim_answered_after_lock_ttl_forwards_nothing_and_is_released() {
     let _ = stop.send(());
     let _ = served.await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// §4.3 An upstream's refusal of a request head is not the operation's result
+// ---------------------------------------------------------------------------------------------
+
+async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
+    book_with(&proxy.url(""), key, BODY, extra).await
+}
+
+/// `431` and `414` from the upstream, and a `400` that closes the connection (what HTTP parsers
+/// answer), refuse the request's head: the operation never ran, so the claim is released and
+/// the upstream's answer passed on; the retry runs again (before the fix the refusal was saved
+/// and replayed).
+async fn upstream_head_refusals_are_passed_on_and_not_saved(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let refusals: [(&str, &[(&str, &str)]); 3] = [
+        ("head-431", &[("X-Mock-Status", "431")]),
+        ("head-414", &[("X-Mock-Status", "414")]),
+        (
+            "head-400",
+            &[
+                ("X-Mock-Status", "400"),
+                ("X-Mock-Header", "Connection: close"),
+            ],
+        ),
+    ];
+    for (key, extra) in refusals {
+        let status: u16 = extra[0].1.parse().expect("status");
+        for attempt in 1..=2 {
+            let r = post(&proxy, key, extra).await;
+            assert_eq!(r.status, status, "{key}: the upstream's answer, passed on");
+            assert_eq!(
+                r.header("idempotent-replayed"),
+                "",
+                "{key} attempt {attempt}: never replayed"
+            );
+            assert_eq!(r.header("connection"), "", "hop-by-hop, not passed on");
+            assert_eq!(env.mock.calls(key), attempt, "{key}: each attempt ran");
+        }
+    }
+}
+
+/// An application's `400` (its connection stays open) is the operation's result: saved and
+/// replayed.
+async fn an_application_400_is_saved_and_replayed(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let first = post(&proxy, "app-400", &[("X-Mock-Status", "400")]).await;
+    assert_eq!(first.status, 400);
+    let again = post(&proxy, "app-400", &[("X-Mock-Status", "400")]).await;
+    assert_eq!(again.status, 400);
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(again.body, first.body);
+    assert_eq!(env.mock.calls("app-400"), 1);
+}
+
+both_stores!(
+    upstream_head_refusals_are_passed_on_and_not_saved,
+    an_application_400_is_saved_and_replayed,
+);

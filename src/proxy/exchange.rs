@@ -259,9 +259,7 @@ impl Exchange {
 
         match result {
             Ok((parts, Bounded::Complete(bytes))) => {
-                let status = parts.status.as_u16();
-                if idem.retry_statuses.contains(&status) {
-                    // Not the operation's result: free the key so that a retry runs again.
+                if not_a_result(&route, &idem, &parts) {
                     lease.release().await;
                 } else {
                     let saved = SavedResponse {
@@ -282,7 +280,7 @@ impl Exchange {
             }
             Ok((parts, Bounded::Over { prefix, rest })) => {
                 let status = parts.status;
-                if idem.retry_statuses.contains(&status.as_u16()) {
+                if not_a_result(&route, &idem, &parts) {
                     lease.release().await;
                 } else {
                     tracing::warn!(
@@ -335,6 +333,23 @@ impl Exchange {
             }
         }
     }
+}
+
+/// Whether the upstream's answer is not the operation's result — a `retry_statuses` status, or
+/// the upstream's refusal of the request head (the operation never ran) — so the claim is
+/// released, the answer passed on, and a retry runs again.
+fn not_a_result(route: &Route, idem: &IdempotencySettings, parts: &http::response::Parts) -> bool {
+    if upstream::refuses_head(parts) {
+        tracing::warn!(
+            route = %route.settings.name,
+            upstream = route.upstream.name(),
+            status = parts.status.as_u16(),
+            "the upstream refused the request head; not saved, claim released \
+             (its own header limits are tighter than the proxy's)"
+        );
+        return true;
+    }
+    idem.retry_statuses.contains(&parts.status.as_u16())
 }
 
 /// The first client's response: the upstream's head, and exactly the body it read.

@@ -20,7 +20,7 @@ use futures_util::StreamExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::uri::PathAndQuery;
-use http::{Request, Response, Uri};
+use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
@@ -62,6 +62,33 @@ pub enum Bounded {
         /// The rest of the body, still bound by the upstream's timeout.
         rest: Body,
     },
+}
+
+/// Set in a response's extensions when the upstream sent `Connection: close` on it: the header
+/// itself is hop-by-hop, removed before anyone else sees the response.
+#[derive(Debug, Clone, Copy)]
+pub struct ClosedByUpstream;
+
+/// Whether an upstream's answer refuses the request's head rather than answering the operation
+/// (SPEC §4.3), so it must never be saved as the key's result: `431` and `414` always; `400`
+/// only when it closes the connection, which is what HTTP parsers do when they give up on a
+/// head (nginx, Node, Go, gunicorn), while an application's `400` leaves it open.
+pub fn refuses_head(parts: &http::response::Parts) -> bool {
+    match parts.status {
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE | StatusCode::URI_TOO_LONG => true,
+        StatusCode::BAD_REQUEST => parts.extensions.get::<ClosedByUpstream>().is_some(),
+        _ => false,
+    }
+}
+
+/// Whether `Connection` says the upstream closes the connection after this response.
+fn says_close(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("close"))
 }
 
 /// One upstream and its connection pool.
@@ -365,6 +392,9 @@ impl Upstream {
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
         let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
+        if says_close(&parts.headers) {
+            parts.extensions.insert(ClosedByUpstream);
+        }
         strip_hop_by_hop(&mut parts.headers);
         // A declared length (up to the bound) sizes the buffer once, instead of doubling it
         // (and copying what it holds) as frames arrive.
@@ -561,6 +591,32 @@ mod tests {
         sized.push(Bytes::from_static(b"abc"));
         assert_eq!(sized.push(Bytes::from_static(b"def")), 6);
         assert_eq!(sized.into_bytes(), "abcdef");
+    }
+
+    #[test]
+    fn a_head_refusal_is_431_414_or_a_400_that_closes_the_connection() {
+        let parts = |status: u16, close: bool| {
+            let (mut parts, ()) = Response::builder()
+                .status(status)
+                .body(())
+                .expect("response")
+                .into_parts();
+            if close {
+                parts.extensions.insert(ClosedByUpstream);
+            }
+            parts
+        };
+        assert!(refuses_head(&parts(431, false)));
+        assert!(refuses_head(&parts(414, false)));
+        assert!(refuses_head(&parts(400, true)), "a parser's 400");
+        assert!(!refuses_head(&parts(400, false)), "an application's 400");
+        assert!(!refuses_head(&parts(422, true)));
+        assert!(!refuses_head(&parts(201, true)));
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("keep-alive"));
+        assert!(!says_close(&h));
+        h.append("connection", HeaderValue::from_static("x-a, Close"));
+        assert!(says_close(&h));
     }
 
     #[test]
