@@ -107,7 +107,7 @@ pub enum Problem {
 
 impl Problem {
     /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
-    /// result).
+    /// result), or to the client's body failing on its way upstream.
     pub fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
         let upstream = upstream.to_owned();
         match e {
@@ -118,6 +118,13 @@ impl Problem {
             UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
             UpstreamError::Failed(detail) => Problem::UpstreamFailed {
                 upstream,
+                detail: detail.clone(),
+            },
+            UpstreamError::ClientBody {
+                timed_out: Some(after),
+                ..
+            } => Problem::BodyTimeout { after: *after },
+            UpstreamError::ClientBody { detail, .. } => Problem::BadRequestBody {
                 detail: detail.clone(),
             },
         }

@@ -16,6 +16,8 @@ use idemproxy::metrics::Metrics;
 use idemproxy::proxy::Proxy;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::{Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -290,3 +292,111 @@ both_stores!(
     upstream_head_refusals_are_passed_on_and_not_saved,
     an_application_400_is_saved_and_replayed,
 );
+
+// ---------------------------------------------------------------------------------------------
+// A broken client body on a pass-through route is the client's fault
+// ---------------------------------------------------------------------------------------------
+
+/// Writes `parts` to the proxy, `pause` apart, and reads one response (or until the
+/// connection closes): its status, and its head and body as text, a blank line between.
+async fn raw_exchange(proxy: &TestProxy, parts: &[&[u8]], pause: Duration) -> (u16, String) {
+    let mut stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            tokio::time::sleep(pause).await;
+        }
+        stream.write_all(part).await.expect("write");
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        while !response_complete(&out) {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    assert!(read.is_ok(), "an answer within 10s; got {text:?}");
+    let status = text
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a status line: {text:?}"));
+    (status, text.replacen("\r\n\r\n", "\n\n", 1))
+}
+
+fn response_complete(out: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(out);
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        return false;
+    };
+    head.lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        })
+        .is_some_and(|n| body.len() >= n)
+}
+
+fn problem_type(answer: &str) -> serde_json::Value {
+    let (head, body) = answer.split_once("\n\n").expect("head and body");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/problem+json"),
+        "a problem document: {answer}"
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("JSON ({e}): {answer}"));
+    doc["type"].clone()
+}
+
+/// A chunked POST whose second chunk size is not hex, on a pass-through route: the client's
+/// fault, a `400 bad-request-body` (before the fix it was a `502 upstream-failed`, blaming an
+/// upstream that did nothing wrong).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_chunked_body_on_a_pass_through_route_is_a_400() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let (status, answer) = raw_exchange(
+        &proxy,
+        &[
+            b"POST /echo/broken HTTP/1.1\r\nHost: shop.example\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+            b"zz\r\nworld\r\n0\r\n\r\n",
+        ],
+        Duration::from_millis(200),
+    )
+    .await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(
+        problem_type(&answer),
+        "urn:idemproxy:problem:bad-request-body",
+        "{answer}"
+    );
+}
+
+/// A chunked POST that stops sending its body on a pass-through route: the client's fault too,
+/// a `408 request-body-timeout` at `limits.body_read_timeout` (before the fix, a `502`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_chunked_body_on_a_pass_through_route_is_a_408() {
+    let env = Env::new(Backend::Memory).await;
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        "shutdown_timeout: 10s\nlimits:\n  body_read_timeout: 1s\n",
+    );
+    let proxy = env.proxy(&yaml).await;
+    let (status, answer) = raw_exchange(
+        &proxy,
+        &[b"POST /echo/stalled HTTP/1.1\r\nHost: shop.example\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"],
+        Duration::ZERO,
+    )
+    .await;
+    assert_eq!(status, 408, "{answer}");
+    assert_eq!(
+        problem_type(&answer),
+        "urn:idemproxy:problem:request-body-timeout",
+        "{answer}"
+    );
+}

@@ -302,6 +302,13 @@ impl Exchange {
                     Outcome::Forwarded,
                 )
             }
+            // The body here is the buffered one admission read, which cannot fail; were it to,
+            // the upstream got no whole request, so the key is freed as for a connect error.
+            Err(e @ UpstreamError::ClientBody { .. }) => {
+                tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "request body failed on its way upstream; claim released");
+                lease.release().await;
+                refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
+            }
             Err(e @ UpstreamError::Connect(_)) => {
                 // Nothing was sent: the operation did not happen; free the key.
                 tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "upstream connect failed; claim released");

@@ -47,7 +47,7 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::{IdempotencySettings, RouteSettings};
 use crate::store::StoreHandle;
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamError};
 
 use self::detach::{Detachable, Panicked};
 use self::pending::PendingSaves;
@@ -307,14 +307,10 @@ impl Proxy {
         resp
     }
 
-    /// A client's streamed request body, cut off at `limits.body_read_timeout`.
+    /// A client's streamed request body, cut off at `limits.body_read_timeout`, its failures
+    /// marked as the client's.
     fn body_with_deadline(&self, incoming: Incoming) -> Body {
-        let deadline = Instant::now() + self.config.limits.body_read_timeout;
-        body::with_deadline(
-            body::boxed(incoming),
-            deadline,
-            "the request body (limits.body_read_timeout)",
-        )
+        body::from_client(body::boxed(incoming), self.config.limits.body_read_timeout)
     }
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a
@@ -491,6 +487,10 @@ async fn forward_plain(
     };
     match result {
         Ok(resp) => (resp, Outcome::Passthrough),
+        Err(e @ UpstreamError::ClientBody { .. }) => {
+            tracing::info!(upstream = up.name(), error = %e, "the client's request body failed; upstream request abandoned");
+            refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
+        }
         Err(e) => {
             tracing::warn!(upstream = up.name(), error = %e, "upstream call failed");
             refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)

@@ -49,6 +49,16 @@ pub enum UpstreamError {
     /// The connection failed after the request was sent: the upstream may have acted.
     #[error("{0}")]
     Failed(String),
+    /// The client's streamed request body failed while it was being sent (malformed, broken
+    /// off, or past `limits.body_read_timeout`): the client's fault, not the upstream's, and
+    /// the upstream never got a whole request.
+    #[error("the client's request body failed: {detail}")]
+    ClientBody {
+        /// What went wrong with the body.
+        detail: String,
+        /// `Some(limit)` when it missed its deadline of `limit`.
+        timed_out: Option<Duration>,
+    },
 }
 
 /// A response whose body was read up to a bound.
@@ -475,13 +485,23 @@ impl Gathered {
     }
 }
 
-/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted.
+/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted,
+/// and both from the client's own body failing on the way.
 fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
     if e.is_connect() {
-        UpstreamError::Connect(error_chain(&e))
-    } else {
-        UpstreamError::Failed(error_chain(&e))
+        return UpstreamError::Connect(error_chain(&e));
     }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(s) = source {
+        if let Some(client) = s.downcast_ref::<body::ClientBodyError>() {
+            return UpstreamError::ClientBody {
+                detail: client.detail(),
+                timed_out: client.timed_out,
+            };
+        }
+        source = s.source();
+    }
+    UpstreamError::Failed(error_chain(&e))
 }
 
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
