@@ -8,86 +8,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::StatusCode;
-use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::pending::PendingSaves;
+use super::unsaved::Unsaved;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
-use crate::problem::Problem;
-use crate::record::{Entry, Outcome};
+use crate::record::Entry;
 use crate::store::{Held, StoreHandle};
 
 /// Once a failing save has backed off this far, it is retried at this steady pace.
 const SLOWEST_RETRY: Duration = Duration::from_secs(5);
-
-/// A finished entry a background save is writing: the whole result, or, once the pending-save
-/// bounds downgraded it, the small `result-not-kept` record that stands in for it.
-struct Unsaved {
-    done: Entry,
-    encoded: Bytes,
-    /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
-    /// whose answer was lost, may have written it, and then the record is ours.
-    whole_digest: Option<[u8; 32]>,
-}
-
-impl Unsaved {
-    fn whole(done: Entry, encoded: Bytes) -> Unsaved {
-        Unsaved {
-            done,
-            encoded,
-            whole_digest: None,
-        }
-    }
-
-    fn is_downgraded(&self) -> bool {
-        self.whole_digest.is_some()
-    }
-
-    /// Lets go of the result, keeping the record that says it was not kept. The status the
-    /// first client got goes into the record: it tells the caller the operation ran.
-    fn downgrade(&mut self) {
-        let small = Entry::Done {
-            fingerprint: *self.done.fingerprint(),
-            outcome: Outcome::Response(
-                Problem::ResultNotKept {
-                    status: self.status(),
-                }
-                .saved(),
-            ),
-        };
-        self.whole_digest = Some(Sha256::digest(&self.encoded).into());
-        self.encoded = small.encode();
-        self.done = small;
-    }
-
-    /// Whether `current`, read back from the store, is what this save (or an earlier attempt
-    /// of it) wrote.
-    fn wrote(&self, current: &Entry) -> bool {
-        *current == self.done
-            || self
-                .whole_digest
-                .is_some_and(|d| <[u8; 32]>::from(Sha256::digest(current.encode())) == d)
-    }
-
-    fn status(&self) -> StatusCode {
-        match &self.done {
-            Entry::Done {
-                outcome: Outcome::Response(r),
-                ..
-            } => r.status,
-            Entry::Done {
-                outcome: Outcome::NotReplayable { status },
-                ..
-            } => *status,
-            Entry::InFlight { .. } => StatusCode::BAD_GATEWAY,
-        }
-    }
-}
 
 /// A held claim, and until when it is surely valid.
 pub(super) struct Lease {
@@ -335,10 +268,12 @@ impl Lease {
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::record::new_token;
+    use crate::record::{Outcome, new_token};
     use crate::store::memory::MemoryStore;
     use crate::store::{Store, StoreError};
     use async_trait::async_trait;
+    use bytes::Bytes;
+    use http::StatusCode;
 
     /// A store whose compare-and-set always misses and whose reads fail: the lease cannot tell
     /// whether it was lost.

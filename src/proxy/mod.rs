@@ -6,6 +6,8 @@
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
+//! - [`pending`] and [`unsaved`]: saves retried in the background, their bounds, and the
+//!   `result-not-kept` record a save past those bounds writes instead of its response.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -21,7 +23,10 @@
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
 //! - If the completion fails because the store stalls, the client still gets the upstream's
 //!   answer and the completion is retried in the background for as long as the lease may still
-//!   be valid.
+//!   be valid. Past the pending-save bounds a save drops its response but never its lease: it
+//!   saves `result-not-kept` instead, so a retry never runs the operation again.
+//! - A claim answered `lock_ttl` or more after it was sent may have outlived its lease: it is
+//!   released and answered 503, never forwarded.
 
 pub mod admission;
 mod detach;
@@ -29,6 +34,7 @@ mod exchange;
 mod lease;
 mod pending;
 mod replay;
+mod unsaved;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

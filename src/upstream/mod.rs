@@ -9,18 +9,20 @@
 //! upstream that closes idle connections would otherwise race the proxy's next request.
 
 mod connect;
+mod gathered;
+mod refusal;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use std::fmt::Write as _;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::StreamExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::uri::PathAndQuery;
-use http::{Request, Response, StatusCode, Uri};
+use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
@@ -28,6 +30,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
 use self::connect::Connector;
+use self::gathered::Gathered;
+use self::refusal::says_close;
+pub use self::refusal::{ClosedByUpstream, refuses_head};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -72,33 +77,6 @@ pub enum Bounded {
         /// The rest of the body, still bound by the upstream's timeout.
         rest: Body,
     },
-}
-
-/// Set in a response's extensions when the upstream sent `Connection: close` on it: the header
-/// itself is hop-by-hop, removed before anyone else sees the response.
-#[derive(Debug, Clone, Copy)]
-pub struct ClosedByUpstream;
-
-/// Whether an upstream's answer refuses the request's head rather than answering the operation
-/// (SPEC §4.3), so it must never be saved as the key's result: `431` and `414` always; `400`
-/// only when it closes the connection, which is what HTTP parsers do when they give up on a
-/// head (nginx, Node, Go, gunicorn), while an application's `400` leaves it open.
-pub fn refuses_head(parts: &http::response::Parts) -> bool {
-    match parts.status {
-        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE | StatusCode::URI_TOO_LONG => true,
-        StatusCode::BAD_REQUEST => parts.extensions.get::<ClosedByUpstream>().is_some(),
-        _ => false,
-    }
-}
-
-/// Whether `Connection` says the upstream closes the connection after this response.
-fn says_close(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("close"))
 }
 
 /// One upstream and its connection pool.
@@ -444,47 +422,6 @@ impl Upstream {
     }
 }
 
-/// A body read frame by frame: a body of one frame (the usual small response) is kept as it
-/// came, without a copy; a longer one is joined.
-#[derive(Default)]
-struct Gathered {
-    first: Option<Bytes>,
-    joined: BytesMut,
-    /// The whole body's expected size, reserved when frames start being joined.
-    reserve: usize,
-}
-
-impl Gathered {
-    /// Room for `capacity` bytes, taken only if a second frame comes.
-    fn with_capacity(capacity: usize) -> Gathered {
-        Gathered {
-            first: None,
-            joined: BytesMut::new(),
-            reserve: capacity,
-        }
-    }
-
-    /// Adds a frame; the length so far.
-    fn push(&mut self, data: Bytes) -> u64 {
-        match self.first.take() {
-            None if self.joined.is_empty() => self.first = Some(data),
-            first => {
-                if let Some(first) = first {
-                    self.joined
-                        .reserve(self.reserve.max(first.len() + data.len()));
-                    self.joined.extend_from_slice(&first);
-                }
-                self.joined.extend_from_slice(&data);
-            }
-        }
-        self.first.as_ref().map_or(self.joined.len(), Bytes::len) as u64
-    }
-
-    fn into_bytes(self) -> Bytes {
-        self.first.unwrap_or_else(|| self.joined.freeze())
-    }
-}
-
 /// Tells a failure that sent nothing (connect) from one after which the upstream may have acted,
 /// and both from the client's own body failing on the way.
 fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
@@ -590,53 +527,6 @@ mod tests {
         );
         assert!(h.get("idempotency-key").is_none(), "forward_key: false");
         assert!(h.get("x-secret").is_none() && h.get("connection").is_none());
-    }
-
-    #[test]
-    fn a_body_gathered_frame_by_frame_keeps_every_byte_in_order() {
-        let mut one = Gathered::default();
-        assert_eq!(one.push(Bytes::from_static(b"abc")), 3);
-        assert_eq!(one.into_bytes(), "abc");
-        let mut three = Gathered::default();
-        three.push(Bytes::from_static(b"ab"));
-        three.push(Bytes::new());
-        assert_eq!(three.push(Bytes::from_static(b"cde")), 5);
-        assert_eq!(three.into_bytes(), "abcde");
-        let mut empty_first = Gathered::default();
-        empty_first.push(Bytes::new());
-        assert_eq!(empty_first.push(Bytes::from_static(b"x")), 1);
-        assert_eq!(empty_first.into_bytes(), "x");
-        assert_eq!(Gathered::default().into_bytes(), "");
-        let mut sized = Gathered::with_capacity(6);
-        sized.push(Bytes::from_static(b"abc"));
-        assert_eq!(sized.push(Bytes::from_static(b"def")), 6);
-        assert_eq!(sized.into_bytes(), "abcdef");
-    }
-
-    #[test]
-    fn a_head_refusal_is_431_414_or_a_400_that_closes_the_connection() {
-        let parts = |status: u16, close: bool| {
-            let (mut parts, ()) = Response::builder()
-                .status(status)
-                .body(())
-                .expect("response")
-                .into_parts();
-            if close {
-                parts.extensions.insert(ClosedByUpstream);
-            }
-            parts
-        };
-        assert!(refuses_head(&parts(431, false)));
-        assert!(refuses_head(&parts(414, false)));
-        assert!(refuses_head(&parts(400, true)), "a parser's 400");
-        assert!(!refuses_head(&parts(400, false)), "an application's 400");
-        assert!(!refuses_head(&parts(422, true)));
-        assert!(!refuses_head(&parts(201, true)));
-        let mut h = HeaderMap::new();
-        h.append("connection", HeaderValue::from_static("keep-alive"));
-        assert!(!says_close(&h));
-        h.append("connection", HeaderValue::from_static("x-a, Close"));
-        assert!(says_close(&h));
     }
 
     #[test]
