@@ -46,6 +46,41 @@ pub fn with_deadline(body: Body, deadline: tokio::time::Instant, what: &'static 
     .boxed_unsync()
 }
 
+/// A client's request body streamed upstream, cut off at `timeout` (`limits.body_read_timeout`),
+/// its failures marked as the client's: hyper's client reports a body that fails mid-send as its
+/// own error, and without the mark a client that broke off its body (or sent a malformed chunk)
+/// would read as an upstream failure.
+pub fn from_client(body: Body, timeout: std::time::Duration) -> Body {
+    let deadline = tokio::time::Instant::now() + timeout;
+    with_deadline(
+        body,
+        deadline,
+        "the request body (limits.body_read_timeout)",
+    )
+    .map_err(move |source| {
+        let timed_out = source.is::<DeadlineExceeded>().then_some(timeout);
+        Box::new(ClientBodyError { source, timed_out }) as BoxError
+    })
+    .boxed_unsync()
+}
+
+/// The error of a [`from_client`] body: the client's fault, whatever carried it.
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body failed")]
+pub struct ClientBodyError {
+    #[source]
+    source: BoxError,
+    /// `Some(limit)` when the body missed its deadline of `limit`.
+    pub timed_out: Option<std::time::Duration>,
+}
+
+impl ClientBodyError {
+    /// What went wrong with the body, without the wrapping.
+    pub fn detail(&self) -> String {
+        self.source.to_string()
+    }
+}
+
 struct Deadline {
     inner: Body,
     sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
@@ -81,5 +116,45 @@ impl http_body::Body for Deadline {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn failing() -> Body {
+        let frames = futures_util::stream::iter([
+            Ok(http_body::Frame::data(Bytes::from_static(b"hello"))),
+            Err::<http_body::Frame<Bytes>, BoxError>("invalid chunk size".into()),
+        ]);
+        boxed(http_body_util::StreamBody::new(frames))
+    }
+
+    async fn error_of(body: Body) -> BoxError {
+        match body.collect().await {
+            Ok(_) => panic!("the body must fail"),
+            Err(e) => e,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_client_body_failure_is_marked_as_the_clients() {
+        let e = error_of(from_client(failing(), Duration::from_secs(5))).await;
+        let client = e.downcast_ref::<ClientBodyError>().expect("marked");
+        assert_eq!(client.timed_out, None);
+        assert_eq!(client.detail(), "invalid chunk size");
+    }
+
+    #[tokio::test]
+    async fn a_client_body_past_its_deadline_says_which_limit() {
+        let stalled = boxed(http_body_util::StreamBody::new(
+            futures_util::stream::pending::<Result<http_body::Frame<Bytes>, BoxError>>(),
+        ));
+        let limit = Duration::from_millis(20);
+        let e = error_of(from_client(stalled, limit)).await;
+        let client = e.downcast_ref::<ClientBodyError>().expect("marked");
+        assert_eq!(client.timed_out, Some(limit));
     }
 }

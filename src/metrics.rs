@@ -186,6 +186,7 @@ pub struct Metrics {
     lost_leases: Family<RouteLabel, Counter>,
     unprotected: Family<RouteLabel, Counter>,
     saves_abandoned: Family<RouteLabel, Counter>,
+    results_not_kept: Family<RouteLabel, Counter>,
     lost_leases_total: Arc<AtomicU64>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
@@ -216,6 +217,7 @@ struct RouteSeries {
     lost_leases: Counter,
     unprotected: Counter,
     saves_abandoned: Counter,
+    results_not_kept: Counter,
     lease_renewals: Counter,
     derived_keys: Counter,
     lost_leases_total: Arc<AtomicU64>,
@@ -251,9 +253,14 @@ impl RouteMetrics {
         self.0.unprotected.inc();
     }
 
-    /// Counts a result given up on.
+    /// Counts a result given up on: its lease was lost before the store took it.
     pub fn save_abandoned(&self) {
         self.0.saves_abandoned.inc();
+    }
+
+    /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
+    pub fn result_not_kept(&self) {
+        self.0.results_not_kept.inc();
     }
 }
 
@@ -275,6 +282,7 @@ impl Metrics {
         let lost_leases = Family::<RouteLabel, Counter>::default();
         let unprotected = Family::<RouteLabel, Counter>::default();
         let saves_abandoned = Family::<RouteLabel, Counter>::default();
+        let results_not_kept = Family::<RouteLabel, Counter>::default();
         registry.register(
             "idemproxy_requests",
             "Requests by route and outcome",
@@ -312,8 +320,13 @@ impl Metrics {
         );
         registry.register(
             "idemproxy_saves_abandoned",
-            "Results given up on: the lease was lost while the store failed, or the pending-save bounds were reached",
+            "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
             saves_abandoned.clone(),
+        );
+        registry.register(
+            "idemproxy_results_not_kept",
+            "Results dropped to fit the pending-save bounds: a result-not-kept record (502) is saved in their place",
+            results_not_kept.clone(),
         );
         let pending_saves = Gauge::default();
         let pending_save_bytes = Gauge::default();
@@ -393,6 +406,7 @@ impl Metrics {
             lost_leases,
             unprotected,
             saves_abandoned,
+            results_not_kept,
             lost_leases_total: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -419,6 +433,7 @@ impl Metrics {
             lost_leases: self.lost_leases.get_or_create(&label).clone(),
             unprotected: self.unprotected.get_or_create(&label).clone(),
             saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
+            results_not_kept: self.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
             derived_keys: self.derived_keys.get_or_create(&label).clone(),
             lost_leases_total: self.lost_leases_total.clone(),

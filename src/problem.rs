@@ -52,6 +52,12 @@ pub enum Problem {
         /// The status the first request got.
         status: StatusCode,
     },
+    /// The operation ran, but its response could not be kept while the store refused to save
+    /// it (the pending-save bounds were reached): saved in its place, and replayed (502).
+    ResultNotKept {
+        /// The status the first request got.
+        status: StatusCode,
+    },
     /// The store could not be reached or did not answer in time (503).
     StoreUnavailable {
         /// The store error, for the log and the detail.
@@ -87,7 +93,8 @@ pub enum Problem {
         /// The deadline.
         after: Duration,
     },
-    /// Too many exchanges are still running after their clients left (503); nothing claimed.
+    /// Too many exchanges are still running after their clients left, or too many results wait
+    /// for the store as `result-not-kept` records (503); nothing claimed.
     Overloaded,
     /// The proxy failed inside (500); it may not have finished the exchange.
     Internal,
@@ -100,7 +107,7 @@ pub enum Problem {
 
 impl Problem {
     /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
-    /// result).
+    /// result), or to the client's body failing on its way upstream.
     pub fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
         let upstream = upstream.to_owned();
         match e {
@@ -111,6 +118,13 @@ impl Problem {
             UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
             UpstreamError::Failed(detail) => Problem::UpstreamFailed {
                 upstream,
+                detail: detail.clone(),
+            },
+            UpstreamError::ClientBody {
+                timed_out: Some(after),
+                ..
+            } => Problem::BodyTimeout { after: *after },
+            UpstreamError::ClientBody { detail, .. } => Problem::BadRequestBody {
                 detail: detail.clone(),
             },
         }
@@ -127,6 +141,7 @@ impl Problem {
             Problem::KeyReused => "idempotency-key-reused",
             Problem::InProgress { .. } => "request-in-progress",
             Problem::NotReplayable { .. } => "response-not-replayable",
+            Problem::ResultNotKept { .. } => "result-not-kept",
             Problem::StoreUnavailable { .. } => "store-unavailable",
             Problem::UpstreamUnavailable { .. } => "upstream-unavailable",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
@@ -150,9 +165,9 @@ impl Problem {
             Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::InProgress { .. } | Problem::NotReplayable { .. } => StatusCode::CONFLICT,
             Problem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Problem::UpstreamUnavailable { .. } | Problem::UpstreamFailed { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            Problem::UpstreamUnavailable { .. }
+            | Problem::UpstreamFailed { .. }
+            | Problem::ResultNotKept { .. } => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Problem::HopByHopConflict { .. } => StatusCode::BAD_REQUEST,
             Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -172,6 +187,7 @@ impl Problem {
             Problem::KeyReused => "Idempotency key reused for a different request",
             Problem::InProgress { .. } => "A request with this idempotency key is in progress",
             Problem::NotReplayable { .. } => "Response cannot be replayed",
+            Problem::ResultNotKept { .. } => "Response not kept",
             Problem::StoreUnavailable { .. } => "Idempotency store unavailable",
             Problem::UpstreamUnavailable { .. } => "Upstream unavailable",
             Problem::UpstreamTimeout { .. } => "Upstream timed out",
@@ -207,6 +223,10 @@ impl Problem {
                 "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",
                 status.as_u16()
             ),
+            Problem::ResultNotKept { status } => format!(
+                "The operation with this idempotency key was performed (the first request got status {}), but the idempotency store refused to save its response for longer than the proxy could hold it, so this record was saved in its place. Do not retry it with a new key unless you mean to do it again.",
+                status.as_u16()
+            ),
             Problem::StoreUnavailable { detail } => format!(
                 "The idempotency store did not answer ({detail}); nothing was forwarded. Retry later with the same key."
             ),
@@ -226,7 +246,7 @@ impl Problem {
                 "The request body did not arrive within {}s; nothing was done. Retry with the same key.",
                 after.as_secs_f64()
             ),
-            Problem::Overloaded => "The proxy is finishing too many requests whose clients left; nothing was done. Retry later with the same key.".into(),
+            Problem::Overloaded => "The proxy holds too much unfinished work (requests whose clients left, or results the idempotency store has not taken yet); nothing was done. Retry later with the same key.".into(),
             Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
@@ -307,6 +327,9 @@ mod tests {
                 retry_after: Duration::from_millis(1500),
             },
             Problem::NotReplayable {
+                status: StatusCode::CREATED,
+            },
+            Problem::ResultNotKept {
                 status: StatusCode::CREATED,
             },
             Problem::StoreUnavailable {

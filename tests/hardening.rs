@@ -196,8 +196,9 @@ async fn connection_naming_the_key_scope_or_fingerprint_header_is_refused(backen
 
 /// Redis out of memory under `noeviction` refuses the save (`SET`) while renewals (`PEXPIRE`)
 /// still work: the saves go on in the background, bounded by `limits.max_pending_saves`; past
-/// it the oldest is given up (logged with its key's hash, counted); the pending count is a
-/// metric; once Redis has room, the saves still pending land and are replayed.
+/// it the oldest lets go of its response (logged with its key's hash, counted) but keeps its
+/// lease; the pending count is a metric; once Redis has room, the saves still pending land and
+/// are replayed, the oldest as a `result-not-kept` problem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_saves_refused_for_lack_of_memory_are_bounded_and_land_later() {
     let env = Env::new(Backend::Redis).await;
@@ -256,14 +257,14 @@ async fn redis_saves_refused_for_lack_of_memory_are_bounded_and_land_later() {
     let metrics = || proxy.metrics().encode();
     assert!(
         eventually(Duration::from_secs(2), || metrics().contains(
-            r#"idemproxy_saves_abandoned_total{route="create-booking"} 1"#
+            r#"idemproxy_results_not_kept_total{route="create-booking"} 1"#
         ))
         .await,
-        "past max_pending_saves the oldest is given up:\n{}",
+        "past max_pending_saves the oldest lets go of its response:\n{}",
         metrics()
     );
     assert!(
-        metrics().contains("idemproxy_pending_saves 2"),
+        metrics().contains("idemproxy_pending_saves 3"),
         "{}",
         metrics()
     );
@@ -290,6 +291,9 @@ async fn redis_saves_refused_for_lack_of_memory_are_bounded_and_land_later() {
         assert_eq!(r.status, 201);
         assert_eq!(r.header("idempotent-replayed"), "true", "{key} replayed");
     }
+    let r = post(&proxy, "oom-0", &[("X-Mock-Delay", "600ms")]).await;
+    r.assert_problem(502, "result-not-kept");
+    assert_eq!(r.header("idempotent-replayed"), "true", "oom-0 replayed");
     for key in keys {
         assert_eq!(env.mock.calls(key), 1, "{key} ran once");
     }

@@ -82,6 +82,12 @@ impl Exchange {
                 .claim(&self.request.key, &self.held, idem.lock_ttl)
                 .await
             {
+                // The lease runs from the send time: an answer later than lock_ttl may come
+                // after it expired, and another request may hold the key and be running the
+                // operation already (SPEC §4.5).
+                Ok(Claim::Claimed) if sent.elapsed() >= idem.lock_ttl => {
+                    return self.claimed_too_late(sent).await;
+                }
                 Ok(Claim::Claimed) => return self.run(sent).await,
                 Ok(Claim::Existing(entry)) => entry,
                 Err(e) => return self.store_failure(e, seen_held).await,
@@ -164,6 +170,46 @@ impl Exchange {
         }
     }
 
+    /// The claim sent at `sent` was won, but its answer came after its lease could have
+    /// expired: forward nothing, free the key if it is still ours, answer 503 (a retry then
+    /// claims afresh).
+    async fn claimed_too_late(self, sent: Instant) -> Answer {
+        let took = sent.elapsed();
+        let lock_ttl = self.idem.lock_ttl;
+        tracing::warn!(
+            route = %self.route.settings.name,
+            key = %self.request.key.id_hex(),
+            took_ms = took.as_millis(),
+            lock_ttl_ms = lock_ttl.as_millis(),
+            "the claim was answered after lock_ttl: its lease may have expired; released, nothing forwarded: 503"
+        );
+        // Not through `Lease::release`: a claim already expired (or taken over) is what this
+        // path expects, not a lost lease, since nothing ran under it.
+        if let Err(e) = self
+            .proxy
+            .store
+            .release(&self.request.key, &self.held)
+            .await
+        {
+            tracing::warn!(
+                route = %self.route.settings.name,
+                key = %self.request.key.id_hex(),
+                error = %e,
+                "release failed; the claim expires within lock_ttl"
+            );
+        }
+        refuse(
+            Problem::StoreUnavailable {
+                detail: format!(
+                    "the claim was answered after {}ms, later than lock_ttl ({}ms)",
+                    took.as_millis(),
+                    lock_ttl.as_millis()
+                ),
+            },
+            Outcome::StoreError,
+        )
+    }
+
     /// Forwards the claimed request, keeping the lease alive, and completes or releases the
     /// claim according to the answer.
     async fn run(self, claimed_at: Instant) -> Answer {
@@ -213,9 +259,7 @@ impl Exchange {
 
         match result {
             Ok((parts, Bounded::Complete(bytes))) => {
-                let status = parts.status.as_u16();
-                if idem.retry_statuses.contains(&status) {
-                    // Not the operation's result: free the key so that a retry runs again.
+                if not_a_result(&route, &idem, &parts) {
                     lease.release().await;
                 } else {
                     let saved = SavedResponse {
@@ -236,7 +280,7 @@ impl Exchange {
             }
             Ok((parts, Bounded::Over { prefix, rest })) => {
                 let status = parts.status;
-                if idem.retry_statuses.contains(&status.as_u16()) {
+                if not_a_result(&route, &idem, &parts) {
                     lease.release().await;
                 } else {
                     tracing::warn!(
@@ -257,6 +301,13 @@ impl Exchange {
                     Response::from_parts(parts, upstream::chain(prefix, rest)),
                     Outcome::Forwarded,
                 )
+            }
+            // The body here is the buffered one admission read, which cannot fail; were it to,
+            // the upstream got no whole request, so the key is freed as for a connect error.
+            Err(e @ UpstreamError::ClientBody { .. }) => {
+                tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "request body failed on its way upstream; claim released");
+                lease.release().await;
+                refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
             }
             Err(e @ UpstreamError::Connect(_)) => {
                 // Nothing was sent: the operation did not happen; free the key.
@@ -289,6 +340,23 @@ impl Exchange {
             }
         }
     }
+}
+
+/// Whether the upstream's answer is not the operation's result — a `retry_statuses` status, or
+/// the upstream's refusal of the request head (the operation never ran) — so the claim is
+/// released, the answer passed on, and a retry runs again.
+fn not_a_result(route: &Route, idem: &IdempotencySettings, parts: &http::response::Parts) -> bool {
+    if upstream::refuses_head(parts) {
+        tracing::warn!(
+            route = %route.settings.name,
+            upstream = route.upstream.name(),
+            status = parts.status.as_u16(),
+            "the upstream refused the request head; not saved, claim released \
+             (its own header limits are tighter than the proxy's)"
+        );
+        return true;
+    }
+    idem.retry_statuses.contains(&parts.status.as_u16())
 }
 
 /// The first client's response: the upstream's head, and exactly the body it read.

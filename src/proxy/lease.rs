@@ -8,11 +8,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::pending::PendingSaves;
+use super::unsaved::Unsaved;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
 use crate::record::Entry;
@@ -116,8 +117,8 @@ impl Lease {
 
     /// Completes the claim with the finished entry (compare-and-set on the token). If the store
     /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
-    /// `pending`) while the lease may still be valid; the caller answers the client at once
-    /// either way.
+    /// `pending`: past its bounds it saves `result-not-kept` instead) while the lease may still
+    /// be valid; the caller answers the client at once either way.
     pub async fn complete(
         mut self,
         done: Entry,
@@ -132,7 +133,7 @@ impl Lease {
             .await
         {
             Ok(true) => {}
-            Ok(false) => self.lost_or_completed(&done).await,
+            Ok(false) => self.lost_or_completed(&Unsaved::whole(done, encoded)).await,
             Err(e) => {
                 tracing::warn!(
                     route = %self.route,
@@ -140,20 +141,13 @@ impl Lease {
                     error = %e,
                     "completing the claim failed; retrying in the background"
                 );
-                let ticket = pending.admit(
-                    self.route.clone(),
-                    self.key.id_hex(),
-                    encoded.len() as u64,
-                    self.metrics.clone(),
-                );
+                let ticket =
+                    pending.admit(self.route.clone(), self.key.id_hex(), encoded.len() as u64);
                 let pending = pending.clone();
                 tasks.spawn(async move {
-                    let give_up = ticket.give_up.clone();
-                    tokio::select! {
-                        () = self.complete_in_background(done, encoded, ttl) => {}
-                        // Given up to make room: logged and counted by `pending`.
-                        () = give_up.cancelled() => {}
-                    }
+                    let unsaved = Unsaved::whole(done, encoded);
+                    self.complete_in_background(unsaved, ttl, &ticket.downgrade)
+                        .await;
                     pending.finish(&ticket);
                 });
             }
@@ -175,10 +169,22 @@ impl Lease {
     /// Retries a failed completion with backoff, renewing the lease meanwhile, for as long as
     /// the lease may still be valid. The backoff doubles up to a steady slow pace (every
     /// [`SLOWEST_RETRY`], or a third of the lease if that is shorter, so renewals keep up).
-    async fn complete_in_background(&mut self, done: Entry, encoded: Bytes, ttl: Duration) {
+    ///
+    /// Once `downgrade` is cancelled (the pending-save bounds), the result is dropped and the
+    /// retries go on with `result-not-kept`: the lease is kept all the same, because a key
+    /// freed now would let a retry run the operation a second time.
+    async fn complete_in_background(
+        &mut self,
+        mut unsaved: Unsaved,
+        ttl: Duration,
+        downgrade: &CancellationToken,
+    ) {
         let slowest = SLOWEST_RETRY.min(self.lock_ttl / 3);
         let mut backoff = Duration::from_millis(50).min(slowest);
         loop {
+            if downgrade.is_cancelled() && !unsaved.is_downgraded() {
+                self.downgrade(&mut unsaved);
+            }
             let now = Instant::now();
             if now >= self.valid_until {
                 tracing::error!(
@@ -190,24 +196,33 @@ impl Lease {
                 self.mark_lost("it expired while the store was failing");
                 return;
             }
-            tokio::time::sleep(backoff.min(self.valid_until - now)).await;
+            let pause = tokio::time::sleep(backoff.min(self.valid_until - now));
+            tokio::select! {
+                () = pause => {}
+                // Let go of the result at once, not after the pause: that frees its bytes.
+                () = downgrade.cancelled(), if !unsaved.is_downgraded() => continue,
+            }
             backoff = (backoff * 2).min(slowest);
             match self
                 .store
-                .complete(&self.key, &self.held, &encoded, ttl)
+                .complete(&self.key, &self.held, &unsaved.encoded, ttl)
                 .await
             {
+                Ok(true) if unsaved.is_downgraded() => {
+                    tracing::warn!(route = %self.route, key = %self.key.id_hex(), "result-not-kept saved in place of the result");
+                    return;
+                }
                 Ok(true) => {
                     tracing::info!(route = %self.route, key = %self.key.id_hex(), "result saved after retrying");
                     return;
                 }
-                Ok(false) => return self.lost_or_completed(&done).await,
+                Ok(false) => return self.lost_or_completed(&unsaved).await,
                 // Keep the lease alive while the store comes back.
                 Err(_) => {
                     let sent = Instant::now();
                     match self.store.renew(&self.key, &self.held, self.lock_ttl).await {
                         Ok(true) => self.valid_until = sent + self.lock_ttl,
-                        Ok(false) => return self.lost_or_completed(&done).await,
+                        Ok(false) => return self.lost_or_completed(&unsaved).await,
                         Err(_) => {}
                     }
                 }
@@ -215,11 +230,27 @@ impl Lease {
         }
     }
 
+    /// Drops the result of a save the pending-save bounds cannot keep; logged (with the key's
+    /// hash, for reconciliation) and counted.
+    fn downgrade(&self, unsaved: &mut Unsaved) {
+        tracing::error!(
+            route = %self.route,
+            key = %self.key.id_hex(),
+            bytes = unsaved.encoded.len(),
+            status = unsaved.status().as_u16(),
+            "result not kept: the store keeps refusing to save it and the pending-save bounds are reached \
+             (limits.max_pending_saves / max_pending_save_bytes); the key stays held, and a result-not-kept \
+             (502) is saved in its place as soon as the store takes it, so the operation never runs twice"
+        );
+        self.metrics.result_not_kept();
+        unsaved.downgrade();
+    }
+
     /// The compare-and-set failed: either an earlier attempt whose answer was lost did complete
     /// (the record is ours), or the lease was lost to another request.
-    async fn lost_or_completed(&mut self, done: &Entry) {
+    async fn lost_or_completed(&mut self, unsaved: &Unsaved) {
         match self.store.get(&self.key).await {
-            Ok(Some(current)) if current == *done => {}
+            Ok(Some(current)) if unsaved.wrote(&current) => {}
             Ok(_) => self.mark_lost("the key was claimed by another request"),
             // Only the confirming read failed: the lease may well be ours and saved. Not
             // counted as lost (that would send operators after a loss that did not happen).
@@ -237,10 +268,12 @@ impl Lease {
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::record::new_token;
+    use crate::record::{Outcome, new_token};
     use crate::store::memory::MemoryStore;
     use crate::store::{Store, StoreError};
     use async_trait::async_trait;
+    use bytes::Bytes;
+    use http::StatusCode;
 
     /// A store whose compare-and-set always misses and whose reads fail: the lease cannot tell
     /// whether it was lost.
@@ -286,6 +319,139 @@ mod tests {
         async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
             self.0.forget(key).await
         }
+    }
+
+    /// The memory store, refusing every save while `refuse` is set (Redis out of memory:
+    /// renewals still work).
+    struct RefusesSaves {
+        inner: MemoryStore,
+        refuse: std::sync::atomic::AtomicBool,
+    }
+
+    #[async_trait]
+    impl Store for RefusesSaves {
+        async fn claim(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            lease: Duration,
+        ) -> Result<Option<Bytes>, StoreError> {
+            self.inner.claim(key, held, lease).await
+        }
+        async fn renew(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.renew(key, held, lease).await
+        }
+        async fn complete(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            done: Bytes,
+            ttl: Duration,
+        ) -> Result<bool, StoreError> {
+            if self.refuse.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(StoreError::Timeout {
+                    op: "complete",
+                    after: Duration::from_millis(1),
+                });
+            }
+            self.inner.complete(key, held, done, ttl).await
+        }
+        async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+            self.inner.release(key, held).await
+        }
+        async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+            self.inner.inspect(key).await
+        }
+        async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
+            self.inner.forget(key).await
+        }
+    }
+
+    /// A result alone over `max_pending_save_bytes`, refused by the store for three leases'
+    /// time: the save keeps renewing its lease and, once the store takes writes again, saves
+    /// `result-not-kept` with the first client's status, under the same fingerprint.
+    #[tokio::test]
+    async fn a_save_past_the_bounds_keeps_its_lease_and_saves_result_not_kept() {
+        let metrics = Arc::new(Metrics::new());
+        let refusing = Arc::new(RefusesSaves {
+            inner: MemoryStore::new(10),
+            refuse: true.into(),
+        });
+        let store = StoreHandle::new(refusing.clone(), Duration::from_secs(1), metrics.clone());
+        let lock_ttl = Duration::from_millis(300);
+        let key = StoreKey::new("p:r:".into(), 0, [2; 32]);
+        let held = Held::new(Entry::InFlight {
+            token: new_token(),
+            fingerprint: [1; 32],
+        });
+        let claimed_at = Instant::now();
+        assert!(matches!(
+            store.claim(&key, &held, lock_ttl).await,
+            Ok(crate::store::Claim::Claimed)
+        ));
+        let lease = Lease::new(
+            store.clone(),
+            metrics.route("r"),
+            "r".into(),
+            key.clone(),
+            held,
+            lock_ttl,
+            claimed_at,
+        );
+        let done = Entry::Done {
+            fingerprint: [1; 32],
+            outcome: Outcome::Response(crate::record::SavedResponse {
+                status: StatusCode::CREATED,
+                headers: vec![],
+                body: Bytes::from(vec![b'x'; 1000]),
+            }),
+        };
+        let pending = Arc::new(PendingSaves::new(
+            10,
+            100,
+            Default::default(),
+            Default::default(),
+        ));
+        let tasks = TaskTracker::new();
+        lease
+            .complete(done, Duration::from_secs(60), &tasks, &pending)
+            .await;
+        tokio::time::sleep(lock_ttl * 3).await;
+        refusing
+            .refuse
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        tasks.close();
+        tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+            .await
+            .expect("the background save ends once the store takes it");
+
+        let Ok(Some(Entry::Done {
+            fingerprint,
+            outcome: Outcome::Response(saved),
+        })) = store.get(&key).await
+        else {
+            panic!("a finished record is saved: the lease was kept");
+        };
+        assert_eq!(fingerprint, [1; 32]);
+        assert_eq!(saved.status, StatusCode::BAD_GATEWAY);
+        let doc: serde_json::Value = serde_json::from_slice(&saved.body).expect("JSON");
+        assert_eq!(doc["type"], "urn:idemproxy:problem:result-not-kept");
+        assert!(doc["detail"].as_str().is_some_and(|d| d.contains("201")));
+        assert_eq!(metrics.lost_leases_count(), 0);
+        let text = metrics.encode();
+        assert!(text.contains(r#"idemproxy_results_not_kept_total{route="r"} 1"#));
+        assert!(text.contains(r#"idemproxy_saves_abandoned_total{route="r"} 0"#));
     }
 
     fn lease(store: StoreHandle, metrics: &Metrics) -> Lease {

@@ -6,6 +6,8 @@
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
+//! - [`pending`] and [`unsaved`]: saves retried in the background, their bounds, and the
+//!   `result-not-kept` record a save past those bounds writes instead of its response.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -21,7 +23,10 @@
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
 //! - If the completion fails because the store stalls, the client still gets the upstream's
 //!   answer and the completion is retried in the background for as long as the lease may still
-//!   be valid.
+//!   be valid. Past the pending-save bounds a save drops its response but never its lease: it
+//!   saves `result-not-kept` instead, so a retry never runs the operation again.
+//! - A claim answered `lock_ttl` or more after it was sent may have outlived its lease: it is
+//!   released and answered 503, never forwarded.
 
 pub mod admission;
 mod detach;
@@ -29,6 +34,7 @@ mod exchange;
 mod lease;
 mod pending;
 mod replay;
+mod unsaved;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,7 +53,7 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::{IdempotencySettings, RouteSettings};
 use crate::store::StoreHandle;
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamError};
 
 use self::detach::{Detachable, Panicked};
 use self::pending::PendingSaves;
@@ -307,14 +313,10 @@ impl Proxy {
         resp
     }
 
-    /// A client's streamed request body, cut off at `limits.body_read_timeout`.
+    /// A client's streamed request body, cut off at `limits.body_read_timeout`, its failures
+    /// marked as the client's.
     fn body_with_deadline(&self, incoming: Incoming) -> Body {
-        let deadline = Instant::now() + self.config.limits.body_read_timeout;
-        body::with_deadline(
-            body::boxed(incoming),
-            deadline,
-            "the request body (limits.body_read_timeout)",
-        )
+        body::from_client(body::boxed(incoming), self.config.limits.body_read_timeout)
     }
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a
@@ -340,6 +342,12 @@ impl Proxy {
         // waiting; past the bound, refuse before anything is claimed.
         if self.metrics.detached_exchanges.get() >= i64::from(limits.max_detached_exchanges) {
             tracing::warn!(route = %route.name, "too many exchanges running after their clients left: 503");
+            return refuse(Problem::Overloaded, Outcome::Overloaded);
+        }
+        // Saves that could not be kept whole still hold their keys (and a little memory) until
+        // the store takes their result-not-kept records; at their bound, claim nothing more.
+        if self.pending.is_saturated() {
+            tracing::warn!(route = %route.name, "too many results waiting for the store to take them: 503");
             return refuse(Problem::Overloaded, Outcome::Overloaded);
         }
         // From the claim on, nothing is cancelled: a client that goes away cancels neither a
@@ -485,6 +493,10 @@ async fn forward_plain(
     };
     match result {
         Ok(resp) => (resp, Outcome::Passthrough),
+        Err(e @ UpstreamError::ClientBody { .. }) => {
+            tracing::info!(upstream = up.name(), error = %e, "the client's request body failed; upstream request abandoned");
+            refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
+        }
         Err(e) => {
             tracing::warn!(upstream = up.name(), error = %e, "upstream call failed");
             refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)

@@ -9,13 +9,15 @@
 //! upstream that closes idle connections would otherwise race the proxy's next request.
 
 mod connect;
+mod gathered;
+mod refusal;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use std::fmt::Write as _;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::StreamExt;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
@@ -28,6 +30,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
 use self::connect::Connector;
+use self::gathered::Gathered;
+use self::refusal::says_close;
+pub use self::refusal::{ClosedByUpstream, refuses_head};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -49,6 +54,16 @@ pub enum UpstreamError {
     /// The connection failed after the request was sent: the upstream may have acted.
     #[error("{0}")]
     Failed(String),
+    /// The client's streamed request body failed while it was being sent (malformed, broken
+    /// off, or past `limits.body_read_timeout`): the client's fault, not the upstream's, and
+    /// the upstream never got a whole request.
+    #[error("the client's request body failed: {detail}")]
+    ClientBody {
+        /// What went wrong with the body.
+        detail: String,
+        /// `Some(limit)` when it missed its deadline of `limit`.
+        timed_out: Option<Duration>,
+    },
 }
 
 /// A response whose body was read up to a bound.
@@ -365,6 +380,9 @@ impl Upstream {
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
         let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
+        if says_close(&parts.headers) {
+            parts.extensions.insert(ClosedByUpstream);
+        }
         strip_hop_by_hop(&mut parts.headers);
         // A declared length (up to the bound) sizes the buffer once, instead of doubling it
         // (and copying what it holds) as frames arrive.
@@ -404,54 +422,23 @@ impl Upstream {
     }
 }
 
-/// A body read frame by frame: a body of one frame (the usual small response) is kept as it
-/// came, without a copy; a longer one is joined.
-#[derive(Default)]
-struct Gathered {
-    first: Option<Bytes>,
-    joined: BytesMut,
-    /// The whole body's expected size, reserved when frames start being joined.
-    reserve: usize,
-}
-
-impl Gathered {
-    /// Room for `capacity` bytes, taken only if a second frame comes.
-    fn with_capacity(capacity: usize) -> Gathered {
-        Gathered {
-            first: None,
-            joined: BytesMut::new(),
-            reserve: capacity,
-        }
-    }
-
-    /// Adds a frame; the length so far.
-    fn push(&mut self, data: Bytes) -> u64 {
-        match self.first.take() {
-            None if self.joined.is_empty() => self.first = Some(data),
-            first => {
-                if let Some(first) = first {
-                    self.joined
-                        .reserve(self.reserve.max(first.len() + data.len()));
-                    self.joined.extend_from_slice(&first);
-                }
-                self.joined.extend_from_slice(&data);
-            }
-        }
-        self.first.as_ref().map_or(self.joined.len(), Bytes::len) as u64
-    }
-
-    fn into_bytes(self) -> Bytes {
-        self.first.unwrap_or_else(|| self.joined.freeze())
-    }
-}
-
-/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted.
+/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted,
+/// and both from the client's own body failing on the way.
 fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
     if e.is_connect() {
-        UpstreamError::Connect(error_chain(&e))
-    } else {
-        UpstreamError::Failed(error_chain(&e))
+        return UpstreamError::Connect(error_chain(&e));
     }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(s) = source {
+        if let Some(client) = s.downcast_ref::<body::ClientBodyError>() {
+            return UpstreamError::ClientBody {
+                detail: client.detail(),
+                timed_out: client.timed_out,
+            };
+        }
+        source = s.source();
+    }
+    UpstreamError::Failed(error_chain(&e))
 }
 
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
@@ -540,27 +527,6 @@ mod tests {
         );
         assert!(h.get("idempotency-key").is_none(), "forward_key: false");
         assert!(h.get("x-secret").is_none() && h.get("connection").is_none());
-    }
-
-    #[test]
-    fn a_body_gathered_frame_by_frame_keeps_every_byte_in_order() {
-        let mut one = Gathered::default();
-        assert_eq!(one.push(Bytes::from_static(b"abc")), 3);
-        assert_eq!(one.into_bytes(), "abc");
-        let mut three = Gathered::default();
-        three.push(Bytes::from_static(b"ab"));
-        three.push(Bytes::new());
-        assert_eq!(three.push(Bytes::from_static(b"cde")), 5);
-        assert_eq!(three.into_bytes(), "abcde");
-        let mut empty_first = Gathered::default();
-        empty_first.push(Bytes::new());
-        assert_eq!(empty_first.push(Bytes::from_static(b"x")), 1);
-        assert_eq!(empty_first.into_bytes(), "x");
-        assert_eq!(Gathered::default().into_bytes(), "");
-        let mut sized = Gathered::with_capacity(6);
-        sized.push(Bytes::from_static(b"abc"));
-        assert_eq!(sized.push(Bytes::from_static(b"def")), 6);
-        assert_eq!(sized.into_bytes(), "abcdef");
     }
 
     #[test]

@@ -1,0 +1,73 @@
+//! What a background save writes: the whole result, or the small `result-not-kept` record the
+//! pending-save bounds downgrade it to (see [`super::pending`]).
+
+use bytes::Bytes;
+use http::StatusCode;
+use sha2::{Digest, Sha256};
+
+use crate::problem::Problem;
+use crate::record::{Entry, Outcome};
+
+/// A finished entry a background save is writing: the whole result, or, once the pending-save
+/// bounds downgraded it, the small `result-not-kept` record that stands in for it.
+pub(super) struct Unsaved {
+    pub done: Entry,
+    pub encoded: Bytes,
+    /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
+    /// whose answer was lost, may have written it, and then the record is ours.
+    whole_digest: Option<[u8; 32]>,
+}
+
+impl Unsaved {
+    pub fn whole(done: Entry, encoded: Bytes) -> Unsaved {
+        Unsaved {
+            done,
+            encoded,
+            whole_digest: None,
+        }
+    }
+
+    pub fn is_downgraded(&self) -> bool {
+        self.whole_digest.is_some()
+    }
+
+    /// Lets go of the result, keeping the record that says it was not kept. The status the
+    /// first client got goes into the record: it tells the caller the operation ran.
+    pub fn downgrade(&mut self) {
+        let small = Entry::Done {
+            fingerprint: *self.done.fingerprint(),
+            outcome: Outcome::Response(
+                Problem::ResultNotKept {
+                    status: self.status(),
+                }
+                .saved(),
+            ),
+        };
+        self.whole_digest = Some(Sha256::digest(&self.encoded).into());
+        self.encoded = small.encode();
+        self.done = small;
+    }
+
+    /// Whether `current`, read back from the store, is what this save (or an earlier attempt
+    /// of it) wrote.
+    pub fn wrote(&self, current: &Entry) -> bool {
+        *current == self.done
+            || self
+                .whole_digest
+                .is_some_and(|d| <[u8; 32]>::from(Sha256::digest(current.encode())) == d)
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match &self.done {
+            Entry::Done {
+                outcome: Outcome::Response(r),
+                ..
+            } => r.status,
+            Entry::Done {
+                outcome: Outcome::NotReplayable { status },
+                ..
+            } => *status,
+            Entry::InFlight { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+}
