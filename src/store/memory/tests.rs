@@ -182,3 +182,106 @@ async fn waiters_wake_on_completion() {
         "woken at once, not at the deadline"
     );
 }
+
+/// Key `n` of many: byte 0 spreads them over the shards, byte 1 tells apart those that share
+/// one.
+fn many(n: u16) -> StoreKey {
+    let [low, high] = n.to_le_bytes();
+    let mut id = [0xA5; 32];
+    id[0] = low;
+    id[1] = high;
+    StoreKey::new("test:r:".into(), 0, id)
+}
+
+fn full_purges(memory: &MemoryStore) -> u64 {
+    memory.inner.full_purges.load(Ordering::Relaxed)
+}
+
+/// A flood of new keys against a store full of live records: every claim is refused, and
+/// none of them scans every shard again (each scan locks all 64 shards and visits every
+/// record, so one per refused claim costs O(max_entries) each).
+#[tokio::test(start_paused = true)]
+async fn refused_claims_at_the_bound_do_not_each_scan_the_store() {
+    let (s, memory) = store(64);
+    let lease = Duration::from_secs(60);
+    for n in 0..64 {
+        assert!(s.claim(&many(n), &held(1), lease).await.is_ok());
+    }
+    for n in 64..1064 {
+        assert!(matches!(
+            s.claim(&many(n), &held(1), lease).await,
+            Err(StoreError::Full(64))
+        ));
+        // Time passes, but no record comes near its end.
+        tokio::time::advance(Duration::from_millis(5)).await;
+    }
+    assert!(
+        full_purges(&memory) <= 1,
+        "1000 refused claims ran {} full purges",
+        full_purges(&memory)
+    );
+    assert_eq!(memory.len(), 64, "nothing was evicted");
+}
+
+/// A full store whose records lapse takes claims again within the purge interval, without a
+/// purge per refused claim in between; a live record is never evicted.
+#[tokio::test(start_paused = true)]
+async fn a_full_store_takes_claims_again_soon_after_records_lapse() {
+    let (s, memory) = store(64);
+    let long = Duration::from_secs(100);
+    for n in 0..62 {
+        assert!(s.claim(&many(n), &held(1), long).await.is_ok());
+    }
+    // Two claims that lapse between two passes of the sweeper (it runs at 0s, 1s, 2s…).
+    assert!(
+        s.claim(&many(62), &held(1), Duration::from_millis(1300))
+            .await
+            .is_ok()
+    );
+    assert!(
+        s.claim(&many(63), &held(1), Duration::from_millis(1350))
+            .await
+            .is_ok()
+    );
+    for n in 100..600 {
+        assert!(s.claim(&many(n), &held(1), long).await.is_err());
+    }
+    assert_eq!(full_purges(&memory), 0, "nothing had lapsed: no purge");
+
+    // `sleep`, not `advance`: the sweeper's pass at 1s runs to its end (nothing lapsed then).
+    tokio::time::sleep(Duration::from_millis(1310)).await;
+    assert_eq!(
+        memory.len(),
+        64,
+        "the sweeper found nothing to reclaim at 1s"
+    );
+    assert_eq!(
+        s.claim(&many(1000), &held(1), long).await.ok(),
+        Some(Claim::Claimed),
+        "one record lapsed: room again at once"
+    );
+    assert_eq!(full_purges(&memory), 1);
+
+    // The other lapses: within the purge interval, claims may be refused, but none scans.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for n in 1001..1500 {
+        assert!(matches!(
+            s.claim(&many(n), &held(1), long).await,
+            Err(StoreError::Full(64))
+        ));
+    }
+    assert_eq!(full_purges(&memory), 1, "at most one purge per interval");
+    tokio::time::sleep(PURGE_AT_BOUND_EVERY).await;
+    assert_eq!(
+        s.claim(&many(1500), &held(1), long).await.ok(),
+        Some(Claim::Claimed),
+        "room again once the interval is over"
+    );
+    assert_eq!(full_purges(&memory), 2);
+    for n in 0..62 {
+        assert!(
+            s.get(&many(n)).await.ok().flatten().is_some(),
+            "live record {n} kept"
+        );
+    }
+}
