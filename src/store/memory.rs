@@ -430,8 +430,11 @@ impl Store for MemoryStore {
         let key = MapKey::of(key);
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
-        if shard.holds(&key, held, now).is_none() {
-            return Ok(false);
+        match shard.live(&key, now) {
+            // Gone already (as on Redis, where a release may be sent twice): the key is free.
+            None => return Ok(true),
+            Some(slot) if *slot.record != *held.encoded => return Ok(false),
+            Some(_) => {}
         }
         shard.map.remove(&key);
         shard.wake(&key);

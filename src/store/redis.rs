@@ -65,9 +65,17 @@ if v == ARGV[2] then
 end
 return 0";
 
+/// Deletes the holder's claim (ARGV[1]). 1: deleted; 2: the key is gone already; 0: the key
+/// holds something else, left alone. "Gone" is told apart from "another value" because a
+/// release is sent again after a connection error (by the cluster client's own `retries`):
+/// the second attempt finds the key the first one deleted, and that is no lost lease.
 const RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
   return redis.call('DEL', KEYS[1])
+end
+if not v then
+  return 2
 end
 return 0";
 
@@ -430,7 +438,7 @@ impl<C: RedisConnection> RedisStore<C> {
             .invoke_async(&mut conn)
             .await
             .map_err(backend("release"))?;
-        Ok(n == 1)
+        Ok(n != 0)
     }
 }
 
