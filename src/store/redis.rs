@@ -26,6 +26,7 @@
 mod check;
 mod connect;
 mod replicas;
+mod resend;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -302,17 +303,30 @@ impl<C: RedisConnection> RedisStore<C> {
         }
     }
 
-    /// `SET key held NX PX lease GET` on `conn`. Finding our own claim there means this very
-    /// command was sent twice (a client library retries after a connection error, and the
-    /// first attempt may have landed): the claim is ours.
+    /// Runs `attempt` on the shared connection, and once more if that connection had dropped
+    /// ([`resend`] says when that is safe).
+    async fn shared<T, Fut>(
+        &self,
+        op: &'static str,
+        mut attempt: impl FnMut(C) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        resend::once_more(op, || attempt(self.conn.clone()))
+            .await
+            .map_err(backend(op))
+    }
+
+    /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One
+    /// atomic step: set if absent, and return the previous value if there was one.
     async fn set_nx_get(
         conn: &mut impl ConnectionLike,
         key: &StoreKey,
         held: &Held,
         lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        // One atomic step: set if absent, and return the previous value if there was one.
-        let previous: Option<Vec<u8>> = redis::cmd("SET")
+    ) -> RedisResult<Option<Vec<u8>>> {
+        redis::cmd("SET")
             .arg(key.text())
             .arg(held.encoded.as_ref())
             .arg("NX")
@@ -321,10 +335,15 @@ impl<C: RedisConnection> RedisStore<C> {
             .arg("GET")
             .query_async(conn)
             .await
-            .map_err(backend("claim"))?;
-        Ok(previous
+    }
+
+    /// What a claim found, given what the key held before its `SET NX GET`. Finding our own
+    /// claim there means this very command was sent twice (after a connection error, by the
+    /// cluster client or by [`resend`]; the first attempt landed): the claim is ours.
+    fn found(previous: Option<Vec<u8>>, held: &Held) -> Option<Bytes> {
+        previous
             .filter(|p| p.as_slice() != held.encoded.as_ref())
-            .map(Bytes::from))
+            .map(Bytes::from)
     }
 
     async fn complete_on(
@@ -334,7 +353,7 @@ impl<C: RedisConnection> RedisStore<C> {
         held: &Held,
         done: &Bytes,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> RedisResult<bool> {
         let n: i64 = self
             .complete
             .key(key.text())
@@ -342,8 +361,7 @@ impl<C: RedisConnection> RedisStore<C> {
             .arg(done.as_ref())
             .arg(millis(ttl))
             .invoke_async(conn)
-            .await
-            .map_err(backend("complete"))?;
+            .await?;
         Ok(n == 1)
     }
 
@@ -358,13 +376,12 @@ impl<C: RedisConnection> RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
-        let mut dedicated = replicas.checkout("claim").await?;
-        let previous = bounded(
-            "claim",
-            self.timeout,
-            Self::set_nx_get(dedicated.conn(), key, held, lease),
-        )
-        .await?;
+        let (dedicated, previous) = replicas
+            .write("claim", |mut conn| async move {
+                Self::set_nx_get(&mut conn, key, held, lease).await
+            })
+            .await?;
+        let previous = Self::found(previous, held);
         if previous.is_some() {
             // Nothing was written: there is nothing to wait for.
             dedicated.give_back();
@@ -409,13 +426,11 @@ impl<C: RedisConnection> RedisStore<C> {
         done: &Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let mut dedicated = replicas.checkout("complete").await?;
-        let saved = bounded(
-            "complete",
-            self.timeout,
-            self.complete_on(dedicated.conn(), key, held, done, ttl),
-        )
-        .await?;
+        let (dedicated, saved) = replicas
+            .write("complete", |mut conn| async move {
+                self.complete_on(&mut conn, key, held, done, ttl).await
+            })
+            .await?;
         if !saved {
             return Ok(false);
         }
@@ -430,14 +445,15 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
         let n: i64 = self
-            .release
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("release"))?;
+            .shared("release", |mut conn| async move {
+                self.release
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
         Ok(n != 0)
     }
 }
@@ -462,7 +478,14 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     ) -> Result<Option<Bytes>, StoreError> {
         match &self.replicas {
             Some(replicas) => self.claim_acknowledged(replicas, key, held, lease).await,
-            None => Self::set_nx_get(&mut self.conn.clone(), key, held, lease).await,
+            None => {
+                let previous = self
+                    .shared("claim", |mut conn| async move {
+                        Self::set_nx_get(&mut conn, key, held, lease).await
+                    })
+                    .await?;
+                Ok(Self::found(previous, held))
+            }
         }
     }
 
@@ -472,15 +495,16 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
         let n: i64 = self
-            .renew
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .arg(millis(lease))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("renew"))?;
+            .shared("renew", |mut conn| async move {
+                self.renew
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .arg(millis(lease))
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
         Ok(n == 1)
     }
 
@@ -497,8 +521,11 @@ impl<C: RedisConnection> Store for RedisStore<C> {
                     .await
             }
             None => {
-                self.complete_on(&mut self.conn.clone(), key, held, &done, ttl)
-                    .await
+                let done = &done;
+                self.shared("complete", |mut conn| async move {
+                    self.complete_on(&mut conn, key, held, done, ttl).await
+                })
+                .await
             }
         }
     }
@@ -508,23 +535,23 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        let mut conn = self.conn.clone();
-        let value: Option<Vec<u8>> = conn.get(key.text()).await.map_err(backend("get"))?;
+        let value: Option<Vec<u8>> = self
+            .shared("get", |mut conn| async move { conn.get(key.text()).await })
+            .await?;
         Ok(value.map(Bytes::from))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.conn.ping().await.map_err(backend("ping"))
+        self.shared("ping", |conn| async move { conn.ping().await })
+            .await
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn.clone();
         let (value, pttl): (Option<Vec<u8>>, i64) = self
-            .inspect
-            .key(key.text())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("inspect"))?;
+            .shared("inspect", |mut conn| async move {
+                self.inspect.key(key.text()).invoke_async(&mut conn).await
+            })
+            .await?;
         let ttl = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
         Ok(value.map(|v| (Bytes::from(v), ttl)))
     }
