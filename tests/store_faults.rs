@@ -320,3 +320,61 @@ async fn a_second_try_stays_within_store_timeout() {
         "both tries within one store.timeout ({timeout:?}): took {took:?}"
     );
 }
+
+/// With `wait_replicas`, a claim whose answer was lost (the connection broke after Redis ran
+/// the `SET`) is sent again on a new connection, finds its own claim, and writes nothing
+/// there. `WAIT` waits for the offset its connection last noted, so the claim must still be
+/// waited for: with the replica stopped, the claim is refused (too few replicas), not taken as
+/// acknowledged. (Redis 7.0 notes the offset after every command, so the found claim is
+/// covered anyway; Redis versions that note it only after a write need the store's renewal of
+/// the found claim on the new connection.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_sent_again_still_waits_for_the_replicas() {
+    let primary = RedisServer::start();
+    let port = primary.port();
+    let replica = tokio::task::spawn_blocking(move || {
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port.to_string()]);
+        wait_linked(&replica);
+        replica
+    })
+    .await
+    .expect("start the replica");
+    let relay = Relay::start(primary.addr()).await;
+    let timeout = Duration::from_millis(500);
+    let metrics = Arc::new(Metrics::new());
+    let inner = RedisStore::connect(
+        &format!("redis://{}/0", relay.addr()),
+        &RedisAccess::default(),
+        1,
+        timeout,
+        metrics.clone(),
+    )
+    .expect("redis store");
+    let store = StoreHandle::new(Arc::new(inner), timeout, metrics);
+
+    // A claim of a key holding 16 KiB sends them down the pooled connection: a new connection
+    // never gets as far as the cut below.
+    let filler = store_key(41);
+    let _: () = redis::cmd("SET")
+        .arg(filler.text())
+        .arg(vec![b'x'; 16 * 1024])
+        .query(&mut primary.conn())
+        .expect("SET filler");
+    let found = store
+        .claim(&filler, &held(1), Duration::from_secs(30))
+        .await;
+    assert!(found.is_err(), "the filler is no record: {found:?}");
+    assert_eq!(relay.stats().accepted, 1, "one pooled connection so far");
+    relay.cut_after(Direction::Down, Some(relay.stats().bytes_down));
+
+    replica.pause();
+    let key = &store_key(42);
+    let a = held(1);
+    let claim = store.claim(key, &a, Duration::from_secs(30)).await;
+    replica.resume();
+    assert_eq!(relay.stats().resets, 1, "the claim's answer was cut off");
+    assert!(
+        matches!(claim, Err(StoreError::ReplicasMissing { acked: 0, .. })),
+        "the stopped replica never acknowledged the claim: {claim:?}"
+    );
+}

@@ -346,6 +346,38 @@ impl<C: RedisConnection> RedisStore<C> {
             .map(Bytes::from)
     }
 
+    /// A claim sent again found its own claim: the first try landed, on a connection that
+    /// broke before its answer came back. `WAIT` waits for the replication offset its
+    /// connection last noted: Redis 7.0 notes it after every command, but the current Redis
+    /// source only after a command that propagated a write, and then the `WAIT` to come would
+    /// not cover that first `SET`. Renewing the claim here is a write on this connection, later
+    /// in the replication stream than the `SET`, whatever the version.
+    async fn rewrite_own_claim(
+        &self,
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let renewal = async {
+            self.renew
+                .key(key.text())
+                .arg(held.encoded.as_ref())
+                .arg(millis(lease))
+                .invoke_async::<i64>(conn)
+                .await
+                .map_err(backend("claim"))
+        };
+        match bounded("claim", self.timeout, renewal).await? {
+            1 => Ok(()),
+            // Within one store.timeout (shorter than any lease) nobody else can take the key.
+            _ => Err(StoreError::Backend {
+                op: "claim",
+                source: "the claim vanished right after it was taken".into(),
+            }),
+        }
+    }
+
     async fn complete_on(
         &self,
         conn: &mut impl ConnectionLike,
@@ -376,11 +408,15 @@ impl<C: RedisConnection> RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
-        let (dedicated, previous) = replicas
+        let (mut dedicated, previous) = replicas
             .write("claim", |mut conn| async move {
                 Self::set_nx_get(&mut conn, key, held, lease).await
             })
             .await?;
+        if previous.as_deref() == Some(held.encoded.as_ref()) {
+            self.rewrite_own_claim(dedicated.conn(), key, held, lease)
+                .await?;
+        }
         let previous = Self::found(previous, held);
         if previous.is_some() {
             // Nothing was written: there is nothing to wait for.
