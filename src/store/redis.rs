@@ -19,14 +19,18 @@
 //!   stopped Redis otherwise hangs a call forever.
 //! - With `store.wait_replicas`, a claim and a completion also wait for replicas to acknowledge
 //!   them (`WAIT`), on a dedicated connection ([`replicas`] says why).
+//! - A command whose connection had dropped (Redis restarted, or closed it idle) is sent once
+//!   more on a new connection, within the same deadline ([`resend`] says when that is safe).
 //!
-//! Layout: this file holds the store; [`connect`] builds clients from the configuration,
+//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`resend`] the second try
+//! after a dropped connection, [`connect`] builds clients from the configuration,
 //! [`replicas`] the `WAIT` machinery, [`check`] the start-up checks of the servers.
 
 mod check;
 mod connect;
 mod replicas;
 mod resend;
+mod scripts;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,58 +45,11 @@ use redis::{AsyncCommands, RedisResult, Script, Value};
 pub use self::connect::{client, cluster_client};
 pub use self::replicas::MAX_DEDICATED;
 use self::replicas::Replicas;
+use self::scripts::{COMPLETE, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
-
-const RENEW: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0";
-
-/// Replaces the holder's claim (ARGV[1]) by the finished record (ARGV[2]). A key that already
-/// holds that very record counts as done too: the client library may send a command again
-/// after a connection error (the cluster client does), and the first attempt may have landed.
-const COMPLETE: &str = r"
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-if v == ARGV[2] then
-  return 1
-end
-return 0";
-
-/// Deletes the holder's claim (ARGV[1]). 1: deleted; 2: the key is gone already; 0: the key
-/// holds something else, left alone. "Gone" is told apart from "another value" because a
-/// release is sent again after a connection error (by the cluster client's own `retries`):
-/// the second attempt finds the key the first one deleted, and that is no lost lease.
-const RELEASE: &str = r"
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-if not v then
-  return 2
-end
-return 0";
-
-const INSPECT: &str = r"
-return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
-
-/// Deletes a finished record only: its value starts with the finished-record prefix
-/// (ARGV[1]). 0: absent; 1: forgotten; 2: anything else, left alone.
-const FORGET: &str = r"
-local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
-if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 2";
 
 /// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
 /// ([`ClusterConnection`]). Single-key commands go through [`ConnectionLike`] on both; what
