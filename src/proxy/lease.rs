@@ -104,7 +104,7 @@ impl Lease {
     pub async fn release(mut self) {
         match self.store.release(&self.key, &self.held).await {
             Ok(true) => {}
-            Ok(false) => self.mark_lost("the claim was gone before release"),
+            Ok(false) => self.mark_lost("another request holds the key now"),
             // The claim will expire within lock_ttl; until then repeats get 409.
             Err(e) => tracing::warn!(
                 route = %self.route,

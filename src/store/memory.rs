@@ -19,10 +19,17 @@
 //!
 //! Expiry: each record has a deadline (milliseconds since the store started). An expired record
 //! is treated as absent at once, and its memory is reclaimed by a sweeper that visits every
-//! shard once a second, and by a full sweep when the store is at its bound. The `max_entries`
+//! shard once a second, and by a full purge when the store is at its bound. The `max_entries`
 //! bound is enforced on claims only, after expired records are gone: a full store refuses new
 //! claims (a store error, so 503 or forward) and never evicts a live record — an evicted record
 //! is a forgotten operation.
+//!
+//! A full purge locks and scans every shard, O(`max_entries`): run for every refused claim, a
+//! flood of new keys against a full store would cost that much CPU per request, for requests
+//! refused anyway. So a claim at the bound purges only when a record may have lapsed since the
+//! last purge (the store tracks the earliest deadline it has written since then), and at most
+//! once per [`PURGE_AT_BOUND_EVERY`]; otherwise it is refused at once. A claim is refused while
+//! a lapsed record could have made room for that long at most.
 //!
 //! Waiters (`on_conflict: wait`) are woken in-process by a per-key [`Notify`], made only for keys
 //! that someone waits on, when the claim is completed, released or expires.
@@ -48,6 +55,10 @@ const SHARDS: usize = 64;
 
 /// How often the sweeper visits every shard to reclaim expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The least time between two full purges run by claims at the bound: how long, at most, a full
+/// store refuses claims while lapsed records could have made room.
+const PURGE_AT_BOUND_EVERY: Duration = Duration::from_millis(100);
 
 /// A record's place: the route's number and the key's hash.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -136,20 +147,22 @@ impl Shard {
         }
     }
 
-    /// Drops expired records; returns how many.
-    fn purge_expired(&mut self, now: u64) -> u64 {
+    /// Drops expired records; returns how many, and the earliest deadline of those left
+    /// (`u64::MAX` if none).
+    fn purge_expired(&mut self, now: u64) -> (u64, u64) {
         let before = self.map.len();
         let waiters = &mut self.waiters;
+        let mut earliest = u64::MAX;
         self.map.retain(|k, s| {
             let live = s.expires > now;
-            if !live {
-                if let Some(n) = waiters.remove(k) {
-                    n.notify_waiters();
-                }
+            if live {
+                earliest = earliest.min(s.expires);
+            } else if let Some(n) = waiters.remove(k) {
+                n.notify_waiters();
             }
             live
         });
-        (before - self.map.len()) as u64
+        ((before - self.map.len()) as u64, earliest)
     }
 }
 
@@ -160,6 +173,15 @@ struct Inner {
     /// Records held, expired ones not yet swept included.
     held: AtomicU64,
     max_entries: u64,
+    /// No record written since the last full purge lapses before this (milliseconds since
+    /// `epoch`; a lower bound, so it errs towards purging): until then a purge would find
+    /// nothing to reclaim.
+    next_lapse: AtomicU64,
+    /// When a claim at the bound may next run a full purge.
+    purge_due: AtomicU64,
+    /// Full purges run by claims at the bound (not by the sweeper): each one locks and scans
+    /// every shard, so the unit tests bound how often it happens.
+    full_purges: AtomicU64,
 }
 
 impl Inner {
@@ -184,12 +206,49 @@ impl Inner {
         self.held.fetch_sub(n, Ordering::AcqRel);
     }
 
-    /// Drops every expired record, one shard at a time.
+    /// Notes a deadline just written to a slot. Called after the write, so a purge that scans
+    /// the shard before the write sees this call's effect, and one that scans after sees the
+    /// record: either way `next_lapse` stays a lower bound. The load first keeps the shared
+    /// value's cache line unwritten for the common deadline, a later one.
+    fn lapses_at(&self, expires: u64) {
+        if expires < self.next_lapse.load(Ordering::Acquire) {
+            self.next_lapse.fetch_min(expires, Ordering::AcqRel);
+        }
+    }
+
+    /// At the bound: reclaims expired records if one may have lapsed since the last purge and
+    /// no purge ran in the last [`PURGE_AT_BOUND_EVERY`]. Whether it purged: only then can a
+    /// second try find room. Claims that lose the race for the purge are refused at once
+    /// rather than queue for the shards' locks behind it.
+    fn purge_at_bound(&self) -> bool {
+        let now = self.now();
+        if now < self.next_lapse.load(Ordering::Acquire) {
+            return false;
+        }
+        let due = self.purge_due.load(Ordering::Acquire);
+        let next = now.saturating_add(millis(PURGE_AT_BOUND_EVERY));
+        if now < due
+            || self
+                .purge_due
+                .compare_exchange(due, next, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return false;
+        }
+        self.purge_all();
+        true
+    }
+
+    /// Drops every expired record, one shard at a time, and starts `next_lapse` again from
+    /// what is left (writes meanwhile lower it by themselves).
     fn purge_all(&self) {
+        self.full_purges.fetch_add(1, Ordering::Relaxed);
+        self.next_lapse.store(u64::MAX, Ordering::Release);
         for shard in self.shards.iter() {
             let now = self.now();
-            let gone = lock(shard).purge_expired(now);
+            let (gone, earliest) = lock(shard).purge_expired(now);
             self.forget(gone);
+            self.lapses_at(earliest);
         }
     }
 
@@ -198,27 +257,30 @@ impl Inner {
     fn try_claim(&self, key: &MapKey, held: &Held, lease: Duration) -> Result<Option<Bytes>, ()> {
         let mut shard = self.shard(key);
         let now = self.now();
+        let expires = now.saturating_add(millis(lease));
         // Made only when the claim is taken: a replay or a conflict allocates nothing here.
         let slot = || Slot {
-            expires: now.saturating_add(millis(lease)),
+            expires,
             record: Arc::from(&held.encoded[..]),
         };
         match shard.map.entry(*key) {
-            MapEntry::Occupied(o) if o.get().expires > now => Ok(Some(shared(&o.get().record))),
+            MapEntry::Occupied(o) if o.get().expires > now => {
+                return Ok(Some(shared(&o.get().record)));
+            }
             // An expired record is absent: take its place (the count does not change).
             MapEntry::Occupied(mut o) => {
                 o.insert(slot());
                 shard.wake(key);
-                Ok(None)
             }
             MapEntry::Vacant(v) => {
                 if !self.reserve() {
                     return Err(());
                 }
                 v.insert(slot());
-                Ok(None)
             }
         }
+        self.lapses_at(expires);
+        Ok(None)
     }
 }
 
@@ -254,6 +316,9 @@ impl MemoryStore {
             epoch: Instant::now(),
             held: AtomicU64::new(0),
             max_entries,
+            next_lapse: AtomicU64::new(u64::MAX),
+            purge_due: AtomicU64::new(0),
+            full_purges: AtomicU64::new(0),
         });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -264,7 +329,7 @@ impl MemoryStore {
                 for i in 0..SHARDS {
                     let Some(inner) = weak.upgrade() else { return };
                     let now = inner.now();
-                    let gone = lock(&inner.shards[i]).purge_expired(now);
+                    let (gone, _) = lock(&inner.shards[i]).purge_expired(now);
                     inner.forget(gone);
                     drop(inner);
                     // One shard at a time, letting requests run in between.
@@ -309,11 +374,12 @@ impl Store for MemoryStore {
         if let Ok(found) = self.inner.try_claim(&key, held, lease) {
             return Ok(found);
         }
-        // At the bound: reclaim expired records, then try once more.
-        self.inner.purge_all();
-        self.inner
-            .try_claim(&key, held, lease)
-            .map_err(|()| StoreError::Full(self.inner.max_entries))
+        // At the bound: reclaim expired records if that can make room now, then try once more.
+        let full = StoreError::Full(self.inner.max_entries);
+        if !self.inner.purge_at_bound() {
+            return Err(full);
+        }
+        self.inner.try_claim(&key, held, lease).map_err(|()| full)
     }
 
     async fn renew(
@@ -328,6 +394,7 @@ impl Store for MemoryStore {
         match shard.holds(&key, held, now) {
             Some(slot) => {
                 slot.expires = now.saturating_add(millis(lease));
+                self.inner.lapses_at(slot.expires);
                 Ok(true)
             }
             None => Ok(false),
@@ -354,6 +421,7 @@ impl Store for MemoryStore {
         };
         slot.expires = now.saturating_add(millis(ttl));
         slot.record = Arc::from(&done[..]);
+        self.inner.lapses_at(slot.expires);
         shard.wake(&key);
         Ok(true)
     }
@@ -362,8 +430,11 @@ impl Store for MemoryStore {
         let key = MapKey::of(key);
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
-        if shard.holds(&key, held, now).is_none() {
-            return Ok(false);
+        match shard.live(&key, now) {
+            // Gone already (as on Redis, where a release may be sent twice): the key is free.
+            None => return Ok(true),
+            Some(slot) if *slot.record != *held.encoded => return Ok(false),
+            Some(_) => {}
         }
         shard.map.remove(&key);
         shard.wake(&key);
@@ -449,187 +520,4 @@ impl Store for MemoryStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::metrics::Metrics;
-    use crate::record::{Entry, Outcome, new_token};
-    use crate::store::{Claim, StoreHandle};
-    use http::StatusCode;
-
-    fn store(max_entries: u64) -> (StoreHandle, Arc<MemoryStore>) {
-        let memory = Arc::new(MemoryStore::new(max_entries));
-        let handle = StoreHandle::new(
-            memory.clone(),
-            Duration::from_secs(1),
-            Arc::new(Metrics::new()),
-        );
-        (handle, memory)
-    }
-
-    /// Keys `n` land in different shards for different `n`.
-    fn k(n: u8) -> StoreKey {
-        let mut id = [n; 32];
-        id[0] = n;
-        StoreKey::new("test:r:".into(), 0, id)
-    }
-
-    fn held(fp: u8) -> Held {
-        Held::new(Entry::InFlight {
-            token: new_token(),
-            fingerprint: [fp; 32],
-        })
-    }
-
-    fn done(fp: u8) -> Entry {
-        Entry::Done {
-            fingerprint: [fp; 32],
-            outcome: Outcome::NotReplayable {
-                status: StatusCode::OK,
-            },
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn claim_is_exclusive_and_expires() {
-        let (s, _) = store(10);
-        let a = held(1);
-        let b = held(1);
-        let lease = Duration::from_secs(1);
-        assert_eq!(s.claim(&k(1), &a, lease).await.ok(), Some(Claim::Claimed));
-        assert_eq!(
-            s.claim(&k(1), &b, lease).await.ok(),
-            Some(Claim::Existing(a.entry.clone()))
-        );
-        tokio::time::advance(Duration::from_millis(1001)).await;
-        // a's lease expired: b may claim, and a may no longer complete.
-        assert_eq!(s.claim(&k(1), &b, lease).await.ok(), Some(Claim::Claimed));
-        let d = done(1).encode();
-        assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(false));
-        assert_eq!(s.renew(&k(1), &a, lease).await.ok(), Some(false));
-        assert_eq!(s.release(&k(1), &a).await.ok(), Some(false));
-        assert_eq!(s.complete(&k(1), &b, &d, lease).await.ok(), Some(true));
-        assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn routes_namespace_the_same_id() {
-        let (s, _) = store(10);
-        let lease = Duration::from_secs(1);
-        let other_route = StoreKey::new("test:r2:".into(), 1, *k(1).id());
-        assert_eq!(
-            s.claim(&k(1), &held(1), lease).await.ok(),
-            Some(Claim::Claimed)
-        );
-        assert_eq!(
-            s.claim(&other_route, &held(1), lease).await.ok(),
-            Some(Claim::Claimed)
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn renew_extends_the_lease() {
-        let (s, _) = store(10);
-        let a = held(1);
-        let lease = Duration::from_secs(1);
-        assert_eq!(s.claim(&k(1), &a, lease).await.ok(), Some(Claim::Claimed));
-        for _ in 0..5 {
-            tokio::time::advance(Duration::from_millis(500)).await;
-            assert_eq!(s.renew(&k(1), &a, lease).await.ok(), Some(true));
-        }
-        assert!(matches!(
-            s.claim(&k(1), &held(1), lease).await,
-            Ok(Claim::Existing(_))
-        ));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn full_store_refuses_new_claims_and_never_evicts() {
-        let (s, memory) = store(2);
-        let lease = Duration::from_secs(10);
-        assert!(s.claim(&k(1), &held(1), lease).await.is_ok());
-        assert!(s.claim(&k(2), &held(1), lease).await.is_ok());
-        assert!(matches!(
-            s.claim(&k(3), &held(1), lease).await,
-            Err(StoreError::Full(2))
-        ));
-        assert!(s.get(&k(1)).await.ok().flatten().is_some());
-        // Nobody but the holder can release a claim.
-        let a = held(1);
-        assert!(s.release(&k(1), &held(1)).await.is_ok_and(|r| !r));
-        tokio::time::advance(Duration::from_secs(11)).await;
-        // Once records expire, there is room again, whatever the sweeper has done so far.
-        assert_eq!(s.claim(&k(3), &a, lease).await.ok(), Some(Claim::Claimed));
-        assert_eq!(memory.len(), 1);
-        assert!(s.release(&k(3), &a).await.is_ok_and(|r| r));
-        assert!(memory.is_empty());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_sweeper_reclaims_expired_records() {
-        let (s, memory) = store(1000);
-        let lease = Duration::from_millis(100);
-        for n in 0..200u8 {
-            assert!(s.claim(&k(n), &held(1), lease).await.is_ok());
-        }
-        assert_eq!(memory.len(), 200);
-        tokio::time::sleep(SWEEP_EVERY * 2).await;
-        assert_eq!(memory.len(), 0, "every expired record was swept");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_ttl_beyond_any_clock_means_forever_not_a_panic() {
-        let (s, _) = store(10);
-        let a = held(1);
-        assert!(s.claim(&k(1), &a, Duration::MAX).await.is_ok());
-        assert_eq!(s.renew(&k(1), &a, Duration::MAX).await.ok(), Some(true));
-        let d = done(1).encode();
-        assert_eq!(
-            s.complete(&k(1), &a, &d, Duration::MAX).await.ok(),
-            Some(true)
-        );
-        tokio::time::advance(Duration::from_secs(86_400 * 365)).await;
-        assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_saved_record_is_one_compact_copy() {
-        let (s, memory) = store(10);
-        let a = held(1);
-        assert!(s.claim(&k(1), &a, Duration::from_secs(1)).await.is_ok());
-        // A record encoded into a much larger buffer: the store keeps only its own bytes.
-        let d = done(1).encode();
-        let mut big = bytes::BytesMut::with_capacity(64 * 1024);
-        big.extend_from_slice(&d);
-        let big = big.freeze();
-        assert!(
-            s.complete(&k(1), &a, &big, Duration::from_secs(1))
-                .await
-                .is_ok()
-        );
-        let shard = memory.inner.shard(&MapKey::of(&k(1)));
-        let slot = shard.map.get(&MapKey::of(&k(1))).expect("the record");
-        assert_eq!(slot.record.len(), d.len());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn waiters_wake_on_completion() {
-        let (s, _) = store(10);
-        let a = held(1);
-        let lease = Duration::from_secs(10);
-        assert!(s.claim(&k(1), &a, lease).await.is_ok());
-        let s2 = s.clone();
-        let waiter = tokio::spawn(async move {
-            let start = Instant::now();
-            s2.wait_change(&k(1), Duration::from_secs(5)).await;
-            start.elapsed()
-        });
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let d = done(1).encode();
-        assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(true));
-        let waited = waiter.await.expect("waiter");
-        assert!(
-            waited < Duration::from_secs(1),
-            "woken at once, not at the deadline"
-        );
-    }
-}
+mod tests;

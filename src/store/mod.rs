@@ -130,7 +130,11 @@ pub trait Store: Send + Sync + 'static {
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError>;
-    /// Deletes the claim if `held` still holds the key.
+    /// Deletes the claim if `held` still holds the key. `true` once the key is free of it:
+    /// deleted now, or gone already (a release sent again after its answer was lost finds the
+    /// key gone; so does one whose lease lapsed with nobody taking the key). `false` only when
+    /// the key holds something else — another request's claim or a finished record — which
+    /// is left alone: the lease was lost.
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError>;
     /// Reads the key.
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError>;

@@ -19,13 +19,18 @@
 //!   stopped Redis otherwise hangs a call forever.
 //! - With `store.wait_replicas`, a claim and a completion also wait for replicas to acknowledge
 //!   them (`WAIT`), on a dedicated connection ([`replicas`] says why).
+//! - A command whose connection had dropped (Redis restarted, or closed it idle) is sent once
+//!   more on a new connection, within the same deadline ([`resend`] says when that is safe).
 //!
-//! Layout: this file holds the store; [`connect`] builds clients from the configuration,
+//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`resend`] the second try
+//! after a dropped connection, [`connect`] builds clients from the configuration,
 //! [`replicas`] the `WAIT` machinery, [`check`] the start-up checks of the servers.
 
 mod check;
 mod connect;
 mod replicas;
+mod resend;
+mod scripts;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,50 +45,11 @@ use redis::{AsyncCommands, RedisResult, Script, Value};
 pub use self::connect::{client, cluster_client};
 pub use self::replicas::MAX_DEDICATED;
 use self::replicas::Replicas;
+use self::scripts::{COMPLETE, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
-
-const RENEW: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0";
-
-/// Replaces the holder's claim (ARGV[1]) by the finished record (ARGV[2]). A key that already
-/// holds that very record counts as done too: the client library may send a command again
-/// after a connection error (the cluster client does), and the first attempt may have landed.
-const COMPLETE: &str = r"
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-if v == ARGV[2] then
-  return 1
-end
-return 0";
-
-const RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0";
-
-const INSPECT: &str = r"
-return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
-
-/// Deletes a finished record only: its value starts with the finished-record prefix
-/// (ARGV[1]). 0: absent; 1: forgotten; 2: anything else, left alone.
-const FORGET: &str = r"
-local v = redis.call('GET', KEYS[1])
-if not v then return 0 end
-if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 2";
 
 /// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
 /// ([`ClusterConnection`]). Single-key commands go through [`ConnectionLike`] on both; what
@@ -294,17 +260,30 @@ impl<C: RedisConnection> RedisStore<C> {
         }
     }
 
-    /// `SET key held NX PX lease GET` on `conn`. Finding our own claim there means this very
-    /// command was sent twice (a client library retries after a connection error, and the
-    /// first attempt may have landed): the claim is ours.
+    /// Runs `attempt` on the shared connection, and once more if that connection had dropped
+    /// ([`resend`] says when that is safe).
+    async fn shared<T, Fut>(
+        &self,
+        op: &'static str,
+        mut attempt: impl FnMut(C) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        resend::once_more(op, || attempt(self.conn.clone()))
+            .await
+            .map_err(backend(op))
+    }
+
+    /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One
+    /// atomic step: set if absent, and return the previous value if there was one.
     async fn set_nx_get(
         conn: &mut impl ConnectionLike,
         key: &StoreKey,
         held: &Held,
         lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        // One atomic step: set if absent, and return the previous value if there was one.
-        let previous: Option<Vec<u8>> = redis::cmd("SET")
+    ) -> RedisResult<Option<Vec<u8>>> {
+        redis::cmd("SET")
             .arg(key.text())
             .arg(held.encoded.as_ref())
             .arg("NX")
@@ -313,10 +292,47 @@ impl<C: RedisConnection> RedisStore<C> {
             .arg("GET")
             .query_async(conn)
             .await
-            .map_err(backend("claim"))?;
-        Ok(previous
+    }
+
+    /// What a claim found, given what the key held before its `SET NX GET`. Finding our own
+    /// claim there means this very command was sent twice (after a connection error, by the
+    /// cluster client or by [`resend`]; the first attempt landed): the claim is ours.
+    fn found(previous: Option<Vec<u8>>, held: &Held) -> Option<Bytes> {
+        previous
             .filter(|p| p.as_slice() != held.encoded.as_ref())
-            .map(Bytes::from))
+            .map(Bytes::from)
+    }
+
+    /// A claim sent again found its own claim: the first try landed, on a connection that
+    /// broke before its answer came back. `WAIT` waits for the replication offset its
+    /// connection last noted: Redis 7.0 notes it after every command, but the current Redis
+    /// source only after a command that propagated a write, and then the `WAIT` to come would
+    /// not cover that first `SET`. Renewing the claim here is a write on this connection, later
+    /// in the replication stream than the `SET`, whatever the version.
+    async fn rewrite_own_claim(
+        &self,
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let renewal = async {
+            self.renew
+                .key(key.text())
+                .arg(held.encoded.as_ref())
+                .arg(millis(lease))
+                .invoke_async::<i64>(conn)
+                .await
+                .map_err(backend("claim"))
+        };
+        match bounded("claim", self.timeout, renewal).await? {
+            1 => Ok(()),
+            // Within one store.timeout (shorter than any lease) nobody else can take the key.
+            _ => Err(StoreError::Backend {
+                op: "claim",
+                source: "the claim vanished right after it was taken".into(),
+            }),
+        }
     }
 
     async fn complete_on(
@@ -326,7 +342,7 @@ impl<C: RedisConnection> RedisStore<C> {
         held: &Held,
         done: &Bytes,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> RedisResult<bool> {
         let n: i64 = self
             .complete
             .key(key.text())
@@ -334,8 +350,7 @@ impl<C: RedisConnection> RedisStore<C> {
             .arg(done.as_ref())
             .arg(millis(ttl))
             .invoke_async(conn)
-            .await
-            .map_err(backend("complete"))?;
+            .await?;
         Ok(n == 1)
     }
 
@@ -350,13 +365,16 @@ impl<C: RedisConnection> RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
-        let mut dedicated = replicas.checkout("claim").await?;
-        let previous = bounded(
-            "claim",
-            self.timeout,
-            Self::set_nx_get(dedicated.conn(), key, held, lease),
-        )
-        .await?;
+        let (mut dedicated, previous) = replicas
+            .write("claim", |mut conn| async move {
+                Self::set_nx_get(&mut conn, key, held, lease).await
+            })
+            .await?;
+        if previous.as_deref() == Some(held.encoded.as_ref()) {
+            self.rewrite_own_claim(dedicated.conn(), key, held, lease)
+                .await?;
+        }
+        let previous = Self::found(previous, held);
         if previous.is_some() {
             // Nothing was written: there is nothing to wait for.
             dedicated.give_back();
@@ -401,13 +419,11 @@ impl<C: RedisConnection> RedisStore<C> {
         done: &Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let mut dedicated = replicas.checkout("complete").await?;
-        let saved = bounded(
-            "complete",
-            self.timeout,
-            self.complete_on(dedicated.conn(), key, held, done, ttl),
-        )
-        .await?;
+        let (dedicated, saved) = replicas
+            .write("complete", |mut conn| async move {
+                self.complete_on(&mut conn, key, held, done, ttl).await
+            })
+            .await?;
         if !saved {
             return Ok(false);
         }
@@ -422,15 +438,16 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
         let n: i64 = self
-            .release
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("release"))?;
-        Ok(n == 1)
+            .shared("release", |mut conn| async move {
+                self.release
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(n != 0)
     }
 }
 
@@ -454,7 +471,14 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     ) -> Result<Option<Bytes>, StoreError> {
         match &self.replicas {
             Some(replicas) => self.claim_acknowledged(replicas, key, held, lease).await,
-            None => Self::set_nx_get(&mut self.conn.clone(), key, held, lease).await,
+            None => {
+                let previous = self
+                    .shared("claim", |mut conn| async move {
+                        Self::set_nx_get(&mut conn, key, held, lease).await
+                    })
+                    .await?;
+                Ok(Self::found(previous, held))
+            }
         }
     }
 
@@ -464,15 +488,16 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
         let n: i64 = self
-            .renew
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .arg(millis(lease))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("renew"))?;
+            .shared("renew", |mut conn| async move {
+                self.renew
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .arg(millis(lease))
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
         Ok(n == 1)
     }
 
@@ -489,8 +514,11 @@ impl<C: RedisConnection> Store for RedisStore<C> {
                     .await
             }
             None => {
-                self.complete_on(&mut self.conn.clone(), key, held, &done, ttl)
-                    .await
+                let done = &done;
+                self.shared("complete", |mut conn| async move {
+                    self.complete_on(&mut conn, key, held, done, ttl).await
+                })
+                .await
             }
         }
     }
@@ -500,23 +528,23 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        let mut conn = self.conn.clone();
-        let value: Option<Vec<u8>> = conn.get(key.text()).await.map_err(backend("get"))?;
+        let value: Option<Vec<u8>> = self
+            .shared("get", |mut conn| async move { conn.get(key.text()).await })
+            .await?;
         Ok(value.map(Bytes::from))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.conn.ping().await.map_err(backend("ping"))
+        self.shared("ping", |conn| async move { conn.ping().await })
+            .await
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn.clone();
         let (value, pttl): (Option<Vec<u8>>, i64) = self
-            .inspect
-            .key(key.text())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("inspect"))?;
+            .shared("inspect", |mut conn| async move {
+                self.inspect.key(key.text()).invoke_async(&mut conn).await
+            })
+            .await?;
         let ttl = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
         Ok(value.map(|v| (Bytes::from(v), ttl)))
     }

@@ -21,11 +21,11 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use redis::AsyncConnectionConfig;
 use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, RedisResult};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{backend, bounded, millis};
+use super::{backend, bounded, millis, resend};
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::StoreError;
 
@@ -104,9 +104,47 @@ impl Replicas {
         self.wanted
     }
 
-    /// A dedicated connection: an idle one, or a new one while fewer than [`MAX_DEDICATED`]
-    /// are open. Bounded by `timeout` (waiting for a free slot included).
-    pub async fn checkout(&self, op: &'static str) -> Result<Dedicated<'_>, StoreError> {
+    /// Runs the write `attempt` on a dedicated connection, and gives back the connection with
+    /// the write's answer, for the `WAIT` that must follow on that very connection.
+    ///
+    /// A pooled connection may have outlived its server (Redis restarted, or closed it for
+    /// idling). When the write finds its connection dropped, the pool's other idle
+    /// connections go too (they date from the same server), and the write runs once more on a
+    /// new connection ([`resend`] says why that is safe). The checkout is bounded by
+    /// `timeout`, and so are the write and its second try together.
+    pub async fn write<T, Fut>(
+        &self,
+        op: &'static str,
+        mut attempt: impl FnMut(MultiplexedConnection) -> Fut,
+    ) -> Result<(Dedicated<'_>, T), StoreError>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let dedicated = self.checkout(op, true).await?;
+        bounded(op, self.timeout, async move {
+            match attempt(dedicated.conn.clone()).await {
+                Ok(answer) => Ok((dedicated, answer)),
+                Err(e) if resend::dropped(&e) => {
+                    tracing::debug!(op, error = %e, "a pooled Redis connection had dropped; writing again on a new one");
+                    drop(dedicated);
+                    self.idle
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clear();
+                    let fresh = self.checkout(op, false).await?;
+                    let answer = attempt(fresh.conn.clone()).await.map_err(backend(op))?;
+                    Ok((fresh, answer))
+                }
+                Err(e) => Err(backend(op)(e)),
+            }
+        })
+        .await
+    }
+
+    /// A dedicated connection: an idle one if `pooled` and there is one, else a new one,
+    /// while fewer than [`MAX_DEDICATED`] are open. Bounded by `timeout` (waiting for a free
+    /// slot included).
+    async fn checkout(&self, op: &'static str, pooled: bool) -> Result<Dedicated<'_>, StoreError> {
         bounded(op, self.timeout, async {
             let slot =
                 self.slots
@@ -117,11 +155,14 @@ impl Replicas {
                         op,
                         source: Box::new(e),
                     })?;
-            let idle = self
-                .idle
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .pop();
+            let idle = if pooled {
+                self.idle
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .pop()
+            } else {
+                None
+            };
             let conn = match idle {
                 Some(conn) => conn,
                 None => {
