@@ -43,10 +43,17 @@ fn redis_config(conn: &mut ::redis::Connection, name: &str, value: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_a_save_past_the_pending_bytes_bound_keeps_its_lease_and_saves_result_not_kept() {
     let env = Env::new(Backend::Redis).await;
-    let yaml = env.config("lock_ttl: 1s\nmax_response_body: 4KiB").replace(
-        "shutdown_timeout: 10s\n",
-        "shutdown_timeout: 10s\nlimits:\n  max_pending_save_bytes: 6KiB\n",
-    );
+    let yaml = env
+        .config("lock_ttl: 1s\nmax_response_body: 4KiB")
+        .replace(
+            "shutdown_timeout: 10s\n",
+            "shutdown_timeout: 10s\nlimits:\n  max_pending_save_bytes: 6KiB\n",
+        )
+        // The harness's other idempotent route must fit the bound too (refused at load otherwise).
+        .replace(
+            "      lock_ttl: 2s\n",
+            "      lock_ttl: 2s\n      max_response_body: 4KiB\n",
+        );
     let proxy = env.proxy(&yaml).await;
     let mut conn = env.redis().conn();
     redis_config(&mut conn, "maxmemory-policy", "noeviction");
