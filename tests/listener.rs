@@ -495,3 +495,82 @@ async fn an_h2_client_that_stops_reading_is_abandoned() {
     let replay = book(&proxy, "big", "{}").await;
     assert_eq!(replay.body.len(), BIG, "the saved result still replays");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The header count on HTTP/2
+// ---------------------------------------------------------------------------------------------
+
+/// SPEC 4.3: both protocols refuse the same header count before anything is claimed. An h2c
+/// POST with 120 extra headers reached the upstream, whose 431 was saved and replayed to the
+/// HTTP/1.1 retry although nothing ran; now the proxy answers the h2 request itself with a
+/// 431 problem, the upstream is not called, and the retry runs the operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_headers_over_h2_are_refused_before_a_claim() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .expect("h2c client");
+    let mut req = h2
+        .post(proxy.url("/bookings"))
+        .header("Idempotency-Key", "h2-many")
+        .header("Content-Type", "application/json")
+        .body("{}");
+    for i in 0..120 {
+        req = req.header(format!("x-filler-{i}"), "1");
+    }
+    let refused = send(req).await;
+    refused.assert_problem(431, "headers-too-large");
+    assert_eq!(env.mock.calls("h2-many"), 0, "the upstream was not called");
+    let retry = book(&proxy, "h2-many", "{}").await;
+    assert_eq!(retry.status, 201, "the retry runs: {:?}", retry.body);
+    assert_eq!(retry.header("idempotent-replayed"), "");
+    assert_eq!(env.mock.calls("h2-many"), 1);
+}
+
+/// Near the limit, over HTTP/2, each request is either refused by the proxy (a 431 problem,
+/// the upstream not called) or reaches the upstream with no more headers than it takes (it
+/// runs): the proxy never forwards a head its upstream refuses, and the largest head it
+/// forwards fills the upstream's 100 headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_heads_near_the_limit_are_refused_or_run_never_saved_as_a_431() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .expect("h2c client");
+    let mut largest_forwarded = 0;
+    let mut refused = 0;
+    for extra in 88..=100 {
+        let key = format!("near-{extra}");
+        let mut req = h2
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", &key)
+            .body("{}");
+        for i in 0..extra {
+            req = req.header(format!("x-filler-{i}"), "1");
+        }
+        let reply = send(req).await;
+        if reply.status == 431 {
+            reply.assert_problem(431, "headers-too-large");
+            assert_eq!(
+                env.mock.calls(&key),
+                0,
+                "{extra} extra headers: not forwarded"
+            );
+            refused += 1;
+        } else {
+            assert_eq!(reply.status, 201, "{extra} extra headers: {:?}", reply.body);
+            assert_eq!(env.mock.calls(&key), 1);
+            let seen = env.mock.last_request().expect("a request upstream");
+            largest_forwarded = largest_forwarded.max(seen.headers.len());
+        }
+    }
+    assert!(refused > 0, "the largest heads were refused");
+    assert_eq!(
+        largest_forwarded, 100,
+        "the largest forwarded head fills the upstream's 100 headers"
+    );
+}

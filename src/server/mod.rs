@@ -21,13 +21,14 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::{Request, Response, header};
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
 use crate::body::Body;
 use crate::config::{BackendSettings, Config, Limits};
 use crate::metrics::Metrics;
+use crate::problem::Problem;
 use crate::proxy::Proxy;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
@@ -187,7 +188,7 @@ pub async fn serve(
     Ok(())
 }
 
-/// The main listener's handler: the proxy.
+/// The main listener's handler: the proxy, behind the checks hyper makes for HTTP/1.1 only.
 struct ProxyService(Arc<Proxy>);
 
 impl Handler for ProxyService {
@@ -199,6 +200,23 @@ impl Handler for ProxyService {
         req: Request<Incoming>,
         peer: Peer,
     ) -> Result<Response<Body>, Infallible> {
-        Ok(self.0.handle(req, peer.addr()).await)
+        let client = peer.addr();
+        if let Some(count) = too_many_headers(&req) {
+            tracing::debug!(%client, headers = count, "too many request headers: refused");
+            return Ok(Problem::HeadersTooLarge { limit: MAX_HEADERS }.response());
+        }
+        Ok(self.0.handle(req, client).await)
     }
+}
+
+/// The request's header count, if it is over [`MAX_HEADERS`] as HTTP/1.1 counts them.
+///
+/// hyper enforces `max_headers` on HTTP/1.1 only. An HTTP/2 request carries its host in the
+/// `:authority` pseudo-header, which becomes a `Host` line upstream, so it counts as one.
+/// HTTP/1.1 requests never get here with too many (hyper refuses them first).
+fn too_many_headers(req: &Request<Incoming>) -> Option<usize> {
+    let host =
+        usize::from(!req.headers().contains_key(header::HOST) && req.uri().authority().is_some());
+    let count = req.headers().len() + host;
+    (count > MAX_HEADERS).then_some(count)
 }
