@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Backend, Env, Reply, TestProxy, book, book_with, client, send};
+use common::{Backend, Env, ProxyProcess, Reply, TestProxy, book, book_with, client, send};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -573,4 +573,71 @@ async fn h2_heads_near_the_limit_are_refused_or_run_never_saved_as_a_431() {
         largest_forwarded, 100,
         "the largest forwarded head fills the upstream's 100 headers"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// drain_delay
+// ---------------------------------------------------------------------------------------------
+
+/// After SIGTERM with `drain_delay: 3s`, `/readyz` answers 503 at once while the proxy keeps
+/// accepting and serving new connections for the delay (it used to close the listener at the
+/// signal); then it drains and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_delay_keeps_serving_while_readiness_says_503() {
+    let env = Env::new(Backend::Memory).await;
+    let admin_port = common::free_port();
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!("shutdown_timeout: 10s\ndrain_delay: 3s\nadmin_listen: 127.0.0.1:{admin_port}\n"),
+    );
+    let mut proxy = ProxyProcess::spawn(&yaml);
+    let readyz = format!("http://127.0.0.1:{admin_port}/readyz");
+    let mut ready = false;
+    for _ in 0..100 {
+        if let Ok(r) = client().get(&readyz).send().await {
+            if r.status() == 200 {
+                ready = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready, "ready before the signal");
+    let signalled = Instant::now();
+    proxy.signal("-TERM");
+    let draining = send(client().get(&readyz)).await;
+    assert_eq!(draining.status, 503, "readyz says 503 from the signal on");
+    let during = book_with(&proxy.url(""), "during-delay", "{}", &[]).await;
+    assert_eq!(
+        during.status, 201,
+        "a new connection during drain_delay is served"
+    );
+    assert!(
+        signalled.elapsed() < Duration::from_secs(3),
+        "the checks ran inside the delay; the machine is too slow for this test"
+    );
+    assert_eq!(
+        proxy.wait(Duration::from_secs(15)),
+        Some(0),
+        "exits 0 after the delay; log: {}",
+        proxy.log()
+    );
+    assert!(
+        signalled.elapsed() >= Duration::from_millis(2500),
+        "not before the delay: {:?}",
+        signalled.elapsed()
+    );
+    assert_eq!(env.mock.calls("during-delay"), 1);
+}
+
+/// Without `drain_delay`, SIGTERM closes the listener at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_drain_delay_the_listener_closes_at_the_signal() {
+    let env = Env::new(Backend::Memory).await;
+    let mut proxy = ProxyProcess::spawn(&env.config(""));
+    let ok = book_with(&proxy.url(""), "before", "{}", &[]).await;
+    assert_eq!(ok.status, 201);
+    proxy.signal("-TERM");
+    assert_eq!(proxy.wait(Duration::from_secs(10)), Some(0));
+    assert!(TcpStream::connect(proxy.addr).await.is_err(), "closed");
 }

@@ -1,7 +1,8 @@
 //! The proxy's servers: the main listener (HTTP/1.1 and h2c, or with `tls:` HTTP/1.1 and h2
 //! over TLS) and the wiring of the store, the admin listener and graceful shutdown.
 //!
-//! On shutdown it stops accepting, lets requests in flight finish, and waits for the
+//! On shutdown it marks the proxy draining (readiness answers 503), keeps serving for
+//! `drain_delay`, then stops accepting, lets requests in flight finish, and waits for the
 //! background tasks (upstream calls whose client left, saves being retried) so that every
 //! result that can be saved is saved — all within `shutdown_timeout`.
 //!
@@ -154,14 +155,23 @@ pub async fn serve(
     let config = proxy.config();
     let limits = client_limits(&config.limits, config.limits.max_connections);
     let tls = config.tls.as_ref().map(crate::tls::ServerTls::acceptor);
-    let shutdown_timeout = config.shutdown_timeout;
+    let (drain_delay, shutdown_timeout) = (config.drain_delay, config.shutdown_timeout);
     let scheme = if tls.is_some() { "https" } else { "http" };
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "idemproxy listening on {scheme}://{addr}");
     let draining = proxy.clone();
     let stop = async move {
         shutdown.await;
+        // Readiness says 503 from the signal on, while the listener still serves: a load
+        // balancer polling it moves traffic away before the socket closes.
         draining.start_draining();
+        if !drain_delay.is_zero() {
+            tracing::info!(
+                ?drain_delay,
+                "draining: /readyz answers 503; still accepting for drain_delay"
+            );
+            tokio::time::sleep(drain_delay).await;
+        }
     };
     let drain = Listener::new(listener, "proxy", limits)
         .tls(tls)
