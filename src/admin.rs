@@ -15,13 +15,11 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use serde_json::json;
 use tokio::net::TcpListener;
 
@@ -29,9 +27,17 @@ use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::proxy::Proxy;
 use crate::record::{Entry, Outcome};
+use crate::server::listener::{Handler, Listener, Peer};
 use crate::store::Forgotten;
 
-/// Serves the admin endpoints on `listener` until `shutdown` completes.
+/// How long admin requests in flight (a scrape, a key lookup) may run once the admin listener
+/// stops, after the proxy's own drain.
+const ADMIN_DRAIN: Duration = Duration::from_secs(2);
+
+/// Serves the admin endpoints on `listener` until `shutdown` completes. The admin listener
+/// keeps the main one's header and idle deadlines and send timeout, with a connection bound of
+/// its own (`limits.max_admin_connections`): a flood of admin sockets must not starve the
+/// main listener of file descriptors.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
@@ -39,28 +45,30 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "admin listening on http://{addr} (/healthz, /readyz, /metrics)");
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => return Ok(()),
-        };
-        let proxy = proxy.clone();
-        let svc = service_fn(move |req| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(handle(&proxy, req, peer).await) }
-        });
-        tokio::spawn(async move {
-            let conn = auto::Builder::new(TokioExecutor::new());
-            let _ = conn.serve_connection(TokioIo::new(stream), svc).await;
-        });
+    let config = &proxy.config().limits;
+    let limits = crate::server::client_limits(config, config.max_admin_connections);
+    let drain = Listener::new(listener, "admin", limits)
+        .run(AdminService(proxy), shutdown)
+        .await;
+    if !drain.close_within(ADMIN_DRAIN).await {
+        tracing::debug!("admin requests still in flight after the drain: closed");
+    }
+    Ok(())
+}
+
+/// The admin listener's handler.
+struct AdminService(Arc<Proxy>);
+
+impl Handler for AdminService {
+    type Body = Body;
+    type Error = Infallible;
+
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: Peer,
+    ) -> Result<Response<Body>, Infallible> {
+        Ok(handle(&self.0, req, peer.addr()).await)
     }
 }
 

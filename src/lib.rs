@@ -20,7 +20,8 @@
 //! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
 //! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
-//! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.
+//! - [`server`]: the proxy's listener and graceful shutdown ([`server::run`] is what `main`
+//!   calls), on [`server::listener`], the one listener type the proxy, admin and mock share.
 //! - [`tls`]: certificates and keys read at load — the listener's, and each upstream's roots.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.

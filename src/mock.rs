@@ -2,8 +2,8 @@
 //!
 //! The demo puts the proxy in front of it, the integration tests use it to see whether the
 //! upstream "ran the operation", and the benches use it as the baseline upstream. It is a real
-//! HTTP server (HTTP/1.1, and HTTP/2 with prior knowledge, through
-//! `hyper_util::server::conn::auto`), so everything the proxy does to a request or a response
+//! HTTP server (HTTP/1.1, and HTTP/2 with prior knowledge, on the crate's own
+//! [`Listener`](crate::server::listener::Listener)), so everything the proxy does to a request or a response
 //! crosses a real socket.
 //!
 //! # Routes
@@ -60,7 +60,6 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -72,15 +71,12 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Status
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use serde_json::{Map, Value, json};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+use crate::server::listener::{Handler, Listener, ListenerLimits, Peer};
 
 /// The header whose value the mock counts side effects under.
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -307,55 +303,40 @@ pub async fn serve(
     state: MockUpstream,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let builder = auto::Builder::new(TokioExecutor::new());
-    let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "mock upstream: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        if let Err(error) = stream.set_nodelay(true) {
-            tracing::debug!(%error, "mock upstream: set_nodelay failed");
-        }
-
-        let abort = Arc::new(AtomicBool::new(false));
-        let io = TokioIo::new(ConnIo {
-            stream,
-            abort: Arc::clone(&abort),
-        });
-        let state = state.clone();
-        let service = service_fn(move |request| {
-            let state = state.clone();
-            let abort = Arc::clone(&abort);
-            async move { handle(&state, &abort, request).await }
-        });
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let connection = builder.serve_connection(io, service);
-            if let Err(error) = watcher.watch(connection).await {
-                tracing::debug!(%peer, %error, "mock upstream: connection ended with an error");
-            }
-        });
-    }
-
-    drop(listener);
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let drain = Listener::new(listener, "mock upstream", LIMITS)
+        .run(Service(state), shutdown)
+        .await;
+    if !drain.close_within(SHUTDOWN_GRACE).await {
         tracing::warn!("mock upstream: requests still in flight after the grace period");
     }
     Ok(())
+}
+
+/// The mock's limits are generous: tests park requests on it for seconds (`X-Mock-Delay`) and
+/// the proxy keeps pooled connections to it. Its header limits are hyper's defaults (100
+/// headers), which the proxy's own limits are measured against.
+const LIMITS: ListenerLimits = ListenerLimits {
+    max_connections: 10_000,
+    header_read_timeout: Duration::from_secs(300),
+    send_timeout: Duration::from_secs(300),
+    max_headers: 100,
+    max_head_bytes: 8192 + 4096 * 100,
+};
+
+/// The mock as a listener's handler.
+struct Service(MockUpstream);
+
+impl Handler for Service {
+    type Body = MockBody;
+    type Error = MockError;
+
+    async fn call(
+        self: Arc<Self>,
+        request: Request<Incoming>,
+        peer: Peer,
+    ) -> Result<Response<MockBody>, MockError> {
+        handle(&self.0, &peer, request).await
+    }
 }
 
 /// Binds `127.0.0.1:0`, serves a fresh [`MockUpstream`] there on the current Tokio runtime and
@@ -472,7 +453,7 @@ enum MockError {
 
 async fn handle(
     state: &MockUpstream,
-    abort: &AtomicBool,
+    peer: &Peer,
     request: Request<Incoming>,
 ) -> Result<Response<MockBody>, MockError> {
     let (parts, body) = request.into_parts();
@@ -501,9 +482,8 @@ async fn handle(
         tokio::time::sleep(delay).await;
     }
     if directives.reset {
-        // `ConnIo` sees the flag: it refuses to write or half-close, and on drop the socket is
-        // closed with SO_LINGER 0, i.e. a TCP reset, not an orderly FIN.
-        abort.store(true, Ordering::SeqCst);
+        // Nothing more is written, not even a FIN, and the socket closes with a TCP reset.
+        peer.reset();
         return Err(MockError::Reset);
     }
 
@@ -837,88 +817,6 @@ impl Body for MockBody {
     }
 }
 
-/// The connection's socket, with a switch the service flips to make it end in a TCP reset.
-///
-/// Hyper owns the IO object, so the service can't reach the socket when it wants to abort. Once
-/// `abort` is set, writes and the half-close fail (so hyper sends nothing more, not even a FIN),
-/// and dropping the socket closes it with SO_LINGER 0, which makes the kernel send a RST.
-struct ConnIo {
-    stream: TcpStream,
-    abort: Arc<AtomicBool>,
-}
-
-impl ConnIo {
-    fn aborted(&self) -> bool {
-        self.abort.load(Ordering::SeqCst)
-    }
-}
-
-fn aborted_error() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::ConnectionAborted,
-        "connection aborted (X-Mock-Reset)",
-    )
-}
-
-impl AsyncRead for ConnIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for ConnIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        if self.aborted() {
-            return Poll::Ready(Err(aborted_error()));
-        }
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        if self.aborted() {
-            return Poll::Ready(Err(aborted_error()));
-        }
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.aborted() {
-            return Poll::Ready(Err(aborted_error()));
-        }
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
-    }
-}
-
-impl Drop for ConnIo {
-    fn drop(&mut self) {
-        if self.aborted() {
-            if let Err(error) = self.stream.set_zero_linger() {
-                tracing::debug!(%error, "mock upstream: could not arm the reset");
-            }
-        }
-    }
-}
-
 /// The first value of `name` in a query string, percent-decoded (`+` as a space).
 fn query_param(query: &str, name: &str) -> Option<String> {
     query.split('&').find_map(|pair| {
@@ -967,8 +865,10 @@ mod tests {
     use http_body_util::Full;
     use hyper_util::client::legacy::Client;
     use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
     use std::time::Instant;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
 
     type TestClient = Client<HttpConnector, Full<Bytes>>;
 

@@ -103,6 +103,12 @@ pub enum Problem {
         /// Which part, and why.
         detail: String,
     },
+    /// The request has more headers than the proxy takes (431); nothing claimed. hyper refuses
+    /// such an HTTP/1.1 head itself; the proxy answers an HTTP/2 one with this.
+    HeadersTooLarge {
+        /// The most headers a request may have.
+        limit: usize,
+    },
 }
 
 impl Problem {
@@ -151,6 +157,7 @@ impl Problem {
             Problem::Overloaded => "overloaded",
             Problem::Internal => "internal-error",
             Problem::UnreadableKeyPart { .. } => "unreadable-key-part",
+            Problem::HeadersTooLarge { .. } => "headers-too-large",
         }
     }
 
@@ -174,6 +181,7 @@ impl Problem {
             Problem::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Problem::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Problem::UnreadableKeyPart { .. } => StatusCode::BAD_REQUEST,
+            Problem::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         }
     }
 
@@ -199,6 +207,7 @@ impl Problem {
             Problem::Overloaded => "Too much unfinished work",
             Problem::Internal => "Internal proxy error",
             Problem::UnreadableKeyPart { .. } => "Idempotency key cannot be derived",
+            Problem::HeadersTooLarge { .. } => "Too many request headers",
         }
     }
 
@@ -250,6 +259,9 @@ impl Problem {
             Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
+            ),
+            Problem::HeadersTooLarge { limit } => format!(
+                "The request has more than {limit} header fields (the host counts as one); nothing was done. Retry with fewer headers and the same key."
             ),
         }
     }
@@ -357,6 +369,7 @@ mod tests {
             Problem::UnreadableKeyPart {
                 detail: "key_from part json:/a cannot be read: the body is not JSON".into(),
             },
+            Problem::HeadersTooLarge { limit: 97 },
         ]
     }
 

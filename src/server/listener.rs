@@ -1,0 +1,273 @@
+//! The one listener every server of the crate uses — the proxy's, the admin's and the mock
+//! upstream's — in the shape of mini-redis's `Listener`: an accept loop bounded by a
+//! semaphore, with backoff when accept fails, and a task per connection that keeps its
+//! deadlines (see [`super::connection`]). Each server brings only its [`Handler`] and its
+//! [`ListenerLimits`].
+//!
+//! ```no_run
+//! use std::convert::Infallible;
+//! use std::sync::Arc;
+//!
+//! use idemproxy::server::listener::{Handler, Listener, ListenerLimits, Peer};
+//!
+//! struct Hello;
+//!
+//! impl Handler for Hello {
+//!     type Body = http_body_util::Full<bytes::Bytes>;
+//!     type Error = Infallible;
+//!
+//!     async fn call(
+//!         self: Arc<Self>,
+//!         _req: http::Request<hyper::body::Incoming>,
+//!         _peer: Peer,
+//!     ) -> Result<http::Response<Self::Body>, Infallible> {
+//!         Ok(http::Response::new("hello\n".into()))
+//!     }
+//! }
+//!
+//! # async fn example(tcp: tokio::net::TcpListener, limits: ListenerLimits) {
+//! let stop = async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! };
+//! let drain = Listener::new(tcp, "hello", limits).run(Hello, stop).await;
+//! drain.close_within(std::time::Duration::from_secs(5)).await;
+//! # }
+//! ```
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::task::TaskTracker;
+
+use super::accept::Backoff;
+use super::connection::{self, Stop};
+use crate::body::BoxError;
+
+/// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
+const MIN_HEAD_BYTES: usize = 8192;
+
+/// What one listener lets each client hold.
+#[derive(Debug, Clone, Copy)]
+pub struct ListenerLimits {
+    /// Connections open at once. Past it, accepting pauses and new connections wait in the
+    /// kernel's queue: a flood of idle sockets cannot exhaust memory or file descriptors.
+    pub max_connections: usize,
+    /// From the accept, the deadline of the TLS handshake and the first request; then of each
+    /// HTTP/1.1 request head, and of an idle connection (either protocol, no request in
+    /// progress) since its last response.
+    pub header_read_timeout: Duration,
+    /// How long a response may make no write progress before it is abandoned and its
+    /// connection closed.
+    pub send_timeout: Duration,
+    /// HTTP/1.1 request headers at most (HTTP/2 has no such setting: a handler that cares
+    /// counts them itself).
+    pub max_headers: usize,
+    /// Bytes of request head at most: the HTTP/1.1 read buffer, the HTTP/2 header list.
+    pub max_head_bytes: usize,
+}
+
+/// What a listener serves: one call per request. `peer` is the connection's client.
+pub trait Handler: Send + Sync + 'static {
+    /// The response body.
+    type Body: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static;
+    /// A failure that hyper answers by closing the connection (a handler with an HTTP answer
+    /// for everything uses `Infallible`).
+    type Error: Into<BoxError>;
+
+    /// Answers one request. Everything is passed owned, so that the answer borrows nothing and
+    /// hyper can run it on its own.
+    fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: Peer,
+    ) -> impl Future<Output = Result<Response<Self::Body>, Self::Error>> + Send + 'static;
+}
+
+/// The client of a connection, as a [`Handler`] sees it.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    addr: SocketAddr,
+    reset: Arc<AtomicBool>,
+}
+
+impl Peer {
+    pub(super) fn new(addr: SocketAddr, reset: Arc<AtomicBool>) -> Peer {
+        Peer { addr, reset }
+    }
+
+    /// The client's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Ends the connection abruptly: from now on nothing more is written (not even a FIN),
+    /// and the socket closes with a TCP reset. The mock upstream plays a crashing server with
+    /// it.
+    pub fn reset(&self) {
+        self.reset.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A bound socket, ready to serve.
+pub struct Listener {
+    tcp: TcpListener,
+    name: &'static str,
+    limits: ListenerLimits,
+    tls: Option<TlsAcceptor>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("name", &self.name)
+            .field("addr", &self.tcp.local_addr().ok())
+            .field("limits", &self.limits)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+/// What every connection task of one listener shares.
+pub(super) struct Shared<H> {
+    pub(super) handler: Arc<H>,
+    pub(super) builder: auto::Builder<TokioExecutor>,
+    pub(super) tls: Option<TlsAcceptor>,
+    pub(super) limits: ListenerLimits,
+    pub(super) name: &'static str,
+}
+
+impl Listener {
+    /// `name` says which listener in the log (`proxy`, `admin`, …).
+    pub fn new(tcp: TcpListener, name: &'static str, limits: ListenerLimits) -> Listener {
+        Listener {
+            tcp,
+            name,
+            limits,
+            tls: None,
+        }
+    }
+
+    /// Serves TLS (HTTP/1.1 and h2 by ALPN) instead of cleartext.
+    pub fn tls(mut self, acceptor: Option<TlsAcceptor>) -> Listener {
+        self.tls = acceptor;
+        self
+    }
+
+    /// Accepts and serves until `shutdown` resolves, then closes the socket and returns the
+    /// connections still open, for the caller to [`Drain`].
+    pub async fn run<H: Handler>(self, handler: H, shutdown: impl Future<Output = ()>) -> Drain {
+        let shared = Arc::new(Shared {
+            handler: Arc::new(handler),
+            builder: builder(&self.limits),
+            tls: self.tls,
+            limits: self.limits,
+            name: self.name,
+        });
+        let slots = Arc::new(Semaphore::new(self.limits.max_connections.max(1)));
+        let connections = TaskTracker::new();
+        let stop = Stop::default();
+        let mut backoff = Backoff::new(self.name);
+        tokio::pin!(shutdown);
+        loop {
+            let slot = tokio::select! {
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    // The semaphore is never closed.
+                    Err(_) => break,
+                },
+                () = &mut shutdown => break,
+            };
+            let (tcp, peer) = tokio::select! {
+                accepted = self.tcp.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        if let Some(pause) = backoff.failed(&error) {
+                            tokio::select! {
+                                () = tokio::time::sleep(pause) => {}
+                                () = &mut shutdown => break,
+                            }
+                        }
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            backoff.succeeded();
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(listener = self.name, %peer, %error, "set_nodelay failed");
+            }
+            let shared = shared.clone();
+            // Cloned before the task starts, so that a drain beginning during a TLS handshake
+            // still reaches this connection.
+            let stop = stop.clone();
+            connections.spawn(async move {
+                let _slot = slot;
+                connection::serve(shared, tcp, peer, stop).await;
+            });
+        }
+        drop(self.tcp);
+        Drain { connections, stop }
+    }
+}
+
+/// The builder every connection shares: hyper's own limits.
+fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
+    let head_bytes = limits.max_head_bytes.max(MIN_HEAD_BYTES);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // Bounds each request head; for an idle keep-alive connection, hyper's deadline and
+        // the connection task's are the same.
+        .header_read_timeout(limits.header_read_timeout)
+        .max_headers(limits.max_headers)
+        .max_buf_size(head_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(head_bytes).unwrap_or(u32::MAX));
+    builder
+}
+
+/// The connections of a listener that has stopped accepting.
+#[derive(Debug)]
+pub struct Drain {
+    connections: TaskTracker,
+    stop: Stop,
+}
+
+impl Drain {
+    /// Tells every connection to finish the requests it is serving and close (HTTP/1.1: no
+    /// keep-alive; HTTP/2: GOAWAY), and waits until all have.
+    pub async fn close(&self) {
+        self.stop.graceful.cancel();
+        self.connections.close();
+        self.connections.wait().await;
+    }
+
+    /// Closes every connection still open at once.
+    pub fn abort(&self) {
+        self.stop.now.cancel();
+    }
+
+    /// [`Drain::close`] for at most `timeout`, then [`Drain::abort`]; whether every connection
+    /// closed in time.
+    pub async fn close_within(&self, timeout: Duration) -> bool {
+        let closed = tokio::time::timeout(timeout, self.close()).await.is_ok();
+        if !closed {
+            self.abort();
+        }
+        closed
+    }
+}

@@ -1,0 +1,232 @@
+//! The proxy's servers: the main listener (HTTP/1.1 and h2c, or with `tls:` HTTP/1.1 and h2
+//! over TLS) and the wiring of the store, the admin listener and graceful shutdown.
+//!
+//! On shutdown it marks the proxy draining (readiness answers 503), keeps serving for
+//! `drain_delay`, then stops accepting, lets requests in flight finish, and waits for the
+//! background tasks (upstream calls whose client left, saves being retried) so that every
+//! result that can be saved is saved — all within `shutdown_timeout`.
+//!
+//! - [`listener`]: the one listener type every server uses, and its [`listener::Handler`].
+//! - `accept`: what to do when accept fails (backoff, one log line a burst).
+//! - `connection`: one connection's task — TLS handshake, deadlines, drain.
+//! - `activity`: what a connection is doing, for those deadlines.
+//! - `io`: the socket under hyper, with the send deadline.
+
+mod accept;
+mod activity;
+mod connection;
+mod io;
+pub mod listener;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response, header};
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+
+use crate::body::Body;
+use crate::config::{BackendSettings, Config, Limits};
+use crate::metrics::Metrics;
+use crate::problem::Problem;
+use crate::proxy::Proxy;
+use crate::store::memory::MemoryStore;
+use crate::store::redis::RedisStore;
+use crate::store::{Store, StoreError, StoreHandle};
+use listener::{Handler, Listener, ListenerLimits, Peer};
+
+/// At most this many request headers: 100 (hyper's and many servers' limit) less the three
+/// `X-Forwarded-*` the proxy adds. A request the upstream would refuse while parsing must be
+/// refused here, before a claim: otherwise the upstream's 431 would be saved as the operation's
+/// result and replayed to every retry, though nothing ran.
+const MAX_HEADERS: usize = 97;
+/// At most this many bytes of request head (HTTP/1.1 buffer; HTTP/2 header list).
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Why the proxy could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The store could not be set up.
+    #[error("cannot set up the store: {0}")]
+    Store(#[from] StoreError),
+    /// The listener failed.
+    #[error("listener: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Pending connections the listener queues (the kernel caps it at `net.core.somaxconn`):
+/// a burst of a thousand clients retrying at once must not be refused at the door.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener with a deep accept queue and `SO_REUSEADDR` (a restart does not wait for
+/// the old process's connections to leave TIME_WAIT).
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Builds the store the configuration names. With Redis, checks every server's eviction policy
+/// in the background (it must not delay start, and Redis may be down).
+pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
+    let s = &config.store;
+    let check_timeout = s.timeout.max(Duration::from_secs(2));
+    let backend: Arc<dyn Store> = match &s.backend {
+        BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
+        BackendSettings::Redis {
+            url,
+            access,
+            wait_replicas,
+        } => {
+            let redis = Arc::new(RedisStore::connect(
+                url,
+                access,
+                *wait_replicas,
+                s.timeout,
+                metrics.clone(),
+            )?);
+            let check = redis.clone();
+            tokio::spawn(async move { check.check_server(check_timeout).await });
+            redis
+        }
+        BackendSettings::RedisCluster { nodes, access } => {
+            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
+            let check = redis.clone();
+            tokio::spawn(async move { check.check_server(check_timeout).await });
+            redis
+        }
+    };
+    Ok(StoreHandle::new(backend, s.timeout, metrics))
+}
+
+/// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RunError> {
+    let metrics = Arc::new(Metrics::new());
+    let admin = match config.admin_listen {
+        Some(addr) => Some(bind(addr)?),
+        None => None,
+    };
+    let store = build_store(&config, metrics.clone())?;
+    let proxy = Arc::new(Proxy::new(config, store, metrics));
+    // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
+    let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = admin.map(|listener| {
+        tokio::spawn(crate::admin::serve(listener, proxy.clone(), async move {
+            let _ = admin_stopped.await;
+        }))
+    });
+    let served = serve(listener, proxy, shutdown).await;
+    let _ = admin_stop.send(());
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
+    served?;
+    Ok(())
+}
+
+/// The limits of a listener that serves the proxy's clients (the main one, and the admin one
+/// with its own connection bound).
+pub(crate) fn client_limits(limits: &Limits, max_connections: u32) -> ListenerLimits {
+    ListenerLimits {
+        max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
+        header_read_timeout: limits.header_read_timeout,
+        send_timeout: limits.send_timeout,
+        max_headers: MAX_HEADERS,
+        max_head_bytes: MAX_HEAD_BYTES,
+    }
+}
+
+/// Serves an already-built proxy (tests and benches use this to read its metrics).
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let config = proxy.config();
+    let limits = client_limits(&config.limits, config.limits.max_connections);
+    let tls = config.tls.as_ref().map(crate::tls::ServerTls::acceptor);
+    let (drain_delay, shutdown_timeout) = (config.drain_delay, config.shutdown_timeout);
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "idemproxy listening on {scheme}://{addr}");
+    let draining = proxy.clone();
+    let stop = async move {
+        shutdown.await;
+        // Readiness says 503 from the signal on, while the listener still serves: a load
+        // balancer polling it moves traffic away before the socket closes.
+        draining.start_draining();
+        if !drain_delay.is_zero() {
+            tracing::info!(
+                ?drain_delay,
+                "draining: /readyz answers 503; still accepting for drain_delay"
+            );
+            tokio::time::sleep(drain_delay).await;
+        }
+    };
+    let drain = Listener::new(listener, "proxy", limits)
+        .tls(tls)
+        .run(ProxyService(proxy.clone()), stop)
+        .await;
+    tracing::info!(
+        timeout = ?shutdown_timeout,
+        "shutting down: no new connections; waiting for requests in flight"
+    );
+    proxy.tasks().close();
+    let drained = tokio::time::timeout(shutdown_timeout, async {
+        drain.close().await;
+        proxy.tasks().wait().await;
+    })
+    .await;
+    match drained {
+        Ok(()) => tracing::info!("shutdown complete"),
+        Err(_) => {
+            drain.abort();
+            tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway")
+        }
+    }
+    proxy.log_pending_saves();
+    Ok(())
+}
+
+/// The main listener's handler: the proxy, behind the checks hyper makes for HTTP/1.1 only.
+struct ProxyService(Arc<Proxy>);
+
+impl Handler for ProxyService {
+    type Body = Body;
+    type Error = Infallible;
+
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: Peer,
+    ) -> Result<Response<Body>, Infallible> {
+        let client = peer.addr();
+        if let Some(count) = too_many_headers(&req) {
+            tracing::debug!(%client, headers = count, "too many request headers: refused");
+            return Ok(Problem::HeadersTooLarge { limit: MAX_HEADERS }.response());
+        }
+        Ok(self.0.handle(req, client).await)
+    }
+}
+
+/// The request's header count, if it is over [`MAX_HEADERS`] as HTTP/1.1 counts them.
+///
+/// hyper enforces `max_headers` on HTTP/1.1 only. An HTTP/2 request carries its host in the
+/// `:authority` pseudo-header, which becomes a `Host` line upstream, so it counts as one.
+/// HTTP/1.1 requests never get here with too many (hyper refuses them first).
+fn too_many_headers(req: &Request<Incoming>) -> Option<usize> {
+    let host =
+        usize::from(!req.headers().contains_key(header::HOST) && req.uri().authority().is_some());
+    let count = req.headers().len() + host;
+    (count > MAX_HEADERS).then_some(count)
+}
