@@ -661,6 +661,17 @@ pub struct RedisAccess {
     pub ca_pem: Option<Vec<u8>>,
 }
 
+impl RedisAccess {
+    /// The CA certificates to trust instead of the public web roots, if `store.ca_file` names
+    /// any, in the form the redis crate takes them.
+    pub fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.ca_pem.as_ref().map(|pem| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem.clone()),
+        })
+    }
+}
+
 impl fmt::Debug for RedisAccess {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisAccess")
@@ -1102,15 +1113,11 @@ fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<
             } else if let Err(e) = redis::Client::open(url.as_str()) {
                 err("store.url".into(), format!("invalid Redis URL: {e}"));
                 ok = false;
-            } else if let Some(access) = &access {
-                // Parses the CA file as the client will.
-                if let Err(e) = crate::store::redis::client(&url, access) {
-                    let field = if s.ca_file.is_some() {
-                        "store.ca_file"
-                    } else {
-                        "store.url"
-                    };
-                    err(field.into(), e.to_string());
+            } else if let Some(certs) = access.as_ref().and_then(RedisAccess::certificates) {
+                // The client parses the CA file when it is built: build one (it connects
+                // lazily) so that a CA file that is not one fails here, at load.
+                if let Err(e) = redis::Client::build_with_tls(url.as_str(), certs) {
+                    err("store.ca_file".into(), e.to_string());
                     ok = false;
                 }
             }
@@ -1189,9 +1196,16 @@ fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<
             }
             let access = redis_access(s, &s.nodes, "store.nodes", err);
             if let (true, Some(access)) = (ok, &access) {
-                // The client checks what the URLs alone cannot: the same TLS mode and
-                // credentials on every seed node, a CA file that parses.
-                if let Err(e) = crate::store::redis::cluster_client(&s.nodes, access, s.timeout) {
+                // The cluster client checks what the URLs alone cannot: the same TLS mode and
+                // credentials on every seed node, a CA file that parses. Building one connects
+                // nothing. The password of `access` is left out: a URL with one of its own
+                // was refused above, so there is nothing to compare it with.
+                let mut cluster =
+                    redis::cluster::ClusterClient::builder(s.nodes.iter().map(String::as_str));
+                if let Some(certs) = access.certificates() {
+                    cluster = cluster.certs(certs);
+                }
+                if let Err(e) = cluster.build() {
                     err("store.nodes".into(), e.to_string());
                     ok = false;
                 }
@@ -1697,6 +1711,45 @@ routes:
         let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
         let c = Config::from_yaml(&passthrough).expect("valid");
         assert!(c.routes[0].idempotency.is_none());
+    }
+
+    /// The Redis checks the clients make when they are built, made at load without the store.
+    #[test]
+    fn redis_settings_the_client_would_refuse_are_refused_at_load() {
+        let store = |section: &str| {
+            let yaml = format!("{MINIMAL}store:\n{section}");
+            Config::from_yaml(&yaml).expect_err("refused").0
+        };
+        let at = |errors: &[ConfigError], path: &str| {
+            assert!(
+                errors.iter().any(|e| e.path == path),
+                "no error at {path}: {errors:?}"
+            );
+        };
+        let errors = store(
+            "  backend: redis-cluster\n  nodes: [\"redis://:a@127.0.0.1:7000\", \"redis://:b@127.0.0.1:7001\"]\n",
+        );
+        at(&errors, "store.nodes");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n",
+        )
+        .expect("write");
+        let ca = ca.display();
+        at(
+            &store(&format!(
+                "  backend: redis\n  url: rediss://127.0.0.1:6380/0\n  ca_file: {ca}\n"
+            )),
+            "store.ca_file",
+        );
+        at(
+            &store(&format!(
+                "  backend: redis-cluster\n  nodes: [\"rediss://127.0.0.1:7000\"]\n  ca_file: {ca}\n"
+            )),
+            "store.nodes",
+        );
     }
 
     #[test]
