@@ -23,10 +23,12 @@ pub use crate::route::{
 };
 use crate::tls::{ClientTls, ServerTls, TlsFile};
 
+mod limits;
 mod load;
 mod secret;
 mod units;
 
+pub use limits::{Limits, RawLimits};
 pub use secret::Secret;
 use secret::secret;
 use units::{at_most, byte_size, count_at_most, duration};
@@ -129,57 +131,6 @@ pub struct RawTls {
     pub cert_file: String,
     /// The leaf's private key (PKCS#8, PKCS#1 or SEC1), unencrypted. Required.
     pub key_file: String,
-}
-
-/// `limits:` as written: what hostile or broken clients may hold at most.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(expecting = "limits: a mapping of bounds")]
-pub struct RawLimits {
-    /// Open client connections at most; past it, new connections wait in the accept queue.
-    /// Default 10000.
-    #[serde(default = "defaults::max_connections")]
-    pub max_connections: u32,
-    /// How long a client may take to send a request head, and how long an idle keep-alive
-    /// connection stays open. Default 10s.
-    #[serde(default = "defaults::header_read_timeout", with = "duration")]
-    pub header_read_timeout: Duration,
-    /// How long a client may take to send a whole request body, on every route. Default 30s.
-    #[serde(default = "defaults::body_read_timeout", with = "duration")]
-    pub body_read_timeout: Duration,
-    /// Idempotent exchanges still running after their client left, at most; past it, new
-    /// idempotent requests get a 503 before anything is claimed. Default 1000.
-    #[serde(default = "defaults::max_detached_exchanges")]
-    pub max_detached_exchanges: u32,
-    /// Results whose completion is being retried in the background, at most; past it (or past
-    /// `max_pending_save_bytes`) the oldest is given up. Default 1000.
-    #[serde(default = "defaults::max_pending_saves")]
-    pub max_pending_saves: u32,
-    /// Bytes of those results, at most. Default 64MiB.
-    #[serde(default = "defaults::max_pending_save_bytes", with = "byte_size")]
-    pub max_pending_save_bytes: u64,
-    /// How long a response may make no write progress (a client that stopped reading) before
-    /// it is abandoned and its connection closed. Default 30s.
-    #[serde(default = "defaults::send_timeout", with = "duration")]
-    pub send_timeout: Duration,
-    /// Open admin-listener connections at most. Default 256.
-    #[serde(default = "defaults::max_admin_connections")]
-    pub max_admin_connections: u32,
-}
-
-impl Default for RawLimits {
-    fn default() -> Self {
-        RawLimits {
-            max_connections: defaults::max_connections(),
-            header_read_timeout: defaults::header_read_timeout(),
-            body_read_timeout: defaults::body_read_timeout(),
-            max_detached_exchanges: defaults::max_detached_exchanges(),
-            max_pending_saves: defaults::max_pending_saves(),
-            max_pending_save_bytes: defaults::max_pending_save_bytes(),
-            send_timeout: defaults::send_timeout(),
-            max_admin_connections: defaults::max_admin_connections(),
-        }
-    }
 }
 
 /// Log line format.
@@ -423,30 +374,6 @@ pub mod defaults {
     pub(crate) fn pool_idle_timeout() -> Duration {
         Duration::from_secs(1)
     }
-    pub(crate) fn max_connections() -> u32 {
-        10_000
-    }
-    pub(crate) fn header_read_timeout() -> Duration {
-        Duration::from_secs(10)
-    }
-    pub(crate) fn body_read_timeout() -> Duration {
-        Duration::from_secs(30)
-    }
-    pub(crate) fn send_timeout() -> Duration {
-        Duration::from_secs(30)
-    }
-    pub(crate) fn max_admin_connections() -> u32 {
-        256
-    }
-    pub(crate) fn max_detached_exchanges() -> u32 {
-        1000
-    }
-    pub(crate) fn max_pending_saves() -> u32 {
-        1000
-    }
-    pub(crate) fn max_pending_save_bytes() -> u64 {
-        64 * 1024 * 1024
-    }
     pub(crate) fn header() -> String {
         "Idempotency-Key".to_owned()
     }
@@ -510,27 +437,6 @@ pub struct Config {
     pub routes: Vec<RouteSettings>,
     /// Bounds on what clients may hold.
     pub limits: Limits,
-}
-
-/// What hostile or broken clients may hold at most (see [`RawLimits`] for each field).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Open client connections at most.
-    pub max_connections: u32,
-    /// Deadline of a request head, and of an idle keep-alive connection.
-    pub header_read_timeout: Duration,
-    /// Deadline of a whole request body.
-    pub body_read_timeout: Duration,
-    /// Exchanges still running after their client left, at most.
-    pub max_detached_exchanges: u32,
-    /// Completions retried in the background, at most.
-    pub max_pending_saves: u32,
-    /// Bytes of those, at most.
-    pub max_pending_save_bytes: u64,
-    /// How long a response may make no write progress before its connection is closed.
-    pub send_timeout: Duration,
-    /// Open admin-listener connections at most.
-    pub max_admin_connections: u32,
 }
 
 /// Which store, and how to reach it.
@@ -755,7 +661,7 @@ impl RawConfig {
             self.drain_delay,
             bounds::DRAIN_DELAY,
         );
-        validate_limits(&self.limits, &mut err);
+        let limits = self.limits.validate(&mut err);
         let store = validate_store(&self.store, &mut err);
 
         let mut upstreams = BTreeMap::new();
@@ -808,77 +714,11 @@ impl RawConfig {
                 store,
                 upstreams,
                 routes,
-                limits: Limits {
-                    max_connections: self.limits.max_connections,
-                    header_read_timeout: self.limits.header_read_timeout,
-                    body_read_timeout: self.limits.body_read_timeout,
-                    max_detached_exchanges: self.limits.max_detached_exchanges,
-                    max_pending_saves: self.limits.max_pending_saves,
-                    max_pending_save_bytes: self.limits.max_pending_save_bytes,
-                    send_timeout: self.limits.send_timeout,
-                    max_admin_connections: self.limits.max_admin_connections,
-                },
+                limits,
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }
     }
-}
-
-fn validate_limits(l: &RawLimits, err: &mut impl FnMut(String, String)) {
-    for (field, value) in [
-        ("limits.max_connections", l.max_connections),
-        ("limits.max_pending_saves", l.max_pending_saves),
-        ("limits.max_admin_connections", l.max_admin_connections),
-    ] {
-        if value == 0 {
-            err(field.into(), "must be at least 1".into());
-        }
-        count_at_most(err, field, u64::from(value), bounds::COUNT);
-    }
-    if l.max_detached_exchanges == 0 {
-        // The admission check refuses a new idempotent request once this many run detached:
-        // at zero that is every one of them, a 503 for all traffic.
-        err(
-            "limits.max_detached_exchanges".into(),
-            "must be at least 1: at 0 every idempotent request is refused as overloaded".into(),
-        );
-    }
-    count_at_most(
-        err,
-        "limits.max_detached_exchanges",
-        u64::from(l.max_detached_exchanges),
-        bounds::COUNT,
-    );
-    for (field, value, max) in [
-        (
-            "limits.header_read_timeout",
-            l.header_read_timeout,
-            bounds::HEADER_READ_TIMEOUT,
-        ),
-        (
-            "limits.body_read_timeout",
-            l.body_read_timeout,
-            bounds::BODY_READ_TIMEOUT,
-        ),
-        ("limits.send_timeout", l.send_timeout, bounds::SEND_TIMEOUT),
-    ] {
-        if value.is_zero() {
-            err(field.into(), "must be greater than zero".into());
-        }
-        at_most(err, field, value, max);
-    }
-    if l.max_pending_save_bytes == 0 {
-        err(
-            "limits.max_pending_save_bytes".into(),
-            "must be greater than zero: no result could be kept for a retried save".into(),
-        );
-    }
-    count_at_most(
-        err,
-        "limits.max_pending_save_bytes",
-        l.max_pending_save_bytes,
-        bounds::PENDING_SAVE_BYTES,
-    );
 }
 
 fn validate_store(s: &RawStore, err: &mut impl FnMut(String, String)) -> Option<StoreSettings> {
