@@ -14,20 +14,21 @@ use std::path::Path;
 use std::time::Duration;
 
 use http::uri::Scheme;
-use http::{HeaderName, Method, Uri};
+use http::{HeaderName, Method};
 use serde::{Deserialize, Deserializer};
 
 use crate::route::PathPattern;
 pub use crate::route::{
     FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
 };
-use crate::tls::{ClientTls, ServerTls, TlsFile};
+use crate::tls::{ServerTls, TlsFile};
 
 mod limits;
 mod load;
 mod secret;
 mod store;
 mod units;
+mod upstream;
 
 pub use limits::{Limits, RawLimits};
 pub use secret::Secret;
@@ -35,6 +36,7 @@ use secret::secret;
 pub use store::{Backend, BackendSettings, RawStore, RedisAccess, StoreSettings};
 use units::{at_most, byte_size, count_at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
+pub use upstream::{RawUpstream, UpstreamSettings};
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
@@ -144,29 +146,6 @@ pub enum LogFormat {
     Text,
     /// One JSON object a line.
     Json,
-}
-
-/// `upstreams.NAME:` as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(expecting = "an upstream: a mapping with url")]
-pub struct RawUpstream {
-    /// `http://` or `https://` base URL. Required.
-    pub url: String,
-    /// TCP (and TLS) connect deadline. Default 2s.
-    #[serde(default = "defaults::connect_timeout", with = "duration")]
-    pub connect_timeout: Duration,
-    /// Deadline until the whole response has arrived. Default 30s.
-    #[serde(default = "defaults::upstream_timeout", with = "duration")]
-    pub timeout: Duration,
-    /// A pooled connection idle this long is never reused (SPEC §4.3). Default 1s: shorter
-    /// than the 2s after which gunicorn drops idle connections, and Node's 5s. `0s`: no pooling.
-    #[serde(default = "defaults::pool_idle_timeout", with = "duration")]
-    pub pool_idle_timeout: Duration,
-    /// https: a PEM file of the CA certificates to trust instead of the Mozilla roots.
-    /// Default: none (the Mozilla roots).
-    #[serde(default)]
-    pub ca_file: Option<String>,
 }
 
 /// `routes[i]:` as written.
@@ -284,15 +263,6 @@ pub mod defaults {
     pub(crate) fn shutdown_timeout() -> Duration {
         Duration::from_secs(30)
     }
-    pub(crate) fn connect_timeout() -> Duration {
-        Duration::from_secs(2)
-    }
-    pub(crate) fn upstream_timeout() -> Duration {
-        Duration::from_secs(30)
-    }
-    pub(crate) fn pool_idle_timeout() -> Duration {
-        Duration::from_secs(1)
-    }
     pub(crate) fn header() -> String {
         "Idempotency-Key".to_owned()
     }
@@ -356,27 +326,6 @@ pub struct Config {
     pub routes: Vec<RouteSettings>,
     /// Bounds on what clients may hold.
     pub limits: Limits,
-}
-
-/// One upstream.
-#[derive(Debug, Clone)]
-pub struct UpstreamSettings {
-    /// Its name in the file.
-    pub name: String,
-    /// Base URL (scheme, authority and an optional path prefix).
-    pub url: Uri,
-    /// TCP (and TLS) connect deadline.
-    pub connect_timeout: Duration,
-    /// Deadline until the whole response has arrived.
-    pub timeout: Duration,
-    /// A pooled connection idle this long is not reused.
-    pub pool_idle_timeout: Duration,
-    /// What an https connection to it trusts (`ca_file`, else the Mozilla roots).
-    pub tls: ClientTls,
-    /// The `X-Forwarded-Proto` it is sent: the scheme of the proxy's own listener (`https`
-    /// with `tls:`), resolved at load because one listener has one scheme, so a request
-    /// only copies it.
-    pub forwarded_proto: Scheme,
 }
 
 /// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
@@ -511,13 +460,7 @@ impl RawConfig {
         let limits = self.limits.validate(&mut err);
         let store = self.store.validate(&mut err);
 
-        let mut upstreams = BTreeMap::new();
-        for (name, up) in &self.upstreams {
-            let path = format!("upstreams.{name}");
-            if let Some(u) = validate_upstream(name, up, &path, &forwarded_proto, &mut err) {
-                upstreams.insert(name.clone(), u);
-            }
-        }
+        let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
 
         if self.routes.is_empty() {
             err(
@@ -565,96 +508,6 @@ impl RawConfig {
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }
-    }
-}
-
-fn validate_upstream(
-    name: &str,
-    up: &RawUpstream,
-    path: &str,
-    forwarded_proto: &Scheme,
-    err: &mut impl FnMut(String, String),
-) -> Option<UpstreamSettings> {
-    let mut ok = true;
-    at_most(
-        err,
-        &format!("{path}.connect_timeout"),
-        up.connect_timeout,
-        bounds::CONNECT_TIMEOUT,
-    );
-    at_most(
-        err,
-        &format!("{path}.timeout"),
-        up.timeout,
-        bounds::UPSTREAM_TIMEOUT,
-    );
-    at_most(
-        err,
-        &format!("{path}.pool_idle_timeout"),
-        up.pool_idle_timeout,
-        bounds::POOL_IDLE_TIMEOUT,
-    );
-    if up.connect_timeout.is_zero() {
-        err(
-            format!("{path}.connect_timeout"),
-            "must be greater than zero".into(),
-        );
-        ok = false;
-    }
-    if up.timeout.is_zero() {
-        err(
-            format!("{path}.timeout"),
-            "must be greater than zero".into(),
-        );
-        ok = false;
-    }
-    let url = match up.url.parse::<Uri>() {
-        Ok(u)
-            if matches!(u.scheme_str(), Some("http") | Some("https"))
-                && u.authority().is_some()
-                && u.query().is_none() =>
-        {
-            Some(u)
-        }
-        _ => {
-            err(
-                format!("{path}.url"),
-                format!(
-                    "invalid upstream URL {:?}: expected http://HOST[:PORT][/PREFIX] or https://…, without a query",
-                    up.url
-                ),
-            );
-            None
-        }
-    };
-    let https = url.as_ref().and_then(Uri::scheme) == Some(&Scheme::HTTPS);
-    let tls = match &up.ca_file {
-        // A CA file on a cleartext upstream would be silently unused: say so instead.
-        Some(_) if url.is_some() && !https => Err((
-            format!("{path}.ca_file"),
-            "applies to https:// upstreams only; this url is http://".to_owned(),
-        )),
-        Some(file) => ClientTls::private_roots(file).map_err(|m| (format!("{path}.ca_file"), m)),
-        None => ClientTls::public_roots().map_err(|m| (path.to_owned(), m)),
-    };
-    let tls = match tls {
-        Ok(tls) => Some(tls),
-        Err((field, message)) => {
-            err(field, message);
-            None
-        }
-    };
-    match (url, tls) {
-        (Some(url), Some(tls)) if ok => Some(UpstreamSettings {
-            name: name.to_owned(),
-            url,
-            connect_timeout: up.connect_timeout,
-            timeout: up.timeout,
-            pool_idle_timeout: up.pool_idle_timeout,
-            tls,
-            forwarded_proto: forwarded_proto.clone(),
-        }),
-        _ => None,
     }
 }
 
