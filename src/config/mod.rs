@@ -7,17 +7,15 @@
 //! and says why; YAML syntax errors also give line and column. Validation collects every error
 //! it finds, so `--check` can print them all at once.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use http::uri::Scheme;
-use http::{HeaderName, Method};
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
-use crate::route::PathPattern;
 pub use crate::route::{
     FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
 };
@@ -25,16 +23,18 @@ use crate::tls::{ServerTls, TlsFile};
 
 mod limits;
 mod load;
+mod routes;
 mod secret;
 mod store;
 mod units;
 mod upstream;
 
 pub use limits::{Limits, RawLimits};
+pub use routes::{RawIdempotency, RawRoute};
 pub use secret::Secret;
 use secret::secret;
 pub use store::{Backend, BackendSettings, RawStore, RedisAccess, StoreSettings};
-use units::{at_most, byte_size, count_at_most, duration};
+use units::{at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
 pub use upstream::{RawUpstream, UpstreamSettings};
 
@@ -148,153 +148,12 @@ pub enum LogFormat {
     Json,
 }
 
-/// `routes[i]:` as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(expecting = "a route: a mapping with name, path and upstream")]
-pub struct RawRoute {
-    /// Unique name; appears in logs, metrics and store keys. Required.
-    pub name: String,
-    /// Methods this route matches. Default: every method.
-    #[serde(default)]
-    pub methods: Option<Vec<String>>,
-    /// Path pattern: exact segments, `{param}` for one segment, a trailing `/*` for the rest.
-    pub path: String,
-    /// Name of an entry of `upstreams`. Required.
-    pub upstream: String,
-    /// Absent: a plain pass-through route. Present, even empty (`idempotency:` or
-    /// `idempotency: {}`): an idempotent route with the defaults.
-    #[serde(default, deserialize_with = "present_means_idempotent")]
-    pub idempotency: Option<RawIdempotency>,
-}
-
-/// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
-/// into a pass-through, so null means "every default".
-fn present_means_idempotent<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<RawIdempotency>, D::Error> {
-    Ok(Some(
-        Option::<RawIdempotency>::deserialize(d)?.unwrap_or_default(),
-    ))
-}
-
-/// `routes[i].idempotency:` as written.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(expecting = "idempotency settings: a mapping such as {ttl: 24h}")]
-pub struct RawIdempotency {
-    /// Request header carrying the key. Default `Idempotency-Key`.
-    #[serde(default = "defaults::header")]
-    pub header: String,
-    /// Missing key: 400 when true (default); forwarded without idempotency when false.
-    #[serde(default = "defaults::yes")]
-    pub required: bool,
-    /// How long a finished response is replayed. Default 24h.
-    #[serde(default = "defaults::ttl", with = "duration")]
-    pub ttl: Duration,
-    /// In-progress lease, renewed every `lock_ttl/3` while the upstream call runs. Default 10s.
-    #[serde(default = "defaults::lock_ttl", with = "duration")]
-    pub lock_ttl: Duration,
-    /// Request headers whose values namespace the key. Default `[Authorization]`.
-    #[serde(default = "defaults::scope")]
-    pub scope: Vec<String>,
-    /// What makes two requests "the same". Default `[method, path, query, body]`.
-    #[serde(default = "defaults::fingerprint")]
-    pub fingerprint: Vec<String>,
-    /// Parts to derive the key from when the request has no key header. Default: none.
-    #[serde(default)]
-    pub key_from: Vec<String>,
-    /// `reject` (default) or `wait`.
-    #[serde(default)]
-    pub on_conflict: OnConflict,
-    /// With `on_conflict: wait`, how long to wait. Default 5s.
-    #[serde(default = "defaults::wait_timeout", with = "duration")]
-    pub wait_timeout: Duration,
-    /// `reject` (default) or `forward`.
-    #[serde(default)]
-    pub on_store_error: OnStoreError,
-    /// Upstream statuses that are not saved. Default `[429, 503]`.
-    #[serde(default = "defaults::retry_statuses")]
-    pub retry_statuses: Vec<u16>,
-    /// `keep` (default) or `release`.
-    #[serde(default)]
-    pub on_unknown_outcome: OnUnknownOutcome,
-    /// Larger request bodies get 413. Default 1MiB.
-    #[serde(default = "defaults::max_request_body", with = "byte_size")]
-    pub max_request_body: u64,
-    /// Larger responses reach the client but cannot be replayed. Default 8MiB.
-    #[serde(default = "defaults::max_response_body", with = "byte_size")]
-    pub max_response_body: u64,
-    /// Save and replay `Set-Cookie`. Default false.
-    #[serde(default)]
-    pub replay_set_cookie: bool,
-    /// Send the key header to the upstream. Default true.
-    #[serde(default = "defaults::yes")]
-    pub forward_key: bool,
-}
-
-impl Default for RawIdempotency {
-    fn default() -> Self {
-        RawIdempotency {
-            header: defaults::header(),
-            required: true,
-            ttl: defaults::ttl(),
-            lock_ttl: defaults::lock_ttl(),
-            scope: defaults::scope(),
-            fingerprint: defaults::fingerprint(),
-            key_from: Vec::new(),
-            on_conflict: OnConflict::default(),
-            wait_timeout: defaults::wait_timeout(),
-            on_store_error: OnStoreError::default(),
-            retry_statuses: defaults::retry_statuses(),
-            on_unknown_outcome: OnUnknownOutcome::default(),
-            max_request_body: defaults::max_request_body(),
-            max_response_body: defaults::max_response_body(),
-            replay_set_cookie: false,
-            forward_key: true,
-        }
-    }
-}
-
 /// The documented defaults, one function each so serde and the docs agree.
-pub mod defaults {
+mod defaults {
     use std::time::Duration;
 
-    pub(crate) fn shutdown_timeout() -> Duration {
+    pub(super) fn shutdown_timeout() -> Duration {
         Duration::from_secs(30)
-    }
-    pub(crate) fn header() -> String {
-        "Idempotency-Key".to_owned()
-    }
-    pub(crate) fn yes() -> bool {
-        true
-    }
-    pub(crate) fn ttl() -> Duration {
-        Duration::from_secs(24 * 3600)
-    }
-    pub(crate) fn lock_ttl() -> Duration {
-        Duration::from_secs(10)
-    }
-    pub(crate) fn scope() -> Vec<String> {
-        vec!["Authorization".to_owned()]
-    }
-    pub(crate) fn fingerprint() -> Vec<String> {
-        ["method", "path", "query", "body"]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect()
-    }
-    pub(crate) fn wait_timeout() -> Duration {
-        Duration::from_secs(5)
-    }
-    pub(crate) fn retry_statuses() -> Vec<u16> {
-        vec![429, 503]
-    }
-    pub(crate) fn max_request_body() -> u64 {
-        1024 * 1024
-    }
-    pub(crate) fn max_response_body() -> u64 {
-        8 * 1024 * 1024
     }
 }
 
@@ -327,10 +186,6 @@ pub struct Config {
     /// Bounds on what clients may hold.
     pub limits: Limits,
 }
-
-/// The shortest lease accepted: renewal runs every `lock_ttl/3`, and a lease shorter than a few
-/// store round trips would be lost by ordinary jitter.
-const MIN_LOCK_TTL: Duration = Duration::from_millis(30);
 
 impl Config {
     /// Reads, parses and validates a file.
@@ -462,32 +317,13 @@ impl RawConfig {
 
         let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
 
-        if self.routes.is_empty() {
-            err(
-                "routes".into(),
-                "no routes: name at least one route, or every request gets 404".into(),
-            );
-        }
-        let mut names = HashSet::new();
-        let mut routes = Vec::new();
-        for (i, r) in self.routes.iter().enumerate() {
-            let path = format!("routes[{i}]");
-            if !names.insert(r.name.clone()) {
-                err(
-                    format!("{path}.name"),
-                    format!(
-                        "duplicate route name {:?}; route names must be unique",
-                        r.name
-                    ),
-                );
-            }
-            if let Some(route) = validate_route(r, &path, &self.upstreams, &mut err) {
-                routes.push(route);
-            }
-            if let Some(i) = &r.idempotency {
-                across_sections(i, &format!("{path}.idempotency"), &self, &mut err);
-            }
-        }
+        let routes = routes::validate(
+            &self.routes,
+            &self.upstreams,
+            &self.limits,
+            &self.store,
+            &mut err,
+        );
 
         if !errs.is_empty() {
             return Err(ConfigErrors(errs));
@@ -508,332 +344,5 @@ impl RawConfig {
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }
-    }
-}
-
-fn validate_route(
-    r: &RawRoute,
-    path: &str,
-    upstreams: &BTreeMap<String, RawUpstream>,
-    err: &mut impl FnMut(String, String),
-) -> Option<RouteSettings> {
-    let mut ok = true;
-    if r.name.is_empty()
-        || !r
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        err(
-            format!("{path}.name"),
-            format!(
-                "invalid route name {:?}: use letters, digits, '-', '_' and '.' (it becomes part of store keys and metric labels)",
-                r.name
-            ),
-        );
-        ok = false;
-    }
-    let methods = match &r.methods {
-        None => None,
-        Some(list) if list.is_empty() => {
-            err(
-                format!("{path}.methods"),
-                "is empty: omit it to match every method".into(),
-            );
-            ok = false;
-            None
-        }
-        Some(list) => {
-            let mut out = Vec::new();
-            for (j, m) in list.iter().enumerate() {
-                match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
-                    Ok(method) => out.push(method),
-                    Err(_) => {
-                        err(
-                            format!("{path}.methods[{j}]"),
-                            format!("invalid HTTP method {m:?}"),
-                        );
-                        ok = false;
-                    }
-                }
-            }
-            Some(out)
-        }
-    };
-    let pattern = match PathPattern::parse(&r.path) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            err(format!("{path}.path"), e);
-            None
-        }
-    };
-    if !upstreams.contains_key(&r.upstream) {
-        let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
-        err(
-            format!("{path}.upstream"),
-            format!(
-                "unknown upstream {:?}; defined upstreams: [{}]",
-                r.upstream,
-                known.join(", ")
-            ),
-        );
-        ok = false;
-    }
-    let idempotency = match &r.idempotency {
-        None => None,
-        Some(i) => {
-            let compiled =
-                validate_idempotency(i, &format!("{path}.idempotency"), pattern.as_ref(), err);
-            if compiled.is_none() {
-                ok = false;
-            }
-            compiled
-        }
-    };
-    match pattern {
-        Some(p) if ok => Some(RouteSettings {
-            name: r.name.clone(),
-            methods,
-            path: p,
-            upstream: r.upstream.clone(),
-            idempotency,
-        }),
-        _ => None,
-    }
-}
-
-/// The refusals of SPEC §4.5 that join a route to another section: each names the route's
-/// field and, in its message, the other one.
-fn across_sections(
-    i: &RawIdempotency,
-    path: &str,
-    c: &RawConfig,
-    err: &mut impl FnMut(String, String),
-) {
-    let pending = c.limits.max_pending_save_bytes;
-    // A save the store refused is retried from memory, within these bytes; a response that
-    // can never fit is given up at once, and its key answers `result-not-kept` for ever.
-    if pending > 0 && i.max_response_body > pending {
-        err(
-            format!("{path}.max_response_body"),
-            format!(
-                "{} bytes is more than limits.max_pending_save_bytes ({pending} bytes): a response this large could never be kept while its save is retried; lower it or raise limits.max_pending_save_bytes",
-                i.max_response_body
-            ),
-        );
-    }
-    // A claim answered later than `lock_ttl` after it was sent is released unused (its lease
-    // may have expired), so a store deadline at or past the lease turns every slow answer
-    // into a 503 and leaves no margin for renewal.
-    let timeout = c.store.timeout;
-    if i.lock_ttl >= MIN_LOCK_TTL && !timeout.is_zero() && timeout >= i.lock_ttl {
-        err(
-            format!("{path}.lock_ttl"),
-            format!(
-                "{} must be longer than store.timeout ({}): a claim answered after its lease could have expired forwards nothing; raise lock_ttl or lower store.timeout",
-                humantime::format_duration(i.lock_ttl),
-                humantime::format_duration(timeout)
-            ),
-        );
-    }
-}
-
-fn header_name(
-    text: &str,
-    path: String,
-    err: &mut impl FnMut(String, String),
-) -> Option<HeaderName> {
-    match HeaderName::from_bytes(text.as_bytes()) {
-        Ok(h) => Some(h),
-        Err(_) => {
-            err(path, format!("invalid header name {text:?}"));
-            None
-        }
-    }
-}
-
-fn validate_idempotency(
-    i: &RawIdempotency,
-    path: &str,
-    pattern: Option<&PathPattern>,
-    err: &mut impl FnMut(String, String),
-) -> Option<IdempotencySettings> {
-    let mut ok = true;
-    at_most(err, &format!("{path}.ttl"), i.ttl, bounds::TTL);
-    at_most(
-        err,
-        &format!("{path}.lock_ttl"),
-        i.lock_ttl,
-        bounds::LOCK_TTL,
-    );
-    at_most(
-        err,
-        &format!("{path}.wait_timeout"),
-        i.wait_timeout,
-        bounds::WAIT_TIMEOUT,
-    );
-    count_at_most(
-        err,
-        &format!("{path}.max_request_body"),
-        i.max_request_body,
-        bounds::BODY,
-    );
-    count_at_most(
-        err,
-        &format!("{path}.max_response_body"),
-        i.max_response_body,
-        bounds::BODY,
-    );
-    let header = header_name(&i.header, format!("{path}.header"), err);
-    ok &= header.is_some();
-    if i.ttl.is_zero() {
-        err(format!("{path}.ttl"), "must be greater than zero".into());
-        ok = false;
-    }
-    if i.lock_ttl < MIN_LOCK_TTL {
-        err(
-            format!("{path}.lock_ttl"),
-            format!(
-                "must be at least {} (the lease is renewed every lock_ttl/3)",
-                humantime::format_duration(MIN_LOCK_TTL)
-            ),
-        );
-        ok = false;
-    }
-    if i.on_conflict == OnConflict::Wait && i.wait_timeout.is_zero() {
-        err(
-            format!("{path}.wait_timeout"),
-            "must be greater than zero with on_conflict: wait".into(),
-        );
-        ok = false;
-    }
-    let mut scope = Vec::new();
-    for (j, s) in i.scope.iter().enumerate() {
-        match header_name(s, format!("{path}.scope[{j}]"), err) {
-            Some(h) => scope.push(h),
-            None => ok = false,
-        }
-    }
-    let mut fingerprint = Vec::new();
-    for (j, f) in i.fingerprint.iter().enumerate() {
-        let part = match f.as_str() {
-            "method" => Some(FingerprintPart::Method),
-            "path" => Some(FingerprintPart::Path),
-            "query" => Some(FingerprintPart::Query),
-            "body" => Some(FingerprintPart::Body),
-            "json" => Some(FingerprintPart::Json),
-            other => match other.strip_prefix("header:") {
-                Some(name) => header_name(name.trim(), format!("{path}.fingerprint[{j}]"), err)
-                    .map(FingerprintPart::Header),
-                None => {
-                    err(
-                        format!("{path}.fingerprint[{j}]"),
-                        format!(
-                            "unknown fingerprint part {other:?}; expected method, path, query, body, json or header:NAME"
-                        ),
-                    );
-                    None
-                }
-            },
-        };
-        match part {
-            Some(p) => fingerprint.push(p),
-            None => ok = false,
-        }
-    }
-    let mut key_from = Vec::new();
-    for (j, text) in i.key_from.iter().enumerate() {
-        let field = format!("{path}.key_from[{j}]");
-        match crate::derive::KeyPart::parse(text) {
-            Ok(crate::derive::KeyPart::Path(name))
-                if pattern.is_some_and(|p| !p.has_param(&name)) =>
-            {
-                err(
-                    field,
-                    format!(
-                        "path:{name} names no segment of the route's path {:?}; write the path with {{{name}}}",
-                        pattern.map(|p| p.as_str()).unwrap_or("")
-                    ),
-                );
-                ok = false;
-            }
-            Ok(part) => key_from.push(part),
-            Err(message) => {
-                err(field, message);
-                ok = false;
-            }
-        }
-    }
-    for (j, s) in i.retry_statuses.iter().enumerate() {
-        if !(100..=599).contains(s) {
-            err(
-                format!("{path}.retry_statuses[{j}]"),
-                format!("invalid HTTP status {s}; expected 100 to 599"),
-            );
-            ok = false;
-        }
-    }
-    if i.max_request_body == 0 {
-        err(
-            format!("{path}.max_request_body"),
-            "must be greater than zero".into(),
-        );
-        ok = false;
-    }
-    if i.max_response_body == 0 {
-        err(
-            format!("{path}.max_response_body"),
-            "must be greater than zero: at 0 no response with a body could be replayed".into(),
-        );
-        ok = false;
-    }
-    match header {
-        Some(header) if ok => Some(IdempotencySettings {
-            header,
-            required: i.required,
-            ttl: i.ttl,
-            lock_ttl: i.lock_ttl,
-            scope,
-            fingerprint,
-            on_conflict: i.on_conflict,
-            wait_timeout: i.wait_timeout,
-            on_store_error: i.on_store_error,
-            retry_statuses: i.retry_statuses.clone(),
-            on_unknown_outcome: i.on_unknown_outcome,
-            max_request_body: i.max_request_body,
-            max_response_body: i.max_response_body,
-            replay_set_cookie: i.replay_set_cookie,
-            forward_key: i.forward_key,
-            key_from,
-        }),
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MINIMAL: &str = "
-listen: 127.0.0.1:8080
-upstreams:
-  booking:
-    url: http://127.0.0.1:8081
-routes:
-  - name: create-booking
-    path: /bookings
-    upstream: booking
-    idempotency: {}
-";
-
-    #[test]
-    fn an_empty_idempotency_section_means_every_default() {
-        let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
-        let c = Config::from_yaml(&yaml).expect("valid");
-        let i = c.routes[0].idempotency.as_ref().expect("idempotent");
-        assert_eq!(i.lock_ttl, Duration::from_secs(10));
-        let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
-        let c = Config::from_yaml(&passthrough).expect("valid");
-        assert!(c.routes[0].idempotency.is_none());
     }
 }
