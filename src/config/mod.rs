@@ -137,7 +137,7 @@ pub struct RawTls {
     pub key_file: String,
 }
 
-/// Log line format.
+/// `log_format:`: how each log line is written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -171,13 +171,11 @@ pub struct Config {
     pub admin_listen: Option<SocketAddr>,
     /// The admin token that turns the key tooling on (read from a file or the environment).
     pub admin_token: Option<Secret>,
-    /// Log line format.
     pub log_format: LogFormat,
     /// How long in-flight requests may run after a stop signal.
     pub shutdown_timeout: Duration,
     /// How long to keep accepting, unready, after a stop signal.
     pub drain_delay: Duration,
-    /// The store.
     pub store: StoreSettings,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamSettings>,
@@ -232,6 +230,51 @@ impl RawConfig {
         let mut errs = Vec::new();
         let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
 
+        let (listen, admin_listen) = self.listeners(&mut err);
+        let tls = self.server_tls(&mut err);
+        let forwarded_proto = match self.tls {
+            Some(_) => Scheme::HTTPS,
+            None => Scheme::HTTP,
+        };
+        let admin_token = self.admin_token(&mut err);
+        self.check_shutdown(&mut err);
+        let limits = self.limits.validate(&mut err);
+        let store = self.store.validate(&mut err);
+        let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
+        let routes = routes::validate(
+            &self.routes,
+            &self.upstreams,
+            &self.limits,
+            &self.store,
+            &mut err,
+        );
+        if !errs.is_empty() {
+            return Err(ConfigErrors(errs));
+        }
+        match (listen, store) {
+            (Some(listen), Some(store)) => Ok(Config {
+                listen,
+                tls,
+                admin_listen,
+                admin_token,
+                log_format: self.log_format,
+                shutdown_timeout: self.shutdown_timeout,
+                drain_delay: self.drain_delay,
+                store,
+                upstreams,
+                routes,
+                limits,
+            }),
+            _ => Err(ConfigErrors::one("", "invalid configuration")),
+        }
+    }
+
+    /// The proxy's address and the admin listener's, if any; `None` where an error was
+    /// reported.
+    fn listeners(
+        &self,
+        err: &mut impl FnMut(String, String),
+    ) -> (Option<SocketAddr>, Option<SocketAddr>) {
         let listen = match self.listen.parse::<SocketAddr>() {
             Ok(a) => Some(a),
             Err(_) => {
@@ -264,28 +307,31 @@ impl RawConfig {
                 }
             },
         };
-        let tls = self.tls.as_ref().and_then(|t| {
-            ServerTls::load(&t.cert_file, &t.key_file)
-                .map_err(|errors| {
-                    for (file, message) in errors {
-                        let field = match file {
-                            TlsFile::Cert => "tls.cert_file",
-                            TlsFile::Key => "tls.key_file",
-                        };
-                        err(field.into(), message);
-                    }
-                })
-                .ok()
-        });
-        let forwarded_proto = match self.tls {
-            Some(_) => Scheme::HTTPS,
-            None => Scheme::HTTP,
-        };
+        (listen, admin_listen)
+    }
+
+    /// The listener's certificate and key, read now so that a bad file fails at load.
+    fn server_tls(&self, err: &mut impl FnMut(String, String)) -> Option<ServerTls> {
+        let t = self.tls.as_ref()?;
+        ServerTls::load(&t.cert_file, &t.key_file)
+            .map_err(|errors| {
+                for (file, message) in errors {
+                    let field = match file {
+                        TlsFile::Cert => "tls.cert_file",
+                        TlsFile::Key => "tls.key_file",
+                    };
+                    err(field.into(), message);
+                }
+            })
+            .ok()
+    }
+
+    fn admin_token(&self, err: &mut impl FnMut(String, String)) -> Option<Secret> {
         let admin_token = secret(
             "admin_token",
             self.admin_token_file.as_deref(),
             self.admin_token_env.as_deref(),
-            &mut err,
+            err,
         );
         if admin_token.is_some() && self.admin_listen.is_none() {
             err(
@@ -293,56 +339,22 @@ impl RawConfig {
                 "an admin token is configured but there is no admin_listen to use it on".into(),
             );
         }
+        admin_token
+    }
+
+    fn check_shutdown(&self, err: &mut impl FnMut(String, String)) {
         if self.shutdown_timeout.is_zero() {
             err(
                 "shutdown_timeout".into(),
                 "must be greater than zero".into(),
             );
         }
-
         at_most(
-            &mut err,
+            err,
             "shutdown_timeout",
             self.shutdown_timeout,
             bounds::SHUTDOWN_TIMEOUT,
         );
-        at_most(
-            &mut err,
-            "drain_delay",
-            self.drain_delay,
-            bounds::DRAIN_DELAY,
-        );
-        let limits = self.limits.validate(&mut err);
-        let store = self.store.validate(&mut err);
-
-        let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
-
-        let routes = routes::validate(
-            &self.routes,
-            &self.upstreams,
-            &self.limits,
-            &self.store,
-            &mut err,
-        );
-
-        if !errs.is_empty() {
-            return Err(ConfigErrors(errs));
-        }
-        match (listen, store) {
-            (Some(listen), Some(store)) => Ok(Config {
-                listen,
-                tls,
-                admin_listen,
-                admin_token,
-                log_format: self.log_format,
-                shutdown_timeout: self.shutdown_timeout,
-                drain_delay: self.drain_delay,
-                store,
-                upstreams,
-                routes,
-                limits,
-            }),
-            _ => Err(ConfigErrors::one("", "invalid configuration")),
-        }
+        at_most(err, "drain_delay", self.drain_delay, bounds::DRAIN_DELAY);
     }
 }

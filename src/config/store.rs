@@ -117,10 +117,7 @@ pub struct StoreSettings {
 #[derive(Debug, Clone)]
 pub enum BackendSettings {
     /// The embedded store, bounded to `max_entries` records.
-    Memory {
-        /// The bound.
-        max_entries: u64,
-    },
+    Memory { max_entries: u64 },
     /// One Redis server (or a primary with replicas).
     Redis {
         /// `redis://` or `rediss://` URL.
@@ -130,7 +127,6 @@ pub enum BackendSettings {
         /// Replicas that must acknowledge a claim (`WAIT`); 0: don't wait.
         wait_replicas: u32,
     },
-    /// A Redis Cluster.
     RedisCluster {
         /// Seed nodes: `redis://` or `rediss://` URLs.
         nodes: Vec<String>,
