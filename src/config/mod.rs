@@ -6,6 +6,19 @@
 //! any further per-request work. Every error names the field path (`routes[2].idempotency.ttl`)
 //! and says why; YAML syntax errors also give line and column. Validation collects every error
 //! it finds, so `--check` can print them all at once.
+//!
+//! # Layout
+//! This file holds the whole document ([`RawConfig`], [`Config`]), its top-level fields and the
+//! errors; each section has a file with its raw struct, its defaults and its validation:
+//! - `load`: the YAML pass, which sets aside a value that does not deserialize and reads on.
+//! - `units`: durations and sizes as written, and the [`bounds`] of every section.
+//! - `secret`: the admin token and the Redis password, read from a file or the environment.
+//! - `limits`, `store`, `upstream`, `routes`: the sections of the same names.
+//!
+//! Config reads no other part of the product but [`crate::route`] (the compiled types, whose
+//! `key_from` parts are [`crate::derive::KeyPart`]) and [`crate::tls`]: the store, the upstream
+//! client and the server take their typed settings from here, and loading a file opens,
+//! connects or starts nothing.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -194,8 +207,8 @@ impl Config {
     }
 
     /// Parses and validates YAML text. Every error is reported: a value that does not
-    /// deserialize is set aside (see [`load`]) so that the rest of the file is still read and
-    /// validated.
+    /// deserialize is set aside (see `config/load.rs`) so that the rest of the file is still
+    /// read and validated.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
         let mut parsed = load::parse(text);
         let validated = parsed.raw.take().map(RawConfig::validate);
