@@ -1,0 +1,504 @@
+//! `store:`: which store keeps the idempotency records, and how to reach it.
+//!
+//! The typed settings the store is built from ([`StoreSettings`], [`BackendSettings`],
+//! [`RedisAccess`]) are defined here and the store imports them, never the other way: loading
+//! a file opens no store. A Redis URL is checked with the redis crate's own parsers and client
+//! builders, which connect nothing.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::secret::{Secret, secret};
+use super::units::{at_most, bounds, count_at_most, duration};
+
+/// Which store keeps the idempotency records.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    /// The embedded in-memory store: one instance only, nothing survives a restart.
+    #[default]
+    Memory,
+    /// One Redis server (or a primary with replicas), shared by every instance.
+    Redis,
+    /// A Redis Cluster, reached through its seed nodes (`store.nodes`).
+    RedisCluster,
+}
+
+/// `store:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[serde(expecting = "store: a mapping with backend and its settings")]
+pub struct RawStore {
+    /// `memory` (default), `redis` or `redis-cluster`.
+    #[serde(default)]
+    pub backend: Backend,
+    /// Memory: the most records kept at once. Default 1,000,000.
+    #[serde(default = "defaults::max_entries")]
+    pub max_entries: u64,
+    /// Redis: `redis://` or `rediss://` URL. Default `redis://127.0.0.1:6379/0`.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Redis Cluster: seed nodes, `redis://` or `rediss://` URLs (the rest of the cluster is
+    /// discovered from them). Required with `redis-cluster`.
+    #[serde(default)]
+    pub nodes: Vec<String>,
+    /// Redis and Redis Cluster: a file holding the password (`AUTH`), so it need not sit in
+    /// the URL. Default: none.
+    #[serde(default)]
+    pub password_file: Option<String>,
+    /// Redis and Redis Cluster: an environment variable holding the password (instead of a
+    /// file). Default: none.
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// Redis and Redis Cluster over TLS (`rediss://`): a PEM file of the CA certificates that
+    /// sign the server's certificate, for a private CA. Default: none (the public web roots).
+    #[serde(default)]
+    pub ca_file: Option<String>,
+    /// Every store key starts with it. Default `idemproxy:`.
+    #[serde(default = "defaults::key_prefix")]
+    pub key_prefix: String,
+    /// Deadline of each store operation. Default 500ms.
+    #[serde(default = "defaults::store_timeout", with = "duration")]
+    pub timeout: Duration,
+    /// Redis: replicas that must acknowledge a claim (`WAIT`) before anything is forwarded;
+    /// fewer within `timeout` release the claim and answer 503. Default 0 (don't wait).
+    #[serde(default)]
+    pub wait_replicas: u32,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            backend: Backend::default(),
+            max_entries: defaults::max_entries(),
+            url: None,
+            nodes: Vec::new(),
+            password_file: None,
+            password_env: None,
+            ca_file: None,
+            key_prefix: defaults::key_prefix(),
+            timeout: defaults::store_timeout(),
+            wait_replicas: 0,
+        }
+    }
+}
+
+/// The documented defaults, one function each so serde and the docs agree.
+mod defaults {
+    use std::time::Duration;
+
+    pub(super) fn max_entries() -> u64 {
+        1_000_000
+    }
+    pub(super) fn key_prefix() -> String {
+        "idemproxy:".to_owned()
+    }
+    pub(super) fn store_timeout() -> Duration {
+        Duration::from_millis(500)
+    }
+    /// The Redis URL used when `store.url` is absent.
+    pub(super) const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+}
+
+/// Which store, and how to reach it.
+#[derive(Debug, Clone)]
+pub struct StoreSettings {
+    /// The backend and its own settings.
+    pub backend: BackendSettings,
+    /// Every store key starts with it.
+    pub key_prefix: String,
+    /// Deadline of each store operation.
+    pub timeout: Duration,
+}
+
+/// Backend-specific settings.
+#[derive(Debug, Clone)]
+pub enum BackendSettings {
+    /// The embedded store, bounded to `max_entries` records.
+    Memory { max_entries: u64 },
+    /// One Redis server (or a primary with replicas).
+    Redis {
+        /// `redis://` or `rediss://` URL.
+        url: String,
+        /// Password and CA, from outside the URL.
+        access: RedisAccess,
+        /// Replicas that must acknowledge a claim (`WAIT`); 0: don't wait.
+        wait_replicas: u32,
+    },
+    RedisCluster {
+        /// Seed nodes: `redis://` or `rediss://` URLs.
+        nodes: Vec<String>,
+        /// Password and CA, from outside the URLs.
+        access: RedisAccess,
+    },
+}
+
+/// How to authenticate to Redis and trust its certificate, beyond what the URL says.
+#[derive(Clone, Default)]
+pub struct RedisAccess {
+    /// The password (`store.password_file` / `store.password_env`), sent with `AUTH`.
+    pub password: Option<Secret>,
+    /// PEM CA certificates (`store.ca_file`) that replace the public web roots for `rediss://`.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl RedisAccess {
+    /// The CA certificates to trust instead of the public web roots, if `store.ca_file` names
+    /// any, in the form the redis crate takes them.
+    pub fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.ca_pem.as_ref().map(|pem| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem.clone()),
+        })
+    }
+}
+
+impl fmt::Debug for RedisAccess {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisAccess")
+            .field("password", &self.password)
+            .field(
+                "ca_pem",
+                &self
+                    .ca_pem
+                    .as_ref()
+                    .map(|pem| format!("<{} bytes>", pem.len())),
+            )
+            .finish()
+    }
+}
+
+impl RawStore {
+    /// Checks the section and builds the settings of its backend. `None`: an error was
+    /// reported.
+    pub(super) fn validate(&self, err: &mut impl FnMut(String, String)) -> Option<StoreSettings> {
+        let common = self.check_common(err);
+        let backend = match self.backend {
+            Backend::Memory => self.memory(err),
+            Backend::Redis => self.redis(err),
+            Backend::RedisCluster => self.redis_cluster(err),
+        };
+        match backend {
+            Some(backend) if common => Some(StoreSettings {
+                backend,
+                key_prefix: self.key_prefix.clone(),
+                timeout: self.timeout,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The settings every backend takes. False: an error was reported.
+    fn check_common(&self, err: &mut impl FnMut(String, String)) -> bool {
+        at_most(err, "store.timeout", self.timeout, bounds::STORE_TIMEOUT);
+        count_at_most(
+            err,
+            "store.max_entries",
+            self.max_entries,
+            bounds::MAX_ENTRIES,
+        );
+        let mut ok = true;
+        if self.timeout.is_zero() {
+            err("store.timeout".into(), "must be greater than zero".into());
+            ok = false;
+        }
+        if self.key_prefix.is_empty() {
+            err(
+                "store.key_prefix".into(),
+                "must not be empty: operators find the proxy's keys by it".into(),
+            );
+            ok = false;
+        }
+        count_at_most(
+            err,
+            "store.wait_replicas",
+            u64::from(self.wait_replicas),
+            u64::from(bounds::WAIT_REPLICAS),
+        );
+        ok && self.wait_replicas <= bounds::WAIT_REPLICAS
+    }
+
+    fn memory(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
+        let mut ok = true;
+        if self.max_entries == 0 {
+            err("store.max_entries".into(), "must be at least 1".into());
+            ok = false;
+        }
+        let redis_only = [
+            ("store.url", self.url.is_some()),
+            ("store.nodes", !self.nodes.is_empty()),
+            ("store.password_file", self.password_file.is_some()),
+            ("store.password_env", self.password_env.is_some()),
+            ("store.ca_file", self.ca_file.is_some()),
+            ("store.wait_replicas", self.wait_replicas != 0),
+        ];
+        for (field, set) in redis_only {
+            if set {
+                err(
+                    field.into(),
+                    "is a Redis setting: set store.backend to redis or redis-cluster, or remove it"
+                        .into(),
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(BackendSettings::Memory {
+            max_entries: self.max_entries,
+        })
+    }
+
+    fn redis(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
+        let mut ok = true;
+        if !self.nodes.is_empty() {
+            err(
+                "store.nodes".into(),
+                "is for backend redis-cluster; backend redis takes one store.url".into(),
+            );
+            ok = false;
+        }
+        let url = self
+            .url
+            .clone()
+            .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
+        let access = self.redis_access(std::slice::from_ref(&url), "store.url", err);
+        if !redis_url(&url, "store.url", err) {
+            ok = false;
+        } else if let Some(certs) = access.as_ref().and_then(RedisAccess::certificates) {
+            // The client parses the CA file when it is built: build one (it connects
+            // lazily) so that a CA file that is not one fails here, at load.
+            if let Err(e) = redis::Client::build_with_tls(url.as_str(), certs) {
+                err("store.ca_file".into(), e.to_string());
+                ok = false;
+            }
+        }
+        let access = access?;
+        ok.then_some(BackendSettings::Redis {
+            url,
+            access,
+            wait_replicas: self.wait_replicas,
+        })
+    }
+
+    fn redis_cluster(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
+        let mut ok = self.check_seed_nodes(err);
+        let access = self.redis_access(&self.nodes, "store.nodes", err);
+        if let (true, Some(access)) = (ok, &access) {
+            // The cluster client checks what the URLs alone cannot: the same TLS mode and
+            // credentials on every seed node, a CA file that parses. Building one connects
+            // nothing. The password of `access` is left out: a URL with one of its own
+            // was refused above, so there is nothing to compare it with.
+            let mut cluster =
+                redis::cluster::ClusterClient::builder(self.nodes.iter().map(String::as_str));
+            if let Some(certs) = access.certificates() {
+                cluster = cluster.certs(certs);
+            }
+            if let Err(e) = cluster.build() {
+                err("store.nodes".into(), e.to_string());
+                ok = false;
+            }
+        }
+        let access = access?;
+        ok.then(|| BackendSettings::RedisCluster {
+            nodes: self.nodes.clone(),
+            access,
+        })
+    }
+
+    /// What `redis-cluster` asks of `store:`, its seed nodes one by one. False: an error was
+    /// reported.
+    fn check_seed_nodes(&self, err: &mut impl FnMut(String, String)) -> bool {
+        let mut ok = true;
+        if self.url.is_some() {
+            err(
+                "store.url".into(),
+                "is for backend redis; list the cluster's seed nodes in store.nodes".into(),
+            );
+            ok = false;
+        }
+        if self.wait_replicas != 0 {
+            // The cluster client keeps one multiplexed connection per node, and routes
+            // WAIT to every primary, not to the key's. A WAIT must run on the connection
+            // that wrote the key and blocks it: on the cluster client that stalls every
+            // request to that node, and after an ASK redirection the write and the WAIT
+            // are not on the same node at all. Refused rather than half-done.
+            err(
+                "store.wait_replicas".into(),
+                "is not supported with backend redis-cluster (the cluster client cannot run WAIT on the connection that wrote the key without stalling every other request to that node); set 0, or use backend redis with a primary and replicas".into(),
+            );
+            ok = false;
+        }
+        if self.nodes.is_empty() {
+            err(
+                "store.nodes".into(),
+                "backend redis-cluster needs at least one seed node (redis://HOST:PORT)".into(),
+            );
+            ok = false;
+        }
+        if self.nodes.len() > bounds::NODES {
+            err(
+                "store.nodes".into(),
+                format!("{} seed nodes: at most {}", self.nodes.len(), bounds::NODES),
+            );
+            ok = false;
+        }
+        for (i, node) in self.nodes.iter().enumerate() {
+            ok &= redis_url(node, &format!("store.nodes[{i}]"), err);
+        }
+        let tls = self
+            .nodes
+            .iter()
+            .filter(|n| n.starts_with("rediss://"))
+            .count();
+        if tls != 0 && tls != self.nodes.len() {
+            err(
+                "store.nodes".into(),
+                "mixes redis:// and rediss:// (TLS) seed nodes; a cluster is reached one way"
+                    .into(),
+            );
+            ok = false;
+        }
+        ok
+    }
+
+    /// Reads the Redis password (`store.password_file` / `store.password_env`) and CA file
+    /// (`store.ca_file`), checking them against the URLs: a password in a URL *and* in a file
+    /// is ambiguous, and a CA without `rediss://` would silently not be used. `None`: an error
+    /// was reported.
+    fn redis_access(
+        &self,
+        urls: &[String],
+        urls_field: &str,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<RedisAccess> {
+        let password = self.redis_password(urls, urls_field, err);
+        let ca_pem = self.redis_ca(urls, urls_field, err);
+        Some(RedisAccess {
+            password: password?,
+            ca_pem: ca_pem?,
+        })
+    }
+
+    /// The password, if one is set outside the URLs. Outer `None`: an error was reported.
+    fn redis_password(
+        &self,
+        urls: &[String],
+        urls_field: &str,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<Option<Secret>> {
+        let mut ok = true;
+        let password = secret(
+            "store.password",
+            self.password_file.as_deref(),
+            self.password_env.as_deref(),
+            err,
+        );
+        if (self.password_file.is_some() || self.password_env.is_some()) && password.is_none() {
+            ok = false;
+        }
+        let inline_password = urls.iter().any(|u| {
+            redis::IntoConnectionInfo::into_connection_info(u.as_str())
+                .is_ok_and(|info| info.redis_settings().password().is_some())
+        });
+        if password.is_some() && inline_password {
+            let field = if self.password_file.is_some() {
+                "store.password_file"
+            } else {
+                "store.password_env"
+            };
+            err(
+                field.into(),
+                format!("{urls_field} already carries a password; keep one of the two"),
+            );
+            ok = false;
+        }
+        ok.then_some(password)
+    }
+
+    /// The PEM of `store.ca_file`, if set. Outer `None`: an error was reported.
+    fn redis_ca(
+        &self,
+        urls: &[String],
+        urls_field: &str,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<Option<Vec<u8>>> {
+        let Some(path) = &self.ca_file else {
+            return Some(None);
+        };
+        let mut ok = true;
+        if !urls.iter().all(|u| u.starts_with("rediss://")) {
+            err(
+                "store.ca_file".into(),
+                format!("is only used over TLS: {urls_field} must use rediss://"),
+            );
+            ok = false;
+        }
+        let pem = match std::fs::read(path) {
+            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => pem,
+            Ok(_) => {
+                err(
+                    "store.ca_file".into(),
+                    format!("{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"),
+                );
+                return None;
+            }
+            Err(e) => {
+                err("store.ca_file".into(), format!("cannot read {path}: {e}"));
+                return None;
+            }
+        };
+        ok.then_some(Some(pem))
+    }
+}
+
+/// Checks one Redis URL with the redis crate's own parser, reporting at `field`. False: an
+/// error was reported.
+fn redis_url(url: &str, field: &str, err: &mut impl FnMut(String, String)) -> bool {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        err(
+            field.into(),
+            format!("invalid Redis URL {url:?}: it must start with redis:// or rediss://"),
+        );
+        false
+    } else if let Err(e) = redis::Client::open(url) {
+        err(field.into(), format!("invalid Redis URL: {e}"));
+        false
+    } else {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The paths of the errors `store:` written as `yaml` gets.
+    fn refused_at(yaml: &str) -> Vec<String> {
+        let raw: RawStore = yaml_serde::from_str(yaml).expect("a store section");
+        let mut paths = Vec::new();
+        let settings = raw.validate(&mut |path, _| paths.push(path));
+        assert!(settings.is_none(), "{yaml} was accepted");
+        paths
+    }
+
+    /// The checks the Redis clients make when they are built, made at load without the store.
+    #[test]
+    fn redis_settings_the_client_would_refuse_are_refused_at_load() {
+        let nodes = "backend: redis-cluster\nnodes: [\"redis://:a@127.0.0.1:7000\", \"redis://:b@127.0.0.1:7001\"]";
+        assert_eq!(refused_at(nodes), ["store.nodes"], "different passwords");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n",
+        )
+        .expect("write");
+        let ca = ca.display();
+        let redis = format!("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: {ca}");
+        assert_eq!(refused_at(&redis), ["store.ca_file"]);
+        let cluster =
+            format!("backend: redis-cluster\nnodes: [\"rediss://127.0.0.1:7000\"]\nca_file: {ca}");
+        assert_eq!(refused_at(&cluster), ["store.nodes"]);
+    }
+}

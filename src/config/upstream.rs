@@ -1,0 +1,193 @@
+//! `upstreams:`: the named services that routes forward to.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use http::Uri;
+use http::uri::Scheme;
+use serde::Deserialize;
+
+use super::units::{at_most, bounds, duration};
+use crate::tls::ClientTls;
+
+/// `upstreams.NAME:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[serde(expecting = "an upstream: a mapping with url")]
+pub struct RawUpstream {
+    /// `http://` or `https://` base URL. Required.
+    pub url: String,
+    /// TCP (and TLS) connect deadline. Default 2s.
+    #[serde(default = "defaults::connect_timeout", with = "duration")]
+    pub connect_timeout: Duration,
+    /// Deadline until the whole response has arrived. Default 30s.
+    #[serde(default = "defaults::upstream_timeout", with = "duration")]
+    pub timeout: Duration,
+    /// A pooled connection idle this long is never reused (SPEC §4.3). Default 1s: shorter
+    /// than the 2s after which gunicorn drops idle connections, and Node's 5s. `0s`: no pooling.
+    #[serde(default = "defaults::pool_idle_timeout", with = "duration")]
+    pub pool_idle_timeout: Duration,
+    /// https: a PEM file of the CA certificates to trust instead of the Mozilla roots.
+    /// Default: none (the Mozilla roots).
+    #[serde(default)]
+    pub ca_file: Option<String>,
+}
+
+/// The documented defaults, one function each so serde and the docs agree.
+mod defaults {
+    use std::time::Duration;
+
+    pub(super) fn connect_timeout() -> Duration {
+        Duration::from_secs(2)
+    }
+    pub(super) fn upstream_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub(super) fn pool_idle_timeout() -> Duration {
+        Duration::from_secs(1)
+    }
+}
+
+/// One upstream.
+#[derive(Debug, Clone)]
+pub struct UpstreamSettings {
+    /// Its name in the file.
+    pub name: String,
+    /// Base URL (scheme, authority and an optional path prefix).
+    pub url: Uri,
+    /// TCP (and TLS) connect deadline.
+    pub connect_timeout: Duration,
+    /// Deadline until the whole response has arrived.
+    pub timeout: Duration,
+    /// A pooled connection idle this long is not reused.
+    pub pool_idle_timeout: Duration,
+    /// What an https connection to it trusts (`ca_file`, else the Mozilla roots).
+    pub tls: ClientTls,
+    /// The `X-Forwarded-Proto` it is sent: the scheme of the proxy's own listener (`https`
+    /// with `tls:`), resolved at load because one listener has one scheme, so a request
+    /// only copies it.
+    pub forwarded_proto: Scheme,
+}
+
+/// Checks every upstream, keeping those that passed, by name.
+pub(super) fn validate(
+    upstreams: &BTreeMap<String, RawUpstream>,
+    forwarded_proto: &Scheme,
+    err: &mut impl FnMut(String, String),
+) -> BTreeMap<String, UpstreamSettings> {
+    let mut valid = BTreeMap::new();
+    for (name, up) in upstreams {
+        if let Some(u) = up.validate(name, forwarded_proto, err) {
+            valid.insert(name.clone(), u);
+        }
+    }
+    valid
+}
+
+impl RawUpstream {
+    fn validate(
+        &self,
+        name: &str,
+        forwarded_proto: &Scheme,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<UpstreamSettings> {
+        let path = format!("upstreams.{name}");
+        let ok = self.check_timeouts(&path, err);
+        let url = self.base_url(&path, err);
+        let tls = self.tls(url.as_ref(), &path, err);
+        match (url, tls) {
+            (Some(url), Some(tls)) if ok => Some(UpstreamSettings {
+                name: name.to_owned(),
+                url,
+                connect_timeout: self.connect_timeout,
+                timeout: self.timeout,
+                pool_idle_timeout: self.pool_idle_timeout,
+                tls,
+                forwarded_proto: forwarded_proto.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// False: an error was reported.
+    fn check_timeouts(&self, path: &str, err: &mut impl FnMut(String, String)) -> bool {
+        let mut ok = true;
+        at_most(
+            err,
+            &format!("{path}.connect_timeout"),
+            self.connect_timeout,
+            bounds::CONNECT_TIMEOUT,
+        );
+        at_most(
+            err,
+            &format!("{path}.timeout"),
+            self.timeout,
+            bounds::UPSTREAM_TIMEOUT,
+        );
+        at_most(
+            err,
+            &format!("{path}.pool_idle_timeout"),
+            self.pool_idle_timeout,
+            bounds::POOL_IDLE_TIMEOUT,
+        );
+        if self.connect_timeout.is_zero() {
+            err(
+                format!("{path}.connect_timeout"),
+                "must be greater than zero".into(),
+            );
+            ok = false;
+        }
+        if self.timeout.is_zero() {
+            err(
+                format!("{path}.timeout"),
+                "must be greater than zero".into(),
+            );
+            ok = false;
+        }
+        ok
+    }
+
+    fn base_url(&self, path: &str, err: &mut impl FnMut(String, String)) -> Option<Uri> {
+        match self.url.parse::<Uri>() {
+            Ok(u)
+                if matches!(u.scheme_str(), Some("http") | Some("https"))
+                    && u.authority().is_some()
+                    && u.query().is_none() =>
+            {
+                Some(u)
+            }
+            _ => {
+                err(
+                    format!("{path}.url"),
+                    format!(
+                        "invalid upstream URL {:?}: expected http://HOST[:PORT][/PREFIX] or https://…, without a query",
+                        self.url
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// What an https connection trusts; `url` is `None` when it did not parse.
+    fn tls(
+        &self,
+        url: Option<&Uri>,
+        path: &str,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<ClientTls> {
+        let https = url.and_then(Uri::scheme) == Some(&Scheme::HTTPS);
+        let tls = match &self.ca_file {
+            // A CA file on a cleartext upstream would be silently unused: say so instead.
+            Some(_) if url.is_some() && !https => Err((
+                format!("{path}.ca_file"),
+                "applies to https:// upstreams only; this url is http://".to_owned(),
+            )),
+            Some(file) => {
+                ClientTls::private_roots(file).map_err(|m| (format!("{path}.ca_file"), m))
+            }
+            None => ClientTls::public_roots().map_err(|m| (path.to_owned(), m)),
+        };
+        tls.map_err(|(field, message)| err(field, message)).ok()
+    }
+}
