@@ -26,8 +26,9 @@ pub struct RawLimits {
     /// idempotent requests get a 503 before anything is claimed. Default 1000.
     #[serde(default = "defaults::max_detached_exchanges")]
     pub max_detached_exchanges: u32,
-    /// Results whose completion is being retried in the background, at most; past it (or past
-    /// `max_pending_save_bytes`) the oldest is given up. Default 1000.
+    /// Results whose completion is being retried in the background, held whole, at most; past
+    /// it (or past `max_pending_save_bytes`) the oldest lets go of its response and saves a
+    /// `502 result-not-kept` in its place, keeping its lease meanwhile. Default 1000.
     #[serde(default = "defaults::max_pending_saves")]
     pub max_pending_saves: u32,
     /// Bytes of those results, at most. Default 64MiB.
