@@ -1,10 +1,13 @@
 //! The bundled mock booking service: a fake legacy booking API that counts its side effects.
 //!
 //! The demo puts the proxy in front of it, the integration tests use it to see whether the
-//! upstream "ran the operation", and the benches use it as the baseline upstream. It is a real
-//! HTTP server (HTTP/1.1, and HTTP/2 with prior knowledge, on the crate's own
-//! [`Listener`](crate::server::listener::Listener)), so everything the proxy does to a request or a response
-//! crosses a real socket.
+//! upstream "ran the operation", and the benches use it as the baseline upstream.
+//!
+//! This crate answers requests ([`MockUpstream::handle`]) and brings no server, and it depends
+//! on nothing of idemproxy (idemproxy depends on it). idemproxy serves it on its own listener
+//! (HTTP/1.1, and HTTP/2 with prior knowledge) — in the `mock-upstream` binary, in
+//! `idemproxy demo` and in the test harness — so everything the proxy does to a request or a
+//! response crosses a real socket.
 //!
 //! # Routes
 //!
@@ -46,19 +49,28 @@
 //!
 //! # Example
 //!
-//! ```no_run
-//! # async fn example() -> std::io::Result<()> {
-//! let mock = idemproxy::mock::start().await?;
-//! // point the proxy (or any client) at mock.url(), then:
-//! assert_eq!(mock.calls("8e03978e-40d5-43e8-bc93-6894a57f9324"), 0);
-//! mock.shutdown().await
+//! ```
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use idemproxy_mock::MockUpstream;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mock = MockUpstream::new();
+//! // A server hands each request to `handle`.
+//! let request = http::Request::post("/bookings")
+//!     .header("Idempotency-Key", "8e03978e-40d5-43e8-bc93-6894a57f9324")
+//!     .body(Full::new(Bytes::from_static(br#"{"seat":"12A"}"#)))?;
+//! let response = mock.handle(request).await?;
+//! assert_eq!(response.status(), http::StatusCode::CREATED);
+//! assert_eq!(mock.calls("8e03978e-40d5-43e8-bc93-6894a57f9324"), 1);
+//! # Ok(())
 //! # }
 //! ```
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
@@ -70,13 +82,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::body::Incoming;
 use serde_json::{Map, Value, json};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-use crate::server::listener::{Handler, Listener, ListenerLimits, Peer};
 
 /// The header whose value the mock counts side effects under.
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -92,10 +98,6 @@ const X_BOOKING_ID: &str = "x-booking-id";
 /// Request bodies above this are answered with 413 and not counted. Far above anything the
 /// proxy forwards; it only keeps a stray client from exhausting memory.
 const MAX_REQUEST_BODY: usize = 64 * 1024 * 1024;
-
-/// How long `serve` lets requests in flight finish after its shutdown future resolves. A mock
-/// must not hang a test run (or a Ctrl-C) on a request that asked for a one-hour delay.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// How long a cut-short body ([`X-Mock-Partial`](self#control-headers)) waits before failing,
 /// so the server flushes the head and the first half before the connection drops.
@@ -121,8 +123,8 @@ fn pattern_block() -> &'static Bytes {
 
 /// The state of a mock upstream: its side-effect counters and stored bookings.
 ///
-/// Cheap to clone (an `Arc` inside); every clone sees the same counters. Pass one to [`serve`]
-/// and keep another to read the counters, or use [`start`], whose handle does both.
+/// Cheap to clone (an `Arc` inside); every clone sees the same counters. Serve one (each
+/// request through [`MockUpstream::handle`]) and keep another to read the counters.
 #[derive(Clone, Default)]
 pub struct MockUpstream {
     ledger: Arc<Mutex<Ledger>>,
@@ -293,223 +295,80 @@ fn idempotency_key(headers: &HeaderMap) -> Option<String> {
     Some(values.join(", "))
 }
 
-/// Serves the mock on `listener` until `shutdown` resolves, then stops accepting, lets requests
-/// in flight finish (for a few seconds at most) and returns.
-///
-/// Each connection speaks HTTP/1.1 or, with prior knowledge, HTTP/2. Accept errors (for example
-/// running out of file descriptors) are logged and retried, never fatal.
-pub async fn serve(
-    listener: TcpListener,
-    state: MockUpstream,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> io::Result<()> {
-    let drain = Listener::new(listener, "mock upstream", LIMITS)
-        .run(Service(state), shutdown)
-        .await;
-    if !drain.close_within(SHUTDOWN_GRACE).await {
-        tracing::warn!("mock upstream: requests still in flight after the grace period");
-    }
-    Ok(())
-}
-
-/// The mock's limits are generous: tests park requests on it for seconds (`X-Mock-Delay`) and
-/// the proxy keeps pooled connections to it. Its header limits are hyper's defaults (100
-/// headers), which the proxy's own limits are measured against.
-const LIMITS: ListenerLimits = ListenerLimits {
-    max_connections: 10_000,
-    header_read_timeout: Duration::from_secs(300),
-    send_timeout: Duration::from_secs(300),
-    max_headers: 100,
-    max_head_bytes: 8192 + 4096 * 100,
-};
-
-/// The mock as a listener's handler.
-struct Service(MockUpstream);
-
-impl Handler for Service {
-    type Body = MockBody;
-    type Error = MockError;
-
-    async fn call(
-        self: Arc<Self>,
-        request: Request<Incoming>,
-        peer: Peer,
-    ) -> Result<Response<MockBody>, MockError> {
-        handle(&self.0, &peer, request).await
-    }
-}
-
-/// Binds `127.0.0.1:0`, serves a fresh [`MockUpstream`] there on the current Tokio runtime and
-/// returns its handle.
-pub async fn start() -> io::Result<MockHandle> {
-    let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
-    let addr = listener.local_addr()?;
-    let state = MockUpstream::new();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(serve(listener, state.clone(), async move {
-        // Resolves on an explicit stop and when the handle is dropped.
-        let _ = stopped.await;
-    }));
-    Ok(MockHandle {
-        addr,
-        state,
-        stop: Some(stop),
-        task: Some(task),
-    })
-}
-
-/// A running mock started by [`start`]: its address and its counters. Stops the server when
-/// dropped (requests in flight get a few seconds to finish).
-pub struct MockHandle {
-    addr: SocketAddr,
-    state: MockUpstream,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<io::Result<()>>>,
-}
-
-impl MockHandle {
-    /// The address the mock listens on.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The base URL, e.g. `http://127.0.0.1:40123` (no trailing slash).
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// The shared state, to hand to code that wants a [`MockUpstream`].
-    pub fn state(&self) -> &MockUpstream {
-        &self.state
-    }
-
-    /// See [`MockUpstream::calls`].
-    pub fn calls(&self, key: &str) -> u64 {
-        self.state.calls(key)
-    }
-
-    /// See [`MockUpstream::total`].
-    pub fn total(&self) -> u64 {
-        self.state.total()
-    }
-
-    /// See [`MockUpstream::bookings`].
-    pub fn bookings(&self) -> u64 {
-        self.state.bookings()
-    }
-
-    /// See [`MockUpstream::stats`].
-    pub fn stats(&self) -> MockStats {
-        self.state.stats()
-    }
-
-    /// See [`MockUpstream::last_request`].
-    pub fn last_request(&self) -> Option<RecordedRequest> {
-        self.state.last_request()
-    }
-
-    /// See [`MockUpstream::reset`].
-    pub fn reset(&self) {
-        self.state.reset();
-    }
-
-    /// Stops the server and waits until it has stopped.
-    pub async fn shutdown(mut self) -> io::Result<()> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        match self.task.take() {
-            Some(task) => task.await.map_err(io::Error::other)?,
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for MockHandle {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
-impl std::fmt::Debug for MockHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MockHandle")
-            .field("addr", &self.addr)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Why the service gave up on a request instead of answering it. Hyper then closes the
+/// Why the mock gave up on a request instead of answering it: the server then closes the
 /// connection without a response, which is the point for [`MockError::Reset`].
 #[derive(Debug, thiserror::Error)]
-enum MockError {
+pub enum MockError {
+    /// `X-Mock-Reset`: the server is to drop the connection abruptly, writing nothing more, not
+    /// even a FIN (idemproxy's listener does it with `Peer::reset`).
     #[error("connection reset on request (X-Mock-Reset)")]
     Reset,
+    /// The request body could not be read.
     #[error("reading the request body failed")]
     RequestBody(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-async fn handle(
-    state: &MockUpstream,
-    peer: &Peer,
-    request: Request<Incoming>,
-) -> Result<Response<MockBody>, MockError> {
-    let (parts, body) = request.into_parts();
-    let body = match Limited::new(body, MAX_REQUEST_BODY).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Ok(
-                error_reply(StatusCode::PAYLOAD_TOO_LARGE, "request body too large").finish(),
-            );
+impl MockUpstream {
+    /// Answers one request as the [routes](self#routes) and [control headers](self#control-headers)
+    /// say, counting it first. An error is to be answered with no response at all.
+    pub async fn handle<B>(&self, request: Request<B>) -> Result<Response<MockBody>, MockError>
+    where
+        B: Body,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let (parts, body) = request.into_parts();
+        let body = match Limited::new(body, MAX_REQUEST_BODY).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.is::<LengthLimitError>() => {
+                return Ok(
+                    error_reply(StatusCode::PAYLOAD_TOO_LARGE, "request body too large").finish(),
+                );
+            }
+            Err(error) => return Err(MockError::RequestBody(error)),
+        };
+
+        if let Some(control) = parts.uri.path().strip_prefix("/_mock/") {
+            return Ok(control_reply(self, &parts, control).finish());
         }
-        Err(error) => return Err(MockError::RequestBody(error)),
-    };
 
-    if let Some(control) = parts.uri.path().strip_prefix("/_mock/") {
-        return Ok(control_reply(state, &parts, control).finish());
-    }
+        // The side effect happens here, before anything below can delay or fail the answer.
+        self.record(&parts, &body);
 
-    // The side effect happens here, before anything below can delay or fail the answer.
-    state.record(&parts, &body);
-
-    let directives = match Directives::parse(&parts.headers) {
-        Ok(directives) => directives,
-        Err(message) => return Ok(error_reply(StatusCode::BAD_REQUEST, &message).finish()),
-    };
-    if let Some(delay) = directives.delay {
-        tokio::time::sleep(delay).await;
-    }
-    if directives.reset {
-        // Nothing more is written, not even a FIN, and the socket closes with a TCP reset.
-        peer.reset();
-        return Err(MockError::Reset);
-    }
-
-    let mut reply = match directives.status {
-        Some(status) => status_reply(status, &parts),
-        None => route(state, &parts, &body),
-    };
-    if let Some(size) = directives.body_size {
-        reply.body = MockBody::pattern(size);
-        reply.insert(CONTENT_TYPE, "application/octet-stream");
-    }
-    let mut replaced = HashSet::new();
-    for (name, value) in directives.headers {
-        if replaced.insert(name.clone()) {
-            reply.headers.insert(name, value);
-        } else {
-            reply.headers.append(name, value);
+        let directives = match Directives::parse(&parts.headers) {
+            Ok(directives) => directives,
+            Err(message) => return Ok(error_reply(StatusCode::BAD_REQUEST, &message).finish()),
+        };
+        if let Some(delay) = directives.delay {
+            tokio::time::sleep(delay).await;
         }
+        if directives.reset {
+            return Err(MockError::Reset);
+        }
+
+        let mut reply = match directives.status {
+            Some(status) => status_reply(status, &parts),
+            None => route(self, &parts, &body),
+        };
+        if let Some(size) = directives.body_size {
+            reply.body = MockBody::pattern(size);
+            reply.insert(CONTENT_TYPE, "application/octet-stream");
+        }
+        let mut replaced = HashSet::new();
+        for (name, value) in directives.headers {
+            if replaced.insert(name.clone()) {
+                reply.headers.insert(name, value);
+            } else {
+                reply.headers.append(name, value);
+            }
+        }
+        for cookie in directives.set_cookies {
+            reply.headers.append(SET_COOKIE, cookie);
+        }
+        if directives.partial {
+            reply.body = reply.body.cut_short();
+        }
+        Ok(reply.finish())
     }
-    for cookie in directives.set_cookies {
-        reply.headers.append(SET_COOKIE, cookie);
-    }
-    if directives.partial {
-        reply.body = reply.body.cut_short();
-    }
-    Ok(reply.finish())
 }
 
 fn route(state: &MockUpstream, parts: &Parts, body: &Bytes) -> Reply {
@@ -711,7 +570,7 @@ impl Reply {
 /// The response body: a buffer and/or a stretch of [`body_pattern`], with an exact length (so
 /// HTTP/1 gets a `Content-Length`), optionally cut short by a failure.
 #[derive(Debug)]
-struct MockBody {
+pub struct MockBody {
     head: Option<Bytes>,
     /// Pattern bytes still to send after `head`.
     pattern_left: u64,
@@ -859,426 +718,8 @@ fn percent_decode(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
-
     use super::*;
-    use http_body_util::Full;
-    use hyper_util::client::legacy::Client;
-    use hyper_util::client::legacy::connect::HttpConnector;
-    use hyper_util::rt::TokioExecutor;
-    use std::time::Instant;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
-
-    type TestClient = Client<HttpConnector, Full<Bytes>>;
-
-    fn client() -> TestClient {
-        Client::builder(TokioExecutor::new()).build_http()
-    }
-
-    async fn send(
-        client: &TestClient,
-        method: Method,
-        url: String,
-        headers: &[(&str, &str)],
-        body: &str,
-    ) -> Result<(StatusCode, HeaderMap, Bytes), Box<dyn std::error::Error + Send + Sync>> {
-        let mut request = Request::builder().method(method).uri(url);
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let request = request.body(Full::new(Bytes::from(body.to_owned())))?;
-        let response = client.request(request).await?;
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await?.to_bytes();
-        Ok((parts.status, parts.headers, body))
-    }
-
-    fn doc(body: &Bytes) -> Value {
-        serde_json::from_slice(body).unwrap()
-    }
-
-    #[tokio::test]
-    async fn post_bookings_creates_and_counts_per_key() {
-        let mock = start().await.unwrap();
-        let client = client();
-        let url = format!("{}/bookings", mock.url());
-
-        let (status, headers, body) = send(
-            &client,
-            Method::POST,
-            url.clone(),
-            &[
-                ("idempotency-key", "k1"),
-                ("content-type", "application/json"),
-            ],
-            r#"{"room": 12, "nights": [1, 2]}"#,
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::CREATED);
-        assert_eq!(headers["location"], "/bookings/bk_1");
-        assert_eq!(headers["x-booking-id"], "bk_1");
-        assert_eq!(headers["content-type"], "application/json");
-        assert!(headers.contains_key("etag"));
-        assert_eq!(
-            doc(&body),
-            json!({"id": "bk_1", "seq": 1, "request": {"room": 12, "nights": [1, 2]}})
-        );
-
-        let (status, _, created) = send(
-            &client,
-            Method::POST,
-            url.clone(),
-            &[("idempotency-key", "k1")],
-            "not \"json\"",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::CREATED);
-        assert_eq!(
-            doc(&created),
-            json!({"id": "bk_2", "seq": 2, "request": "not \"json\""})
-        );
-        send(&client, Method::POST, url, &[("idempotency-key", "k2")], "")
-            .await
-            .unwrap();
-
-        assert_eq!(mock.calls("k1"), 2);
-        assert_eq!(mock.calls("k2"), 1);
-        assert_eq!(mock.calls("nope"), 0);
-        assert_eq!(mock.total(), 3);
-        assert_eq!(mock.bookings(), 3);
-
-        let (status, headers, body) = send(
-            &client,
-            Method::GET,
-            format!("{}/bookings/bk_2", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::OK);
-        assert_eq!(headers["x-booking-id"], "bk_2");
-        assert_eq!(body, created, "the stored booking, byte for byte");
-        let (status, _, body) = send(
-            &client,
-            Method::GET,
-            format!("{}/bookings/bk_99", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::NOT_FOUND);
-        assert_eq!(
-            doc(&body),
-            json!({"error": "booking not found", "id": "bk_99"})
-        );
-        // GETs count too (no key): 3 + 2.
-        assert_eq!(mock.total(), 5);
-
-        mock.reset();
-        assert_eq!(mock.stats(), MockStats::default());
-        let (_, headers, _) = send(
-            &client,
-            Method::POST,
-            format!("{}/bookings", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(headers["x-booking-id"], "bk_4", "ids are never reused");
-        mock.shutdown().await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn delay_is_counted_before_the_answer() {
-        let mock = start().await.unwrap();
-        let client = client();
-        let url = format!("{}/payments", mock.url());
-        let started = Instant::now();
-        let request = tokio::spawn(async move {
-            send(
-                &client,
-                Method::POST,
-                url,
-                &[("idempotency-key", "slow"), ("x-mock-delay", "300ms")],
-                "{}",
-            )
-            .await
-            .map(|(status, _, _)| status)
-        });
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        assert_eq!(mock.calls("slow"), 1, "counted while still delaying");
-        assert!(!request.is_finished());
-        assert_eq!(request.await.unwrap().unwrap(), StatusCode::OK);
-        assert!(started.elapsed() >= Duration::from_millis(300));
-    }
-
-    #[tokio::test]
-    async fn status_override() {
-        let mock = start().await.unwrap();
-        let (status, headers, body) = send(
-            &client(),
-            Method::POST,
-            format!("{}/bookings", mock.url()),
-            &[("idempotency-key", "k"), ("x-mock-status", "503")],
-            "{}",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(headers["content-type"], "application/json");
-        assert_eq!(
-            doc(&body),
-            json!({
-                "status": 503,
-                "reason": "Service Unavailable",
-                "method": "POST",
-                "path": "/bookings",
-                "mock": "X-Mock-Status",
-            })
-        );
-        assert_eq!(mock.calls("k"), 1);
-        assert_eq!(mock.bookings(), 0, "the route did not run");
-    }
-
-    #[tokio::test]
-    async fn invalid_directive_is_a_400() {
-        let mock = start().await.unwrap();
-        let (status, _, body) = send(
-            &client(),
-            Method::GET,
-            format!("{}/x", mock.url()),
-            &[("x-mock-delay", "soon")],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::BAD_REQUEST);
-        let error = doc(&body)["error"].as_str().unwrap().to_owned();
-        assert!(error.contains("x-mock-delay"), "{error}");
-    }
-
-    #[tokio::test]
-    async fn body_size_headers_and_cookies() {
-        let mock = start().await.unwrap();
-        for size in [0usize, 1, 100, 64 * 1024, 200_001] {
-            let size_text = size.to_string();
-            let (status, headers, body) = send(
-                &client(),
-                Method::POST,
-                format!("{}/bookings", mock.url()),
-                &[
-                    ("x-mock-body-size", &size_text),
-                    ("x-mock-set-cookie", "session=abc; Path=/"),
-                    ("x-mock-header", "X-Foo: 1"),
-                    ("x-mock-header", "Keep-Alive: timeout=5"),
-                    ("x-mock-header", "X-Foo: 2"),
-                ],
-                "{}",
-            )
-            .await
-            .unwrap();
-            assert_eq!(status, StatusCode::CREATED);
-            assert_eq!(headers["content-type"], "application/octet-stream");
-            assert_eq!(headers["content-length"], size_text.as_str());
-            assert_eq!(headers["set-cookie"], "session=abc; Path=/");
-            let foo: Vec<_> = headers.get_all("x-foo").iter().collect();
-            assert_eq!(foo, ["1", "2"]);
-            assert_eq!(headers["keep-alive"], "timeout=5");
-            assert_eq!(body.len(), size);
-            assert!(body[..] == body_pattern(size)[..]);
-        }
-    }
-
-    #[tokio::test]
-    async fn echo_shows_what_arrived() {
-        let mock = start().await.unwrap();
-        let (status, _, body) = send(
-            &client(),
-            Method::PUT,
-            format!("{}/echo/a?b=1&c=%20", mock.url()),
-            &[
-                ("idempotency-key", "\"quoted\""),
-                ("x-forwarded-for", "10.0.0.1"),
-            ],
-            "plain\ntext",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::OK);
-        let echo = doc(&body);
-        assert_eq!(echo["method"], "PUT");
-        assert_eq!(echo["path"], "/echo/a");
-        assert_eq!(echo["query"], "b=1&c=%20");
-        assert_eq!(echo["headers"]["idempotency-key"], json!(["\"quoted\""]));
-        assert_eq!(echo["headers"]["x-forwarded-for"], json!(["10.0.0.1"]));
-        assert_eq!(echo["body"], "plain\ntext");
-        assert_eq!(echo.as_object().unwrap().len(), 5, "{echo}");
-        assert_eq!(mock.calls("\"quoted\""), 1);
-        let last = mock.last_request().unwrap();
-        assert_eq!(last.method, Method::PUT);
-        assert_eq!(last.uri.query(), Some("b=1&c=%20"));
-        assert_eq!(last.headers["x-forwarded-for"], "10.0.0.1");
-        assert_eq!(&last.body[..], b"plain\ntext");
-    }
-
-    #[tokio::test]
-    async fn reset_is_a_client_error_and_still_counted() {
-        let mock = start().await.unwrap();
-        let result = send(
-            &client(),
-            Method::POST,
-            format!("{}/bookings", mock.url()),
-            &[("idempotency-key", "boom"), ("x-mock-reset", "true")],
-            "{}",
-        )
-        .await;
-        assert!(result.is_err(), "{result:?}");
-        assert_eq!(mock.calls("boom"), 1);
-    }
-
-    #[tokio::test]
-    async fn reset_is_a_tcp_reset() {
-        let mock = start().await.unwrap();
-        let mut stream = TcpStream::connect(mock.addr()).await.unwrap();
-        stream
-            .write_all(b"GET /x HTTP/1.1\r\nhost: mock\r\nx-mock-reset: 1\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = Vec::new();
-        let error = stream.read_to_end(&mut buf).await.unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::ConnectionReset);
-        assert!(buf.is_empty());
-    }
-
-    #[tokio::test]
-    async fn partial_sends_half_then_drops() {
-        let mock = start().await.unwrap();
-        let mut stream = TcpStream::connect(mock.addr()).await.unwrap();
-        stream
-            .write_all(
-                b"GET /x HTTP/1.1\r\nhost: mock\r\nx-mock-partial: true\r\nx-mock-body-size: 1000\r\n\r\n",
-            )
-            .await
-            .unwrap();
-        let mut buf = Vec::new();
-        // An orderly close (or a reset) after the first half; either way, no more data.
-        let _ = stream.read_to_end(&mut buf).await;
-        let text = String::from_utf8_lossy(&buf);
-        let (head, body) = text.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        assert!(head.contains("content-length: 1000"), "{head}");
-        assert_eq!(body.as_bytes(), &body_pattern(500)[..]);
-
-        // The hyper client sees an incomplete body.
-        let result = send(
-            &client(),
-            Method::POST,
-            format!("{}/bookings", mock.url()),
-            &[("x-mock-partial", "true")],
-            "{}",
-        )
-        .await;
-        assert!(result.is_err(), "{result:?}");
-        assert_eq!(mock.total(), 2);
-    }
-
-    #[tokio::test]
-    async fn control_endpoints_are_not_counted() {
-        let mock = start().await.unwrap();
-        let client = client();
-        for key in ["a", "a", "b/c d"] {
-            send(
-                &client,
-                Method::POST,
-                format!("{}/bookings", mock.url()),
-                &[("idempotency-key", key)],
-                "",
-            )
-            .await
-            .unwrap();
-        }
-        send(
-            &client,
-            Method::DELETE,
-            format!("{}/x", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-
-        let (status, _, body) = send(
-            &client,
-            Method::GET,
-            format!("{}/_mock/stats", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::OK);
-        assert_eq!(
-            doc(&body),
-            json!({"total": 4, "bookings": 3, "by_key": {"a": 2, "b/c d": 1}})
-        );
-        let (_, _, body) = send(
-            &client,
-            Method::GET,
-            format!("{}/_mock/calls?key=b%2Fc+d", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(doc(&body), json!({"key": "b/c d", "calls": 1}));
-        let (status, _, body) = send(
-            &client,
-            Method::POST,
-            format!("{}/_mock/reset", mock.url()),
-            &[],
-            "",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::OK);
-        assert_eq!(doc(&body), json!({"reset": true}));
-        assert_eq!(mock.stats(), MockStats::default());
-    }
-
-    #[tokio::test]
-    async fn speaks_h2c() {
-        let mock = start().await.unwrap();
-        let client: TestClient = Client::builder(TokioExecutor::new())
-            .http2_only(true)
-            .build_http();
-        let (status, _, body) = send(
-            &client,
-            Method::POST,
-            format!("{}/bookings", mock.url()),
-            &[("idempotency-key", "h2")],
-            "{}",
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, StatusCode::CREATED);
-        assert_eq!(doc(&body), json!({"id": "bk_1", "seq": 1, "request": {}}));
-        assert_eq!(mock.calls("h2"), 1);
-    }
-
-    #[tokio::test]
-    async fn drop_stops_the_server() {
-        let mock = start().await.unwrap();
-        let addr = mock.addr();
-        drop(mock);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(TcpStream::connect(addr).await.is_err());
-    }
+    use serde_json::json;
 
     #[test]
     fn request_bodies_embed_as_json_or_as_text() {
