@@ -45,7 +45,6 @@ pub struct MockHandle {
 }
 
 impl MockHandle {
-    /// The address the mock listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
