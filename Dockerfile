@@ -14,29 +14,33 @@ ARG RUST_VERSION=1
 FROM rust:${RUST_VERSION}-bookworm AS build
 WORKDIR /src
 
-# 1. Dependencies only, cached as long as Cargo.toml and Cargo.lock do not change.
+# 1. Dependencies only, cached as long as the manifests and Cargo.lock do not change.
 #    The manifest names bench (and maybe test and example) targets whose files are not in the
 #    build context (.dockerignore lets in only what the binaries need), and Cargo refuses a
 #    manifest whose declared target files are missing. So the [[bench]], [[test]] and
 #    [[example]] sections are dropped from the image's copy of the manifest (dependencies,
 #    including dev-dependencies, stay, so Cargo.lock still matches and --locked holds), and
-#    the library and both binaries get stub sources.
+#    the library, both binaries and the mock crate (mock/, a workspace member both binaries
+#    depend on) get stub sources.
 COPY Cargo.toml Cargo.lock ./
+COPY mock/Cargo.toml ./mock/
 RUN set -eu; \
     awk '/^\[/ { skip = ($0 ~ /^\[\[(bench|test|example)\]\]/) } !skip' Cargo.toml > Cargo.toml.bins; \
     mv Cargo.toml.bins Cargo.toml; \
-    mkdir -p src/bin; \
+    mkdir -p src/bin/mock-upstream mock/src; \
     : > src/lib.rs; \
+    : > mock/src/lib.rs; \
     echo 'fn main() {}' > src/main.rs; \
-    echo 'fn main() {}' > src/bin/mock-upstream.rs; \
+    echo 'fn main() {}' > src/bin/mock-upstream/main.rs; \
     cargo build --release --locked --bins; \
-    rm -rf src
+    rm -rf src mock/src
 
 # 2. The real sources. COPY keeps the files' own modification times, which can be older than
 #    the stub build above: touch them, or Cargo would take the stubs' artifacts as up to date.
 COPY src ./src
+COPY mock/src ./mock/src
 RUN set -eu; \
-    find src -name '*.rs' -exec touch {} +; \
+    find src mock/src -name '*.rs' -exec touch {} +; \
     cargo build --release --locked --bins; \
     ./target/release/idemproxy --version | grep -q '^idemproxy '; \
     ./target/release/mock-upstream --help | grep -q 'mock'

@@ -25,18 +25,17 @@
 //! - [`tls`]: certificates and keys read at load — the listener's, and each upstream's roots.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.
-//! - `demo`: the configuration and instructions of `idemproxy demo`.
-//! - [`mock`]: the bundled mock booking service (demo, tests, benches).
+//!
+//! The bundled mock booking service (demo, tests, benches) is a crate of its own
+//! (`idemproxy-mock`, in `mock/`): the library never depends on it.
 
 pub mod admin;
 pub mod body;
 pub mod config;
-mod demo;
 pub mod derive;
 pub mod fingerprint;
 pub mod key;
 pub mod metrics;
-pub mod mock;
 pub mod problem;
 pub mod proxy;
 pub mod record;
@@ -47,5 +46,4 @@ pub mod store;
 pub mod tls;
 pub mod upstream;
 
-pub use demo::{demo_config, demo_instructions};
 pub use server::run;

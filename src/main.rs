@@ -1,5 +1,7 @@
 //! The `idemproxy` command: parse flags, set up logging, load the configuration, run.
 
+mod demo;
+
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -108,7 +110,7 @@ fn main() -> ExitCode {
     }) = args.command
     {
         init_logging(LogFormat::Text);
-        return block_on(demo(listen, upstream_listen));
+        return block_on(demo::run(listen, upstream_listen));
     }
     let Some(path) = args.config else {
         eprintln!(
@@ -245,53 +247,6 @@ async fn serve(config: Config) -> ExitCode {
         }
     };
     match idemproxy::run(listener, config, stop_signal()).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %e, "idemproxy stopped");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-async fn demo(listen: SocketAddr, upstream_listen: SocketAddr) -> ExitCode {
-    let up = match idemproxy::server::bind(upstream_listen) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(%upstream_listen, error = %e, "cannot start the mock booking service (pass --upstream-listen)");
-            return ExitCode::FAILURE;
-        }
-    };
-    let proxy = match idemproxy::server::bind(listen) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(%listen, error = %e, "cannot listen (pass --listen)");
-            return ExitCode::FAILURE;
-        }
-    };
-    let (Ok(up_addr), Ok(addr)) = (up.local_addr(), proxy.local_addr()) else {
-        return ExitCode::FAILURE;
-    };
-    let yaml = idemproxy::demo_config(addr, up_addr);
-    let config = match Config::from_yaml(&yaml) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(error = %e, "the demo configuration is invalid");
-            return ExitCode::FAILURE;
-        }
-    };
-    let (stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
-    let mock = tokio::spawn(idemproxy::mock::serve(
-        up,
-        idemproxy::mock::MockUpstream::new(),
-        async move {
-            let _ = mock_stopped.await;
-        },
-    ));
-    println!("{}", idemproxy::demo_instructions(addr, up_addr));
-    let result = idemproxy::run(proxy, config, stop_signal()).await;
-    let _ = stop_mock.send(());
-    let _ = mock.await;
-    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "idemproxy stopped");

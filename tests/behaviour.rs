@@ -761,7 +761,7 @@ async fn response_over_max_response_body_is_not_replayable(backend: Backend) {
     assert_fresh(&first, 201);
     assert_eq!(first.body.len(), 200_000);
     assert!(
-        first.body[..] == idemproxy::mock::body_pattern(200_000)[..],
+        first.body[..] == idemproxy_mock::body_pattern(200_000)[..],
         "the first client gets the whole body"
     );
     let repeat = send(req()).await;
@@ -1132,7 +1132,7 @@ async fn passthrough_route_forwards_unchanged_and_streams(backend: Backend) {
         env.mock.last_request().expect("a request").method,
         http::Method::DELETE
     );
-    assert!(big.body[..] == idemproxy::mock::body_pattern(3_000_000)[..]);
+    assert!(big.body[..] == idemproxy_mock::body_pattern(3_000_000)[..]);
 
     // Streamed, not buffered: a body cut short upstream reaches the client as a 200 head and a
     // broken body (a buffering proxy would have answered 502).

@@ -11,17 +11,18 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::mock;
 use common::relay::Relay;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
     client, eventually, free_port,
 };
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::mock::{self, MockUpstream};
 use idemproxy::record::Entry;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Store, StoreHandle};
+use idemproxy_mock::MockUpstream;
 
 /// The request body every booking here sends (the fingerprint covers it, not the headers).
 const BODY: &str = r#"{"seat":"12A"}"#;

@@ -121,7 +121,7 @@ async fn redis_a_save_past_the_pending_bytes_bound_keeps_its_lease_and_saves_res
     .await;
     assert_eq!(r.status, 201);
     assert_eq!(r.header("idempotent-replayed"), "true");
-    assert_eq!(&r.body[..], &idemproxy::mock::body_pattern(4000)[..]);
+    assert_eq!(&r.body[..], &idemproxy_mock::body_pattern(4000)[..]);
     assert_eq!(env.mock.calls("kept-1"), 1, "kept-1 ran once");
     assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
     assert!(

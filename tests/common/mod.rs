@@ -11,6 +11,7 @@
 //! - [`cluster::RedisCluster`]: a Redis Cluster (primaries and replicas) on loopback, with
 //!   slot migration and coordinated failover; [`secured::SecuredRedis`]: a Redis that wants
 //!   TLS (a test CA) and/or a password.
+//! - [`mock::start`]: the mock booking service on a free port, with its counters.
 //! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
 //!   effects) and, for the Redis backend, its own Redis.
 //!
@@ -18,6 +19,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod mock;
 pub mod pki;
 pub mod relay;
 pub mod secured;
@@ -32,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use idemproxy::config::Config;
 use idemproxy::metrics::Metrics;
-use idemproxy::mock::{self, MockHandle};
 use idemproxy::proxy::Proxy;
+use mock::MockHandle;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;

@@ -1,11 +1,14 @@
 //! `mock-upstream`: the bundled mock booking service as a standalone process, for the demo, manual
-//! testing with curl and the load benches. See [`idemproxy::mock`] for its routes and the
+//! testing with curl and the load benches. See [`idemproxy_mock`] for its routes and the
 //! `X-Mock-*` control headers.
+
+mod serve;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 
 use clap::Parser;
+use idemproxy_mock::MockUpstream;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -35,12 +38,7 @@ async fn main() -> std::io::Result<()> {
     println!("mock-upstream listening on http://{addr}");
     tracing::info!(%addr, "mock-upstream listening on http://{addr}");
 
-    idemproxy::mock::serve(
-        listener,
-        idemproxy::mock::MockUpstream::new(),
-        idemproxy::shutdown::signal(),
-    )
-    .await?;
+    serve::serve(listener, MockUpstream::new(), idemproxy::shutdown::signal()).await?;
     tracing::info!("mock-upstream stopped");
     Ok(())
 }

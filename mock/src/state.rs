@@ -1,0 +1,189 @@
+//! The mock's state: what it counted and the bookings it made.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use bytes::Bytes;
+use http::header::{ETAG, LOCATION};
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
+use serde_json::{Value, json};
+
+use crate::reply::{Reply, body_json};
+
+/// The header whose value the mock counts side effects under.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+const X_BOOKING_ID: &str = "x-booking-id";
+
+/// The state of a mock upstream: its side-effect counters and stored bookings.
+///
+/// Cheap to clone (an `Arc` inside); every clone sees the same counters. Serve one (each
+/// request through [`MockUpstream::handle`]) and keep another to read the counters.
+#[derive(Clone, Default)]
+pub struct MockUpstream {
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+#[derive(Default)]
+struct Ledger {
+    total: u64,
+    by_key: BTreeMap<String, u64>,
+    bookings: u64,
+    /// The last booking sequence number handed out. Not reset, so a booking id never names two
+    /// different bookings in one process (a replayed `bk_3` can't be mistaken for a fresh one).
+    last_seq: u64,
+    store: HashMap<String, Value>,
+    last_request: Option<RecordedRequest>,
+}
+
+/// A snapshot of the counters, as `GET /_mock/stats` reports them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MockStats {
+    /// Every counted request since start or the last reset.
+    pub total: u64,
+    /// Bookings created since start or the last reset.
+    pub bookings: u64,
+    /// Counted requests per `Idempotency-Key` value, as received.
+    pub by_key: BTreeMap<String, u64>,
+}
+
+/// A counted request as the mock received it, so tests can check what the proxy forwarded
+/// without parsing the JSON echo.
+#[derive(Clone, Debug)]
+pub struct RecordedRequest {
+    pub method: Method,
+    /// The request target (path and query) as received.
+    pub uri: Uri,
+    /// Every request header, including the `X-Mock-*` ones.
+    pub headers: HeaderMap,
+    /// The whole request body.
+    pub body: Bytes,
+}
+
+impl MockUpstream {
+    /// Fresh state: every counter at zero, no bookings.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Counted requests that carried `Idempotency-Key: key` (the value as received).
+    pub fn calls(&self, key: &str) -> u64 {
+        self.ledger().by_key.get(key).copied().unwrap_or(0)
+    }
+
+    /// Every counted request, with or without a key.
+    pub fn total(&self) -> u64 {
+        self.ledger().total
+    }
+
+    /// Bookings created by `POST /bookings`.
+    pub fn bookings(&self) -> u64 {
+        self.ledger().bookings
+    }
+
+    /// All counters at once.
+    pub fn stats(&self) -> MockStats {
+        let ledger = self.ledger();
+        MockStats {
+            total: ledger.total,
+            bookings: ledger.bookings,
+            by_key: ledger.by_key.clone(),
+        }
+    }
+
+    /// The last counted request, if any since start or the last reset.
+    pub fn last_request(&self) -> Option<RecordedRequest> {
+        self.ledger().last_request.clone()
+    }
+
+    /// Zeroes every counter and forgets the stored bookings; booking ids keep growing.
+    pub fn reset(&self) {
+        let mut ledger = self.ledger();
+        let last_seq = ledger.last_seq;
+        *ledger = Ledger {
+            last_seq,
+            ..Ledger::default()
+        };
+    }
+
+    /// The lock is a std `Mutex`: it is held for a few map operations and never across an
+    /// `.await`, so an async mutex would only add cost. A panic while holding it cannot leave
+    /// the counters half-updated in a way that matters to a mock, so poisoning is ignored.
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records the side effect of one request. Called as soon as head and body are read.
+    pub(crate) fn record(&self, parts: &Parts, body: &Bytes) {
+        let key = idempotency_key(&parts.headers);
+        tracing::debug!(method = %parts.method, uri = %parts.uri, key = ?key, "mock upstream: counted");
+        let mut ledger = self.ledger();
+        ledger.total += 1;
+        if let Some(key) = key {
+            *ledger.by_key.entry(key).or_insert(0) += 1;
+        }
+        ledger.last_request = Some(RecordedRequest {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            headers: parts.headers.clone(),
+            body: body.clone(),
+        });
+    }
+
+    pub(crate) fn create_booking(&self, request_body: &Bytes) -> Reply {
+        let request = body_json(request_body);
+        let mut ledger = self.ledger();
+        ledger.last_seq += 1;
+        ledger.bookings += 1;
+        let seq = ledger.last_seq;
+        let id = format!("bk_{seq}");
+        let booking = json!({ "id": id, "seq": seq, "request": request });
+        let mut reply = Reply::json(StatusCode::CREATED, &booking);
+        ledger.store.insert(id.clone(), booking);
+        drop(ledger);
+
+        reply.insert(LOCATION, &format!("/bookings/{id}"));
+        reply.insert(ETAG, &etag(&id));
+        reply.insert(HeaderName::from_static(X_BOOKING_ID), &id);
+        reply
+    }
+
+    pub(crate) fn get_booking(&self, id: &str) -> Reply {
+        // Serialized under the lock: `Value` is not cheap to clone, its text is.
+        let stored = self
+            .ledger()
+            .store
+            .get(id)
+            .map(|booking| Reply::json(StatusCode::OK, booking));
+        match stored {
+            Some(mut reply) => {
+                reply.insert(ETAG, &etag(id));
+                reply.insert(HeaderName::from_static(X_BOOKING_ID), id);
+                reply
+            }
+            None => Reply::json(
+                StatusCode::NOT_FOUND,
+                &json!({ "error": "booking not found", "id": id }),
+            ),
+        }
+    }
+
+    pub(crate) fn stats_json(&self) -> Value {
+        let stats = self.stats();
+        json!({ "total": stats.total, "bookings": stats.bookings, "by_key": stats.by_key })
+    }
+}
+
+fn etag(id: &str) -> String {
+    format!("\"{id}.v1\"")
+}
+
+/// The `Idempotency-Key` as received; several fields are combined as HTTP combines them.
+fn idempotency_key(headers: &HeaderMap) -> Option<String> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter().peekable();
+    values.peek()?;
+    let values: Vec<_> = values
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .collect();
+    Some(values.join(", "))
+}
