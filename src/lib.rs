@@ -9,7 +9,7 @@
 //! - [`route`]: compiled routes — path patterns (exact, `{param}`, trailing `/*`) and each
 //!   route's upstream and idempotency policy.
 //! - [`key`]: parsing the key header; namespacing it into a hashed, fixed-size store key.
-//! - [`derive`]: keys derived from what the request means (`key_from`), canonical values.
+//! - [`key_from`]: keys derived from what the request means (`key_from`), canonical values.
 //! - [`fingerprint`]: what makes two requests "the same".
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
@@ -31,9 +31,9 @@ pub mod admin;
 pub mod body;
 pub mod config;
 mod demo;
-pub mod derive;
 pub mod fingerprint;
 pub mod key;
+pub mod key_from;
 pub mod metrics;
 pub mod mock;
 pub mod problem;

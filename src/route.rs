@@ -200,7 +200,7 @@ pub struct IdempotencySettings {
     /// Forward the key header upstream.
     pub forward_key: bool,
     /// Parts to derive a key from when the request has no key header (empty: none).
-    pub key_from: Vec<crate::derive::KeyPart>,
+    pub key_from: Vec<crate::key_from::KeyPart>,
 }
 
 /// What to do with a repeat that arrives while the first request is still in flight.

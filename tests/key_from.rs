@@ -5,7 +5,7 @@ mod common;
 
 use common::{Backend, Env, Reply, TestProxy, client, send};
 use http::{HeaderMap, HeaderName};
-use idemproxy::derive::{KeyPart, Value, derived_id, derived_key};
+use idemproxy::key_from::{KeyPart, Value, derived_id, derived_key};
 use proptest::prelude::*;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;

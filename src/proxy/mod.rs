@@ -206,15 +206,15 @@ impl Proxy {
             .iter()
             .zip(values)
             .map(|(part, text)| {
-                crate::derive::Value::from_text(part, text)
+                crate::key_from::Value::from_text(part, text)
                     .map_err(|e| format!("{}: {e}", part.describe()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let derived = crate::derive::derived_key(&idem.key_from, &values, &idem.scope, headers);
+        let derived = crate::key_from::derived_key(&idem.key_from, &values, &idem.scope, headers);
         Ok(StoreKey::new(
             r.namespace.clone(),
             r.number,
-            crate::derive::derived_id(&derived),
+            crate::key_from::derived_id(&derived),
         ))
     }
 
