@@ -1606,8 +1606,8 @@ fn validate_idempotency(
     let mut key_from = Vec::new();
     for (j, text) in i.key_from.iter().enumerate() {
         let field = format!("{path}.key_from[{j}]");
-        match crate::key_from::KeyPart::parse(text) {
-            Ok(crate::key_from::KeyPart::Path(name))
+        match crate::route::KeyPart::parse(text) {
+            Ok(crate::route::KeyPart::Path(name))
                 if pattern.is_some_and(|p| !p.has_param(&name)) =>
             {
                 err(

@@ -5,7 +5,8 @@ mod common;
 
 use common::{Backend, Env, Reply, TestProxy, client, send};
 use http::{HeaderMap, HeaderName};
-use idemproxy::key_from::{KeyPart, Value, derived_id, derived_key};
+use idemproxy::key_from::{Value, derived_id, derived_key};
+use idemproxy::route::KeyPart;
 use proptest::prelude::*;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;

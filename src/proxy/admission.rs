@@ -15,7 +15,7 @@ use crate::key::{self, KeyError, StoreKey};
 use crate::key_from;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::route::{FingerprintPart, IdempotencySettings};
+use crate::route::{FingerprintPart, IdempotencySettings, KeyPart};
 use crate::upstream;
 
 /// A request that may be claimed.
@@ -173,7 +173,7 @@ fn named_in_connection(idem: &IdempotencySettings, headers: &HeaderMap) -> Optio
             || idem
                 .key_from
                 .iter()
-                .any(|p| matches!(p, key_from::KeyPart::Header(h) if h == name))
+                .any(|p| matches!(p, KeyPart::Header(h) if h == name))
     };
     headers
         .get_all(header::CONNECTION)
