@@ -9,7 +9,7 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::FingerprintPart;
-use idemproxy::record::{Entry, Outcome, SavedResponse};
+use idemproxy::record::{Record, Saved, SavedResponse};
 use sha2::{Digest, Sha256};
 
 fn request_parts(body_len: usize) -> (http::request::Parts, Vec<u8>) {
@@ -24,10 +24,10 @@ fn request_parts(body_len: usize) -> (http::request::Parts, Vec<u8>) {
     (parts, vec![b'x'; body_len])
 }
 
-fn saved(body_len: usize) -> Entry {
-    Entry::Done {
+fn saved(body_len: usize) -> Record {
+    Record::Done {
         fingerprint: [7; 32],
-        outcome: Outcome::Response(SavedResponse {
+        saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
             headers: vec![
                 (
@@ -103,7 +103,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| black_box(&entry).encode())
     });
     c.bench_function("record/decode 1KiB response", |b| {
-        b.iter(|| Entry::decode(black_box(&encoded)))
+        b.iter(|| Record::decode(black_box(&encoded)))
     });
 }
 

@@ -28,7 +28,7 @@ use tokio::net::TcpListener;
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::proxy::Proxy;
-use crate::record::{Entry, Outcome};
+use crate::record::{Record, Saved};
 use crate::store::Forgotten;
 
 /// Serves the admin endpoints on `listener` until `shutdown` completes.
@@ -254,7 +254,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
     };
     let with_body =
         form_urlencoded::parse(query.as_bytes()).any(|(k, v)| k == "body" && v == "true");
-    let (entry, ttl) = match proxy.store().inspect(&key).await {
+    let (record, ttl) = match proxy.store().inspect(&key).await {
         Ok(Some(found)) => found,
         Ok(None) => return error(StatusCode::NOT_FOUND, "no record under this key"),
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
@@ -263,21 +263,21 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
         "route": rest.split('/').next().unwrap_or(rest),
         "key_hash": key.id_hex(),
         "store_key": key.text(),
-        "fingerprint": hex::encode(entry.fingerprint()),
+        "fingerprint": hex::encode(record.fingerprint()),
         "ttl_remaining_ms": ttl.as_millis() as u64,
     });
-    match entry {
-        Entry::InFlight { .. } => {
+    match record {
+        Record::InFlight { .. } => {
             doc["state"] = json!("in_flight");
         }
-        Entry::Done { outcome, .. } => {
+        Record::Done { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
             if let Some(saved_for) = proxy.ttl_of(&key) {
                 doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
             }
-            match outcome {
-                Outcome::Response(r) => {
+            match saved {
+                Saved::Response(r) => {
                     doc["replayable"] = json!(true);
                     doc["status"] = json!(r.status.as_u16());
                     doc["headers"] = json!(
@@ -294,7 +294,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
                         }
                     }
                 }
-                Outcome::NotReplayable { status } => {
+                Saved::NotReplayable { status } => {
                     doc["replayable"] = json!(false);
                     doc["status"] = json!(status.as_u16());
                 }

@@ -431,7 +431,7 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
         .await
         .expect("store read");
     assert!(
-        matches!(entry, Some(idemproxy::record::Entry::Done { .. })),
+        matches!(entry, Some(idemproxy::record::Record::Done { .. })),
         "the finished record lives under {expected}: {entry:?}"
     );
     let suffix = expected

@@ -18,7 +18,7 @@ use common::{
 };
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::mock::{self, MockUpstream};
-use idemproxy::record::Entry;
+use idemproxy::record::Record;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Store, StoreHandle};
@@ -634,8 +634,8 @@ async fn redis_lost_save_is_retried_in_the_background() {
         .expect("GET");
     assert!(
         matches!(
-            Entry::decode(&raw).expect("decodable"),
-            Entry::InFlight { .. }
+            Record::decode(&raw).expect("decodable"),
+            Record::InFlight { .. }
         ),
         "the first save attempt must not have landed yet"
     );

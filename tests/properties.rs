@@ -7,7 +7,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::{Config, FingerprintPart, parse_duration, parse_size};
 use idemproxy::fingerprint;
 use idemproxy::key::{self, KeyError};
-use idemproxy::record::{Entry, Outcome, SavedResponse};
+use idemproxy::record::{Record, Saved, SavedResponse};
 use proptest::prelude::*;
 
 fn config() -> ProptestConfig {
@@ -176,30 +176,28 @@ fn status() -> impl Strategy<Value = StatusCode> {
     (100u16..=599).prop_map(|s| StatusCode::from_u16(s).expect("a status"))
 }
 
-fn entry() -> impl Strategy<Value = Entry> {
+fn entry() -> impl Strategy<Value = Record> {
     let response = (
         status(),
         proptest::collection::vec((header_name(), header_value()), 0..12),
         proptest::collection::vec(any::<u8>(), 0..4096),
     )
         .prop_map(|(status, headers, body)| {
-            Outcome::Response(SavedResponse {
+            Saved::Response(SavedResponse {
                 status,
                 headers,
                 body: Bytes::from(body),
             })
         });
-    let outcome = prop_oneof![
+    let saved = prop_oneof![
         4 => response,
-        1 => status().prop_map(|status| Outcome::NotReplayable { status }),
+        1 => status().prop_map(|status| Saved::NotReplayable { status }),
     ];
     prop_oneof![
         (any::<[u8; 16]>(), any::<[u8; 32]>())
-            .prop_map(|(token, fingerprint)| Entry::InFlight { token, fingerprint }),
-        (any::<[u8; 32]>(), outcome).prop_map(|(fingerprint, outcome)| Entry::Done {
-            fingerprint,
-            outcome
-        }),
+            .prop_map(|(token, fingerprint)| Record::InFlight { token, fingerprint }),
+        (any::<[u8; 32]>(), saved)
+            .prop_map(|(fingerprint, saved)| Record::Done { fingerprint, saved }),
     ]
 }
 
@@ -448,7 +446,7 @@ proptest! {
     fn records_round_trip(e in entry()) {
         let bytes = e.encode();
         prop_assert!(bytes.starts_with(b"IDP\x01"), "versioned");
-        prop_assert_eq!(Entry::decode(&bytes), Ok(e));
+        prop_assert_eq!(Record::decode(&bytes), Ok(e));
     }
 
     #[test]
@@ -465,7 +463,7 @@ proptest! {
                 }),
         ],
     ) {
-        let _ = Entry::decode(&bytes);
+        let _ = Record::decode(&bytes);
     }
 
     #[test]
@@ -477,14 +475,14 @@ proptest! {
     ) {
         let bytes = e.encode().to_vec();
         let n = cut.index(bytes.len());
-        prop_assert!(Entry::decode(&bytes[..n]).is_err(), "truncated at {}", n);
+        prop_assert!(Record::decode(&bytes[..n]).is_err(), "truncated at {}", n);
         let mut extra = bytes.clone();
         extra.push(0);
-        prop_assert!(Entry::decode(&extra).is_err(), "trailing byte");
+        prop_assert!(Record::decode(&extra).is_err(), "trailing byte");
         let mut damaged = bytes;
         let i = flip.index(damaged.len());
         damaged[i] ^= mask;
-        let _ = Entry::decode(&damaged);
+        let _ = Record::decode(&damaged);
     }
 
     // ---- The configuration parsers ---------------------------------------------------------

@@ -13,7 +13,7 @@ use common::relay::{Direction, Relay};
 use common::{Backend, Env, RedisServer, Reply, TestProxy, book_with};
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::record::Entry;
+use idemproxy::record::Record;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Claim, Held, Store, StoreError, StoreHandle, StoreKey};
@@ -153,7 +153,7 @@ async fn cluster_restart_between_two_requests_is_not_a_503() {
 // ---------------------------------------------------------------------------------------------
 
 fn held(token: u8) -> Held {
-    Held::new(Entry::InFlight {
+    Held::new(Record::InFlight {
         token: [token; 16],
         fingerprint: [7; 32],
     })
@@ -200,7 +200,7 @@ async fn release_answers(store: &StoreHandle) {
     );
     assert_eq!(
         store.get(key).await.expect("get"),
-        Some(b.entry.clone()),
+        Some(b.record.clone()),
         "B's claim is untouched"
     );
 }

@@ -17,7 +17,7 @@ use super::{Answer, Attachment, Proxy, Route, forward_plain, refuse};
 use crate::body;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Entry, Outcome as Saved, SavedResponse, new_token};
+use crate::record::{Record, Saved, SavedResponse, new_token};
 use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::store::{Claim, Held, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
@@ -51,7 +51,7 @@ impl Exchange {
         client: SocketAddr,
         attachment: Arc<Attachment>,
     ) -> Exchange {
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: request.fingerprint,
         });
@@ -89,7 +89,7 @@ impl Exchange {
                     return self.claimed_too_late(sent).await;
                 }
                 Ok(Claim::Claimed) => return self.run(sent).await,
-                Ok(Claim::Existing(entry)) => entry,
+                Ok(Claim::Existing(record)) => record,
                 Err(e) => return self.store_failure(e, seen_held).await,
             };
             seen_held = true;
@@ -98,8 +98,8 @@ impl Exchange {
                 return refuse(Problem::KeyReused, Outcome::Mismatch);
             }
             match existing {
-                Entry::Done { outcome, .. } => return replay(outcome),
-                Entry::InFlight { .. } => {
+                Record::Done { saved, .. } => return replay(saved),
+                Record::InFlight { .. } => {
                     let now = Instant::now();
                     // A waiter whose client left has nobody to answer: stop polling.
                     if idem.on_conflict == OnConflict::Reject
@@ -252,10 +252,7 @@ impl Exchange {
             }
             Err(e) => Err(e),
         };
-        let done = |outcome| Entry::Done {
-            fingerprint,
-            outcome,
-        };
+        let done = |saved| Record::Done { fingerprint, saved };
 
         match result {
             Ok((parts, Bounded::Complete(bytes))) => {

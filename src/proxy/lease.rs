@@ -16,7 +16,7 @@ use super::pending::PendingSaves;
 use super::unsaved::Unsaved;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
-use crate::record::Entry;
+use crate::record::Record;
 use crate::store::{Held, StoreHandle};
 
 /// Once a failing save has backed off this far, it is retried at this steady pace.
@@ -115,13 +115,13 @@ impl Lease {
         }
     }
 
-    /// Completes the claim with the finished entry (compare-and-set on the token). If the store
+    /// Completes the claim with the finished record (compare-and-set on the token). If the store
     /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
     /// `pending`: past its bounds it saves `result-not-kept` instead) while the lease may still
     /// be valid; the caller answers the client at once either way.
     pub async fn complete(
         mut self,
-        done: Entry,
+        done: Record,
         ttl: Duration,
         tasks: &TaskTracker,
         pending: &Arc<PendingSaves>,
@@ -268,7 +268,7 @@ impl Lease {
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::record::{Outcome, new_token};
+    use crate::record::{Saved, new_token};
     use crate::store::memory::MemoryStore;
     use crate::store::{Store, StoreError};
     use async_trait::async_trait;
@@ -391,7 +391,7 @@ mod tests {
         let store = StoreHandle::new(refusing.clone(), Duration::from_secs(1), metrics.clone());
         let lock_ttl = Duration::from_millis(300);
         let key = StoreKey::new("p:r:".into(), 0, [2; 32]);
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: [1; 32],
         });
@@ -409,9 +409,9 @@ mod tests {
             lock_ttl,
             claimed_at,
         );
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: Outcome::Response(crate::record::SavedResponse {
+            saved: Saved::Response(crate::record::SavedResponse {
                 status: StatusCode::CREATED,
                 headers: vec![],
                 body: Bytes::from(vec![b'x'; 1000]),
@@ -436,9 +436,9 @@ mod tests {
             .await
             .expect("the background save ends once the store takes it");
 
-        let Ok(Some(Entry::Done {
+        let Ok(Some(Record::Done {
             fingerprint,
-            outcome: Outcome::Response(saved),
+            saved: Saved::Response(saved),
         })) = store.get(&key).await
         else {
             panic!("a finished record is saved: the lease was kept");
@@ -455,7 +455,7 @@ mod tests {
     }
 
     fn lease(store: StoreHandle, metrics: &Metrics) -> Lease {
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: [1; 32],
         });
@@ -478,9 +478,9 @@ mod tests {
             Duration::from_secs(1),
             metrics.clone(),
         );
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: crate::record::Outcome::NotReplayable {
+            saved: Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
         };
@@ -502,9 +502,9 @@ mod tests {
         let memory = MemoryStore::new(10);
         let store = StoreHandle::new(Arc::new(memory), Duration::from_secs(1), metrics.clone());
         // Never claimed: the compare-and-set misses and the key holds nothing of ours.
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: crate::record::Outcome::NotReplayable {
+            saved: Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
         };
