@@ -12,8 +12,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::completion::Unsaved;
 use super::pending::PendingSaves;
-use super::unsaved::Unsaved;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
 use crate::record::Record;

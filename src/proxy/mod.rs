@@ -29,12 +29,12 @@
 //!   released and answered 503, never forwarded.
 
 pub mod admission;
+mod completion;
 mod detach;
 mod exchange;
 mod lease;
 mod pending;
 mod replay;
-mod unsaved;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
