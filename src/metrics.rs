@@ -185,15 +185,15 @@ pub struct Metrics {
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
     lost_leases: Family<RouteLabel, Counter>,
     unprotected: Family<RouteLabel, Counter>,
-    saves_abandoned: Family<RouteLabel, Counter>,
+    completions_abandoned: Family<RouteLabel, Counter>,
     results_not_kept: Family<RouteLabel, Counter>,
     lost_leases_total: Arc<AtomicU64>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
     /// Completions being retried in the background, and their bytes.
-    pub pending_saves: Gauge,
+    pub pending_completions: Gauge,
     /// Bytes of the results those completions hold.
-    pub pending_save_bytes: Gauge,
+    pub pending_completion_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,
     /// Memory store: records held, and its `max_entries`.
@@ -216,7 +216,7 @@ struct RouteSeries {
     requests: Vec<(Counter, Histogram)>,
     lost_leases: Counter,
     unprotected: Counter,
-    saves_abandoned: Counter,
+    completions_abandoned: Counter,
     results_not_kept: Counter,
     lease_renewals: Counter,
     derived_keys: Counter,
@@ -254,8 +254,8 @@ impl RouteMetrics {
     }
 
     /// Counts a result given up on: its lease was lost before the store took it.
-    pub fn save_abandoned(&self) {
-        self.0.saves_abandoned.inc();
+    pub fn completion_abandoned(&self) {
+        self.0.completions_abandoned.inc();
     }
 
     /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
@@ -281,7 +281,7 @@ impl Metrics {
         let store_errors = Family::<OpLabel, Counter>::default();
         let lost_leases = Family::<RouteLabel, Counter>::default();
         let unprotected = Family::<RouteLabel, Counter>::default();
-        let saves_abandoned = Family::<RouteLabel, Counter>::default();
+        let completions_abandoned = Family::<RouteLabel, Counter>::default();
         let results_not_kept = Family::<RouteLabel, Counter>::default();
         registry.register(
             "idemproxy_requests",
@@ -321,25 +321,25 @@ impl Metrics {
         registry.register(
             "idemproxy_saves_abandoned",
             "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
-            saves_abandoned.clone(),
+            completions_abandoned.clone(),
         );
         registry.register(
             "idemproxy_results_not_kept",
             "Results dropped to fit the pending-save bounds: a result-not-kept record (502) is saved in their place",
             results_not_kept.clone(),
         );
-        let pending_saves = Gauge::default();
-        let pending_save_bytes = Gauge::default();
+        let pending_completions = Gauge::default();
+        let pending_completion_bytes = Gauge::default();
         let detached_exchanges = Gauge::default();
         registry.register(
             "idemproxy_pending_saves",
             "Results whose save is being retried in the background (the store refused or timed out)",
-            pending_saves.clone(),
+            pending_completions.clone(),
         );
         registry.register(
             "idemproxy_pending_save_bytes",
             "Bytes held by results whose save is being retried",
-            pending_save_bytes.clone(),
+            pending_completion_bytes.clone(),
         );
         let memory_records = Gauge::default();
         let memory_max_entries = Gauge::default();
@@ -392,8 +392,8 @@ impl Metrics {
         Metrics {
             registry,
             store_ops,
-            pending_saves,
-            pending_save_bytes,
+            pending_completions,
+            pending_completion_bytes,
             detached_exchanges,
             memory_records,
             memory_max_entries,
@@ -405,7 +405,7 @@ impl Metrics {
             upstream_duration,
             lost_leases,
             unprotected,
-            saves_abandoned,
+            completions_abandoned,
             results_not_kept,
             lost_leases_total: Arc::new(AtomicU64::new(0)),
         }
@@ -432,7 +432,7 @@ impl Metrics {
                 .collect(),
             lost_leases: self.lost_leases.get_or_create(&label).clone(),
             unprotected: self.unprotected.get_or_create(&label).clone(),
-            saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
+            completions_abandoned: self.completions_abandoned.get_or_create(&label).clone(),
             results_not_kept: self.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
             derived_keys: self.derived_keys.get_or_create(&label).clone(),

@@ -1,5 +1,5 @@
-//! What a background save writes: the whole result, or the small `result-not-kept` record the
-//! pending-save bounds downgrade it to (see [`super::pending`]).
+//! What a completion retried in the background writes: the whole result, or the small
+//! `result-not-kept` record the pending-save bounds downgrade it to (see [`super::pending`]).
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -8,9 +8,9 @@ use sha2::{Digest, Sha256};
 use crate::problem::Problem;
 use crate::record::{Record, Saved};
 
-/// A finished record a background save is writing: the whole result, or, once the pending-save
-/// bounds downgraded it, the small `result-not-kept` record that stands in for it.
-pub(super) struct Unsaved {
+/// A finished record a background completion is writing: the whole result, or, once the
+/// pending-save bounds downgraded it, the small `result-not-kept` record that stands in for it.
+pub(super) struct Completion {
     pub done: Record,
     pub encoded: Bytes,
     /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
@@ -18,9 +18,9 @@ pub(super) struct Unsaved {
     whole_digest: Option<[u8; 32]>,
 }
 
-impl Unsaved {
-    pub fn whole(done: Record, encoded: Bytes) -> Unsaved {
-        Unsaved {
+impl Completion {
+    pub fn whole(done: Record, encoded: Bytes) -> Completion {
+        Completion {
             done,
             encoded,
             whole_digest: None,
@@ -48,7 +48,7 @@ impl Unsaved {
         self.done = small;
     }
 
-    /// Whether `current`, read back from the store, is what this save (or an earlier attempt
+    /// Whether `current`, read back from the store, is what this completion (or an earlier attempt
     /// of it) wrote.
     pub fn wrote(&self, current: &Record) -> bool {
         *current == self.done

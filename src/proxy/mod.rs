@@ -6,8 +6,8 @@
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
-//! - [`pending`] and [`unsaved`]: saves retried in the background, their bounds, and the
-//!   `result-not-kept` record a save past those bounds writes instead of its response.
+//! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
+//!   the `result-not-kept` record a completion past those bounds writes instead of its response.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -56,7 +56,7 @@ use crate::store::StoreHandle;
 use crate::upstream::{Upstream, UpstreamError};
 
 use self::detach::{Detachable, Panicked};
-use self::pending::PendingSaves;
+use self::pending::PendingCompletions;
 
 pub use replay::REPLAYED;
 
@@ -88,7 +88,7 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
     /// Completions being retried in the background, bounded.
-    pending: Arc<PendingSaves>,
+    pending: Arc<PendingCompletions>,
     /// Set when shutdown starts: readiness answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
 }
@@ -134,11 +134,11 @@ impl Proxy {
         let limits = config.limits;
         Proxy {
             unrouted: metrics.route(""),
-            pending: Arc::new(PendingSaves::new(
+            pending: Arc::new(PendingCompletions::new(
                 limits.max_pending_saves,
                 limits.max_pending_save_bytes,
-                metrics.pending_saves.clone(),
-                metrics.pending_save_bytes.clone(),
+                metrics.pending_completions.clone(),
+                metrics.pending_completion_bytes.clone(),
             )),
             config,
             routes,
