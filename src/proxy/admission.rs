@@ -8,7 +8,7 @@ use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::Route;
+use super::resolved::Route;
 use crate::config::Limits;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};

@@ -9,17 +9,20 @@ use bytes::Bytes;
 use http::Response;
 use http::header;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use super::admission::Admitted;
+use super::detach::Attachment;
 use super::lease::Lease;
+use super::pending::PendingCompletions;
 use super::replay::{replay, saved_headers};
-use super::{Answer, Attachment, Proxy, Route, forward_plain, refuse};
+use super::resolved::{Answer, Route, forward_plain, refuse};
 use crate::body;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Record, Saved, SavedResponse, new_token};
 use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
-use crate::store::{Claim, Held, StoreError};
+use crate::store::{Claim, Held, StoreError, StoreHandle};
 use crate::upstream::{self, Bounded, UpstreamError};
 
 /// How long a 409 asks the client to wait (`Retry-After`).
@@ -30,9 +33,17 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
 const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
 
+/// What every exchange shares with the proxy: the store, the tracker of the background tasks
+/// (detached exchanges, completions) that shutdown waits for, and the completions being retried.
+pub(super) struct Shared {
+    pub store: StoreHandle,
+    pub tasks: TaskTracker,
+    pub pending: Arc<PendingCompletions>,
+}
+
 /// One admitted request, from its claim to its answer.
 pub(super) struct Exchange {
-    proxy: Arc<Proxy>,
+    shared: Arc<Shared>,
     route: Arc<Route>,
     idem: Arc<IdempotencySettings>,
     request: Admitted,
@@ -44,7 +55,7 @@ pub(super) struct Exchange {
 
 impl Exchange {
     pub fn new(
-        proxy: Arc<Proxy>,
+        shared: Arc<Shared>,
         route: Arc<Route>,
         idem: Arc<IdempotencySettings>,
         request: Admitted,
@@ -56,7 +67,7 @@ impl Exchange {
             fingerprint: request.fingerprint,
         });
         Exchange {
-            proxy,
+            shared,
             route,
             idem,
             request,
@@ -70,7 +81,7 @@ impl Exchange {
     /// exchange when the claim is ours.
     pub async fn claim_and_run(self) -> Answer {
         let idem = self.idem.clone();
-        let store = self.proxy.store.clone();
+        let store = self.shared.store.clone();
         let wait_until = Instant::now() + idem.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
         // Whether a claim has shown this key held by another request. From then on the
@@ -186,7 +197,7 @@ impl Exchange {
         // Not through `Lease::release`: a claim already expired (or taken over) is what this
         // path expects, not a lost lease, since nothing ran under it.
         if let Err(e) = self
-            .proxy
+            .shared
             .store
             .release(&self.request.key, &self.held)
             .await
@@ -214,7 +225,7 @@ impl Exchange {
     /// claim according to the answer.
     async fn run(self, claimed_at: Instant) -> Answer {
         let Exchange {
-            proxy,
+            shared,
             route,
             idem,
             request,
@@ -231,7 +242,7 @@ impl Exchange {
         } = request;
         let up = &route.upstream;
         let mut lease = Lease::new(
-            proxy.store.clone(),
+            shared.store.clone(),
             route.metrics.clone(),
             route.name.clone(),
             key,
@@ -268,8 +279,8 @@ impl Exchange {
                         .complete(
                             done(Saved::Response(saved)),
                             idem.ttl,
-                            &proxy.tasks,
-                            &proxy.pending,
+                            &shared.tasks,
+                            &shared.pending,
                         )
                         .await;
                 }
@@ -289,8 +300,8 @@ impl Exchange {
                         .complete(
                             done(Saved::NotReplayable { status }),
                             idem.ttl,
-                            &proxy.tasks,
-                            &proxy.pending,
+                            &shared.tasks,
+                            &shared.pending,
                         )
                         .await;
                 }
@@ -322,8 +333,8 @@ impl Exchange {
                             .complete(
                                 done(Saved::Response(problem.saved())),
                                 idem.ttl,
-                                &proxy.tasks,
-                                &proxy.pending,
+                                &shared.tasks,
+                                &shared.pending,
                             )
                             .await;
                     }
