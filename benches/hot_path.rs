@@ -9,6 +9,7 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::FingerprintPart;
+use idemproxy::key::StoreKey;
 use idemproxy::record::{Record, Saved, SavedResponse};
 use sha2::{Digest, Sha256};
 
@@ -69,15 +70,15 @@ fn bench(c: &mut Criterion) {
             h.finalize()
         })
     });
+    let namespace = idemproxy::key::namespace("idemproxy:", "create-booking");
     c.bench_function("key/store_key", |b| {
         b.iter(|| {
-            idemproxy::key::store_key(
-                "idemproxy:",
-                "create-booking",
+            let id = idemproxy::key::key_id(
                 &scope,
                 black_box(headers),
                 "8e03978e-40d5-43e8-bc93-6894a57f9324",
-            )
+            );
+            StoreKey::new(namespace.clone(), 0, id).text()
         })
     });
 

@@ -27,7 +27,7 @@ use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
 use crate::key::StoreKey;
-use crate::proxy::Proxy;
+use crate::proxy::{Lookup, Proxy};
 use crate::record::{Record, Saved};
 use crate::store::Forgotten;
 
@@ -180,7 +180,8 @@ fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, Refusal> {
     Ok(scope)
 }
 
-/// Which record a `/keys/…` request names: `ROUTE/HASH`, or `ROUTE?key=K&scope=Name: value`.
+/// Which record a `/keys/…` request names: `ROUTE/HASH`, `ROUTE?key=K&scope=Name: value`, or
+/// `ROUTE?part=V1&part=V2…` (a `key_from` route's part values, with the same scope).
 fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal> {
     let (route, hash) = match rest.split_once('/') {
         Some((route, hash)) => (route, Some(hash)),
@@ -189,7 +190,17 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
     let pairs: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
-    let found = match hash {
+    let scope = match hash {
+        Some(_) => HeaderMap::new(),
+        None => scope_headers(&pairs)?,
+    };
+    let parts: Vec<String> = pairs
+        .iter()
+        .filter(|(k, _)| k == "part")
+        .map(|(_, v)| v.clone())
+        .collect();
+    let key;
+    let lookup = match hash {
         Some(hash) => {
             let mut id = [0u8; 32];
             hex::decode_to_slice(hash, &mut id).map_err(|_| {
@@ -198,53 +209,54 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
                     "the key hash is 64 hex digits, as the logs show it",
                 )
             })?;
-            proxy.store_key_of_id(route, id)
+            Lookup::Hash(id)
         }
+        None if !parts.is_empty() => Lookup::Parts(&parts),
         None => {
-            let scope = scope_headers(&pairs)?;
-            let parts: Vec<String> = pairs
-                .iter()
-                .filter(|(k, _)| k == "part")
-                .map(|(_, v)| v.clone())
-                .collect();
-            if !parts.is_empty() {
-                return proxy
-                    .derived_store_key(route, &scope, &parts)
-                    .map_err(|_| {
-                        refusal(
-                            StatusCode::BAD_REQUEST,
-                            "part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts)",
-                        )
-                    });
-            }
-            let key = pairs
-                .iter()
-                .find(|(k, _)| k == "key")
-                .map(|(_, v)| v.clone())
-                .ok_or_else(|| {
-                    refusal(
-                        StatusCode::BAD_REQUEST,
-                        "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
-                    )
-                })?;
-            // The key as the client sent it: bare or quoted, one key either way (SPEC §4.1),
-            // so it goes through the same parser as the request header.
-            let value = HeaderValue::from_str(&key).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key is not a valid header value",
-                )
-            })?;
-            let key = crate::key::parse(&value).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)",
-                )
-            })?;
-            proxy.store_key(route, &scope, &key)
+            key = sent_key(&pairs)?;
+            Lookup::Key(&key)
         }
     };
-    found.ok_or_else(|| refusal(StatusCode::NOT_FOUND, "no idempotent route with that name"))
+    proxy
+        .keys()
+        .store_key(route, lookup, &scope)
+        .map_err(|_| match lookup {
+            // Part values are refused as not fitting whatever the reason, an unknown route too.
+            Lookup::Parts(_) => refusal(
+                StatusCode::BAD_REQUEST,
+                "part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts)",
+            ),
+            Lookup::Key(_) | Lookup::Hash(_) => {
+                refusal(StatusCode::NOT_FOUND, "no idempotent route with that name")
+            }
+        })
+}
+
+/// The `key=K` parameter, parsed as the request header is: bare or quoted, one key either way
+/// (SPEC §4.1).
+fn sent_key(pairs: &[(String, String)]) -> Result<String, Refusal> {
+    let key = pairs
+        .iter()
+        .find(|(k, _)| k == "key")
+        .map(|(_, v)| v.as_str())
+        .ok_or_else(|| {
+            refusal(
+                StatusCode::BAD_REQUEST,
+                "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
+            )
+        })?;
+    let value = HeaderValue::from_str(key).map_err(|_| {
+        refusal(
+            StatusCode::BAD_REQUEST,
+            "the key is not a valid header value",
+        )
+    })?;
+    crate::key::parse(&value).map_err(|_| {
+        refusal(
+            StatusCode::BAD_REQUEST,
+            "the key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)",
+        )
+    })
 }
 
 async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
@@ -273,7 +285,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
         Record::Done { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
-            if let Some(saved_for) = proxy.ttl_of(&key) {
+            if let Some(saved_for) = proxy.keys().ttl_of(&key) {
                 doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
             }
             match saved {

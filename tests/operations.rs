@@ -318,7 +318,7 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         HeaderName::from_static("authorization"),
         HeaderValue::from_static("Bearer alice"),
     );
-    let expected = idemproxy::key::store_key(
+    let expected = common::store_key(
         "idemproxy:",
         "create-booking",
         &[HeaderName::from_static("authorization")],

@@ -1,6 +1,8 @@
 //! Properties of the pure parts, over generated inputs: the key (SPEC §4.1), the fingerprint,
 //! the store key, the record encoding, and the config's size and duration parsers.
 
+mod common;
+
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
@@ -230,8 +232,8 @@ proptest! {
         quoted.insert("authorization", auth);
         let kb = key::from_headers(&bare, &name).expect("bare key");
         let kq = key::from_headers(&quoted, &name).expect("quoted key");
-        let sb = key::store_key("idemproxy:", "create-booking", &scope, &bare, &kb);
-        let sq = key::store_key("idemproxy:", "create-booking", &scope, &quoted, &kq);
+        let sb = common::store_key("idemproxy:", "create-booking", &scope, &bare, &kb);
+        let sq = common::store_key("idemproxy:", "create-booking", &scope, &quoted, &kq);
         prop_assert_eq!(&sb, &sq);
         prop_assert!(sb.starts_with("idemproxy:create-booking:"));
         prop_assert_eq!(sb.len(), "idemproxy:create-booking:".len() + 64);
@@ -390,15 +392,15 @@ proptest! {
         let ha = headers_with(&HeaderName::from_static("authorization"), a);
         let hb = headers_with(&HeaderName::from_static("authorization"), b);
         let none = HeaderMap::new();
-        let sa = key::store_key("idemproxy:", "r", &scope, &ha, &k);
-        let sb = key::store_key("idemproxy:", "r", &scope, &hb, &k);
-        let sn = key::store_key("idemproxy:", "r", &scope, &none, &k);
+        let sa = common::store_key("idemproxy:", "r", &scope, &ha, &k);
+        let sb = common::store_key("idemproxy:", "r", &scope, &hb, &k);
+        let sn = common::store_key("idemproxy:", "r", &scope, &none, &k);
         prop_assert_ne!(&sa, &sb);
         prop_assert_ne!(&sa, &sn, "absent and present scope headers are different callers");
         // With no scope, every caller shares the key.
         prop_assert_eq!(
-            key::store_key("idemproxy:", "r", &[], &ha, &k),
-            key::store_key("idemproxy:", "r", &[], &hb, &k)
+            common::store_key("idemproxy:", "r", &[], &ha, &k),
+            common::store_key("idemproxy:", "r", &[], &hb, &k)
         );
     }
 
@@ -410,11 +412,11 @@ proptest! {
     ) {
         let scope = [HeaderName::from_static("authorization")];
         let h = headers_with(&HeaderName::from_static("authorization"), auth);
-        let base = key::store_key("p:", "route-a", &scope, &h, &k);
+        let base = common::store_key("p:", "route-a", &scope, &h, &k);
         if j != k {
-            prop_assert_ne!(&base, &key::store_key("p:", "route-a", &scope, &h, &j));
+            prop_assert_ne!(&base, &common::store_key("p:", "route-a", &scope, &h, &j));
         }
-        let other_route = key::store_key("p:", "route-b", &scope, &h, &k);
+        let other_route = common::store_key("p:", "route-b", &scope, &h, &k);
         prop_assert_ne!(&base, &other_route);
         prop_assert!(other_route.starts_with("p:route-b:"));
     }
@@ -433,7 +435,7 @@ proptest! {
             let mut h = HeaderMap::new();
             h.insert("x-a", hv(x.as_bytes()));
             h.insert("x-b", hv(y.as_bytes()));
-            key::store_key("idemproxy:", "r", &scope, &h, &k)
+            common::store_key("idemproxy:", "r", &scope, &h, &k)
         };
         let (head, tail) = a.split_at(a.len() - n);
         let shifted = format!("{tail}{b}");

@@ -107,7 +107,7 @@ pub(super) async fn admit(
         }
     };
     Admission::Admitted(Admitted {
-        key: StoreKey::new(route.namespace.clone(), route.number, id),
+        key: route.store_key(id),
         parts,
         body,
         fingerprint,

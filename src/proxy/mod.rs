@@ -34,6 +34,7 @@ pub mod admission;
 mod completion;
 mod detach;
 mod exchange;
+mod keys;
 mod lease;
 mod pending;
 mod replay;
@@ -44,14 +45,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::request::Parts;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
 use crate::config::Config;
-use crate::key::{self, StoreKey};
+use crate::key;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::IdempotencySettings;
@@ -62,6 +63,7 @@ use self::exchange::{Exchange, Shared};
 use self::pending::PendingCompletions;
 use self::resolved::{Answer, Route, forward_plain, refuse};
 
+pub use keys::{KeyResolver, Lookup, LookupError};
 pub use replay::REPLAYED;
 
 /// The proxy: routes, upstream clients, the store, metrics, and the tracker of background
@@ -69,6 +71,7 @@ pub use replay::REPLAYED;
 pub struct Proxy {
     config: Config,
     routes: Vec<Arc<Route>>,
+    keys: KeyResolver,
     /// The series of requests that match no route.
     unrouted: RouteMetrics,
     /// The store and the background work, shared with every exchange.
@@ -94,6 +97,7 @@ impl Proxy {
             )),
         });
         Proxy {
+            keys: KeyResolver::new(&routes),
             unrouted: metrics.route(""),
             config,
             routes,
@@ -126,63 +130,9 @@ impl Proxy {
         self.metrics.encode()
     }
 
-    /// The store key that `key_from` derives on the route named `route` from these part
-    /// values (in the configured order; JSON text for `json:` parts) for a caller whose scope
-    /// headers are among `headers`.
-    pub fn derived_store_key(
-        &self,
-        route: &str,
-        headers: &HeaderMap,
-        values: &[String],
-    ) -> Result<StoreKey, String> {
-        let r = self
-            .routes
-            .iter()
-            .find(|r| r.settings.name == route)
-            .ok_or_else(|| "no route with that name".to_owned())?;
-        let idem = r
-            .idempotency
-            .as_ref()
-            .ok_or_else(|| "the route is not idempotent".to_owned())?;
-        if idem.key_from.len() != values.len() {
-            return Err(format!(
-                "the route derives its key from {} part(s) ({}); give one value each, in that order",
-                idem.key_from.len(),
-                idem.key_from
-                    .iter()
-                    .map(|p| p.describe())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
-        }
-        let values = idem
-            .key_from
-            .iter()
-            .zip(values)
-            .map(|(part, text)| {
-                crate::key_from::Value::from_text(part, text)
-                    .map_err(|e| format!("{}: {e}", part.describe()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let derived = crate::key_from::derived_key(&idem.key_from, &values, &idem.scope, headers);
-        Ok(StoreKey::new(
-            r.namespace.clone(),
-            r.number,
-            crate::key_from::derived_id(&derived),
-        ))
-    }
-
-    /// The store key with hash `id` on the idempotent route named `route`.
-    pub fn store_key_of_id(&self, route: &str, id: key::KeyId) -> Option<StoreKey> {
-        let r = self.routes.iter().find(|r| r.settings.name == route)?;
-        r.idempotency.as_ref()?;
-        Some(StoreKey::new(r.namespace.clone(), r.number, id))
-    }
-
-    /// The `ttl` of the route a store key belongs to.
-    pub fn ttl_of(&self, key: &StoreKey) -> Option<std::time::Duration> {
-        let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
-        r.idempotency.as_ref().map(|i| i.ttl)
+    /// The store keys of the idempotent routes, as the key tooling names records.
+    pub fn keys(&self) -> &KeyResolver {
+        &self.keys
     }
 
     /// The background tasks (upstream calls, completions) that must finish before the process
@@ -204,15 +154,6 @@ impl Proxy {
     /// The store.
     pub fn store(&self) -> &StoreHandle {
         &self.shared.store
-    }
-
-    /// The store key of `key` on the route named `route`, for a caller whose scope headers
-    /// are among `headers`; `None` when no idempotent route has that name.
-    pub fn store_key(&self, route: &str, headers: &HeaderMap, key: &str) -> Option<StoreKey> {
-        let r = self.routes.iter().find(|r| r.settings.name == route)?;
-        let idem = r.idempotency.as_ref()?;
-        let id = key::key_id(&idem.scope, headers, key);
-        Some(StoreKey::new(r.namespace.clone(), r.number, id))
     }
 
     /// The configuration in force.

@@ -11,7 +11,7 @@ use http::request::Parts;
 
 use crate::body::Body;
 use crate::config::Config;
-use crate::key;
+use crate::key::{self, KeyId, StoreKey};
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::{IdempotencySettings, RouteSettings};
@@ -66,6 +66,11 @@ impl Route {
                 }))
             })
             .collect()
+    }
+
+    /// The store key of the key whose hash is `id`, on this route.
+    pub fn store_key(&self, id: KeyId) -> StoreKey {
+        StoreKey::new(self.namespace.clone(), self.number, id)
     }
 }
 

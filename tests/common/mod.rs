@@ -498,10 +498,23 @@ pub fn spawn_booking(
     tokio::spawn(async move { book_with(&base, &key, &body, &[("X-Mock-Delay", &delay)]).await })
 }
 
+/// The store key SPEC §4.1 gives `key` on the route named `route`, as text: `key_prefix` + the
+/// route's name + `:` + the hex SHA-256 of the scope values and the key (`key::key_id`).
+pub fn store_key(
+    prefix: &str,
+    route: &str,
+    scope: &[http::HeaderName],
+    headers: &http::HeaderMap,
+    key: &str,
+) -> String {
+    let id = idemproxy::key::key_id(scope, headers, key);
+    format!("{prefix}{route}:{}", hex::encode(id))
+}
+
 /// The store key of `key` on the harness's route `create-booking` (default prefix, default
 /// `Authorization` scope) for a caller without `Authorization`.
 pub fn booking_store_key(key: &str) -> String {
-    idemproxy::key::store_key(
+    store_key(
         "idemproxy:",
         "create-booking",
         &[http::HeaderName::from_static("authorization")],
