@@ -1,5 +1,5 @@
 //! Counters and histograms, in Prometheus form: the admin listener serves [`Metrics::encode`]
-//! at `/metrics`, and tests read the counters.
+//! at `/metrics`, and tests read them there, as a scraper does.
 //!
 //! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
 //! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
@@ -7,7 +7,6 @@
 //! no lookup in a family's map.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -187,7 +186,6 @@ pub struct Metrics {
     unprotected: Family<RouteLabel, Counter>,
     completions_abandoned: Family<RouteLabel, Counter>,
     results_not_kept: Family<RouteLabel, Counter>,
-    lost_leases_total: Arc<AtomicU64>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
     /// Completions being retried in the background, and their bytes.
@@ -220,7 +218,6 @@ struct RouteSeries {
     results_not_kept: Counter,
     lease_renewals: Counter,
     derived_keys: Counter,
-    lost_leases_total: Arc<AtomicU64>,
 }
 
 impl RouteMetrics {
@@ -234,7 +231,6 @@ impl RouteMetrics {
 
     /// Counts a lost lease.
     pub fn lost_lease(&self) {
-        self.0.lost_leases_total.fetch_add(1, Ordering::Relaxed);
         self.0.lost_leases.inc();
     }
 
@@ -407,7 +403,6 @@ impl Metrics {
             unprotected,
             completions_abandoned,
             results_not_kept,
-            lost_leases_total: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -436,7 +431,6 @@ impl Metrics {
             results_not_kept: self.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
             derived_keys: self.derived_keys.get_or_create(&label).clone(),
-            lost_leases_total: self.lost_leases_total.clone(),
         }))
     }
 
@@ -459,34 +453,12 @@ impl Metrics {
         }
     }
 
-    /// Requests counted for a route and outcome.
-    pub fn requests_count(&self, route: &str, outcome: Outcome) -> u64 {
-        self.requests
-            .get_or_create(&RouteOutcome {
-                route: route.to_owned(),
-                outcome: outcome.as_str(),
-            })
-            .get()
-    }
-
-    /// Lost leases counted, all routes.
-    pub fn lost_leases_count(&self) -> u64 {
-        self.lost_leases_total.load(Ordering::Relaxed)
-    }
-
     /// Counts a write (claim or complete) fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
     pub fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
             .inc();
-    }
-
-    /// Short replica acknowledgements counted for `op`.
-    pub fn replica_acks_missing_count(&self, op: StoreOp) -> u64 {
-        self.replica_acks_missing
-            .get_or_create(&OpLabel { op: op.as_str() })
-            .get()
     }
 
     /// The Prometheus text exposition.
@@ -518,12 +490,20 @@ mod tests {
         let r = m.route("create-booking");
         r.request(Outcome::Replayed, Duration::from_millis(1));
         r.request(Outcome::Replayed, Duration::from_millis(1));
-        assert_eq!(m.requests_count("create-booking", Outcome::Replayed), 2);
-        assert_eq!(m.requests_count("create-booking", Outcome::Forwarded), 0);
         r.lost_lease();
-        assert_eq!(m.lost_leases_count(), 1);
         m.store_op(StoreOp::Claim, Duration::from_millis(1), true);
         let text = m.encode();
+        let requests = |outcome: &str| {
+            format!(r#"idemproxy_requests_total{{route="create-booking",outcome="{outcome}"}}"#)
+        };
+        assert!(
+            text.contains(&format!("{} 2\n", requests("replayed"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{} 0\n", requests("forwarded"))),
+            "{text}"
+        );
         assert!(
             text.contains(r#"idemproxy_store_errors_total{op="claim"} 1"#),
             "{text}"

@@ -531,3 +531,29 @@ async fn command_line_health_and_keys() {
     .await;
     assert_eq!(again.status, 201, "the retry ran again");
 }
+
+/// The harness reads `/metrics` as a scraper does: by name and labels, summing what matches.
+#[test]
+fn the_metrics_text_is_read_as_a_scraper_reads_it() {
+    let text = "# TYPE r counter\n\
+        r_total{route=\"a\",outcome=\"x\"} 2\n\
+        r_total{route=\"b \\\"q\\\"\",outcome=\"x\"} 3\n\
+        g 7\n# EOF\n";
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("route", "a")]),
+        2.0
+    );
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("route", "b \"q\"")]),
+        3.0
+    );
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("outcome", "x")]),
+        5.0
+    );
+    assert_eq!(common::metric_value(text, "g", &[]), 7.0);
+    assert!(
+        std::panic::catch_unwind(|| common::metric_value(text, "r_total", &[("route", "c")]))
+            .is_err()
+    );
+}

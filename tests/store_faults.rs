@@ -47,9 +47,7 @@ async fn request_fault_request(env: &Env, proxy: &TestProxy, fault: impl FnOnce(
     assert_replay_of(&post(proxy, "after-fault").await, &after);
     assert_eq!(env.mock.calls("after-fault"), 1, "run once");
     assert_eq!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError),
+        proxy.requests("create-booking", Outcome::StoreError),
         0,
         "no request answered a store error"
     );

@@ -13,12 +13,14 @@
 //!   TLS (a test CA) and/or a password.
 //! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
 //!   effects) and, for the Redis backend, its own Redis.
+//! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
 //!
 //! Every behaviour test is written once and run against both stores with [`both_stores!`].
 #![allow(dead_code)]
 
 pub mod cluster;
 pub mod pki;
+pub mod prometheus;
 pub mod relay;
 pub mod secured;
 pub mod store_checks;
@@ -31,12 +33,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idemproxy::config::Config;
-use idemproxy::metrics::Metrics;
+use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::mock::{self, MockHandle};
 use idemproxy::proxy::Proxy;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+pub use prometheus::metric_value;
 
 /// Which store a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,6 +365,22 @@ impl TestProxy {
     /// The proxy's metrics.
     pub fn metrics(&self) -> &Metrics {
         self.proxy.metrics()
+    }
+
+    /// [`metric_value`] in this proxy's `/metrics` text.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        metric_value(&self.proxy.encode_metrics(), name, labels)
+    }
+
+    /// The requests on `route` counted with `outcome`.
+    pub fn requests(&self, route: &str, outcome: Outcome) -> u64 {
+        let labels = [("route", route), ("outcome", outcome.as_str())];
+        self.metric("idemproxy_requests_total", &labels) as u64
+    }
+
+    /// The lost leases counted, every route together.
+    pub fn lost_leases(&self) -> u64 {
+        self.metric("idemproxy_lost_leases_total", &[]) as u64
     }
 
     /// Graceful stop: waits for requests in flight and background saves.
