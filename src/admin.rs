@@ -11,6 +11,9 @@
 //! The `/keys` endpoints reveal and change records, so they exist only when an admin token is
 //! configured (`admin_token_file` or `admin_token_env`, never inline in the YAML), and every
 //! call must carry `Authorization: Bearer TOKEN`. Without a token they answer `404`.
+//!
+//! Every refusal is problem+json ([`AdminProblem`]), with `type`s of its own, listed in the
+//! README.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,9 +30,10 @@ use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
 use crate::key::StoreKey;
+use crate::problem::AdminProblem;
 use crate::proxy::{Lookup, Proxy};
 use crate::record::{Record, Saved};
-use crate::store::Forgotten;
+use crate::store::{Forgotten, StoreError};
 
 /// Serves the admin endpoints on `listener` until `shutdown` completes.
 pub async fn serve(
@@ -84,10 +88,6 @@ fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> 
     resp
 }
 
-fn error(status: StatusCode, message: &str) -> Response<Body> {
-    json_response(status, &json!({ "error": message }))
-}
-
 async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     let path = req.uri().path().to_owned();
     match (req.method(), path.as_str()) {
@@ -105,26 +105,20 @@ async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Resp
         }
         (method, p) if p.starts_with("/keys/") => {
             let Some(token) = proxy.config().admin_token.as_deref() else {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    "the key tooling is off: configure admin_token_file or admin_token_env",
-                );
+                return AdminProblem::KeyToolingOff.response();
             };
             if !authorized(req.headers(), token) {
-                return error(
-                    StatusCode::UNAUTHORIZED,
-                    "send Authorization: Bearer <admin token>",
-                );
+                return AdminProblem::Unauthorized.response();
             }
             let query = req.uri().query().unwrap_or("").to_owned();
             let rest = &p["/keys/".len()..];
             match *method {
                 Method::GET => show(proxy, rest, &query).await,
                 Method::DELETE => forget(proxy, rest, &query, peer).await,
-                _ => error(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE"),
+                _ => AdminProblem::MethodNotAllowed.response(),
             }
         }
-        _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+        _ => AdminProblem::NoEndpoint.response(),
     }
 }
 
@@ -157,24 +151,22 @@ fn authorized(headers: &HeaderMap, token: &str) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// A refused admin request: its status and why.
-struct Refusal(StatusCode, &'static str);
-
-fn refusal(status: StatusCode, why: &'static str) -> Refusal {
-    Refusal(status, why)
+/// A request that names no record: why, in the words of the refusal's detail.
+fn unnamed(why: impl Into<String>) -> AdminProblem {
+    AdminProblem::InvalidRecordName { detail: why.into() }
 }
 
 /// The `scope=Name: value` parameters as headers.
-fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, Refusal> {
+fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, AdminProblem> {
     let mut scope = HeaderMap::new();
     for (_, v) in pairs.iter().filter(|(k, _)| k == "scope") {
         let (name, value) = v
             .split_once(':')
-            .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "scope is Name: value"))?;
+            .ok_or_else(|| unnamed("A scope parameter is Name: value"))?;
         let name = HeaderName::from_bytes(name.trim().as_bytes())
-            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header name"))?;
+            .map_err(|_| unnamed("A scope parameter names an invalid header"))?;
         let value = HeaderValue::from_str(value.trim_start())
-            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header value"))?;
+            .map_err(|_| unnamed("A scope parameter has an invalid header value"))?;
         scope.append(name, value);
     }
     Ok(scope)
@@ -182,7 +174,7 @@ fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, Refusal> {
 
 /// Which record a `/keys/…` request names: `ROUTE/HASH`, `ROUTE?key=K&scope=Name: value`, or
 /// `ROUTE?part=V1&part=V2…` (a `key_from` route's part values, with the same scope).
-fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal> {
+fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminProblem> {
     let (route, hash) = match rest.split_once('/') {
         Some((route, hash)) => (route, Some(hash)),
         None => (rest, None),
@@ -203,12 +195,8 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
     let lookup = match hash {
         Some(hash) => {
             let mut id = [0u8; 32];
-            hex::decode_to_slice(hash, &mut id).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key hash is 64 hex digits, as the logs show it",
-                )
-            })?;
+            hex::decode_to_slice(hash, &mut id)
+                .map_err(|_| unnamed("The key hash is 64 hex digits, as the logs show it"))?;
             Lookup::Hash(id)
         }
         None if !parts.is_empty() => Lookup::Parts(&parts),
@@ -220,56 +208,44 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
     proxy
         .keys()
         .store_key(route, lookup, &scope)
-        .map_err(|_| match lookup {
-            // Part values are refused as not fitting whatever the reason, an unknown route too.
-            Lookup::Parts(_) => refusal(
-                StatusCode::BAD_REQUEST,
-                "part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts)",
-            ),
-            Lookup::Key(_) | Lookup::Hash(_) => {
-                refusal(StatusCode::NOT_FOUND, "no idempotent route with that name")
-            }
+        .map_err(|e| match lookup {
+            // Part values are refused as not fitting, whatever the reason: on an unknown route
+            // too, as they always were (400).
+            Lookup::Parts(_) => unnamed(format!(
+                "The part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts): {e}"
+            )),
+            Lookup::Key(_) | Lookup::Hash(_) => AdminProblem::NoIdempotentRoute,
         })
 }
 
 /// The `key=K` parameter, parsed as the request header is: bare or quoted, one key either way
 /// (SPEC §4.1).
-fn sent_key(pairs: &[(String, String)]) -> Result<String, Refusal> {
+fn sent_key(pairs: &[(String, String)]) -> Result<String, AdminProblem> {
     let key = pairs
         .iter()
         .find(|(k, _)| k == "key")
         .map(|(_, v)| v.as_str())
         .ok_or_else(|| {
-            refusal(
-                StatusCode::BAD_REQUEST,
-                "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
-            )
+            unnamed("Name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH")
         })?;
-    let value = HeaderValue::from_str(key).map_err(|_| {
-        refusal(
-            StatusCode::BAD_REQUEST,
-            "the key is not a valid header value",
-        )
-    })?;
+    let value =
+        HeaderValue::from_str(key).map_err(|_| unnamed("The key is not a valid header value"))?;
     crate::key::parse(&value).map_err(|_| {
-        refusal(
-            StatusCode::BAD_REQUEST,
-            "the key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)",
-        )
+        unnamed("The key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)")
     })
 }
 
 async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
     let key = match store_key(proxy, rest, query) {
         Ok(k) => k,
-        Err(Refusal(status, why)) => return error(status, why),
+        Err(problem) => return problem.response(),
     };
     let with_body =
         form_urlencoded::parse(query.as_bytes()).any(|(k, v)| k == "body" && v == "true");
     let (record, ttl) = match proxy.store().inspect(&key).await {
         Ok(Some(found)) => found,
-        Ok(None) => return error(StatusCode::NOT_FOUND, "no record under this key"),
-        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Ok(None) => return AdminProblem::NoRecord.response(),
+        Err(e) => return store_unavailable(&e),
     };
     let mut doc = json!({
         "route": rest.split('/').next().unwrap_or(rest),
@@ -319,7 +295,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
 async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Response<Body> {
     let key = match store_key(proxy, rest, query) {
         Ok(k) => k,
-        Err(Refusal(status, why)) => return error(status, why),
+        Err(problem) => return problem.response(),
     };
     let route = rest.split('/').next().unwrap_or(rest);
     match proxy.store().forget(&key).await {
@@ -335,17 +311,18 @@ async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Res
                 &json!({ "forgotten": true, "key_hash": key.id_hex() }),
             )
         }
-        Ok(Forgotten::Absent) => error(StatusCode::NOT_FOUND, "no record under this key"),
-        Ok(Forgotten::InFlight) => error(
-            StatusCode::CONFLICT,
-            "a claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl",
-        ),
-        Ok(Forgotten::NotARecord) => error(
-            StatusCode::CONFLICT,
-            "what is under this key is not a finished record of this proxy; left alone",
-        ),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Ok(Forgotten::Absent) => AdminProblem::NoRecord.response(),
+        Ok(Forgotten::InFlight) => AdminProblem::RecordInFlight.response(),
+        Ok(Forgotten::NotARecord) => AdminProblem::NotARecord.response(),
+        Err(e) => store_unavailable(&e),
     }
+}
+
+fn store_unavailable(e: &StoreError) -> Response<Body> {
+    AdminProblem::StoreUnavailable {
+        detail: e.to_string(),
+    }
+    .response()
 }
 
 /// A client of a running proxy's admin listener, for `idemproxy health` and `idemproxy keys`.

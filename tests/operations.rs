@@ -251,16 +251,16 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
     let env = Env::new(backend).await;
     let off = env.proxy(&env.config("")).await;
     let off_admin = admin(&off).await;
-    assert_eq!(
-        get(
-            format!("{}/keys/create-booking?key=x", off_admin.base),
-            Some("t")
-        )
+    // No token configured: the endpoints do not exist. Refusals are problem+json.
+    get(
+        format!("{}/keys/create-booking?key=x", off_admin.base),
+        Some("t"),
+    )
+    .await
+    .assert_problem(404, "key-tooling-off");
+    get(format!("{}/nothing-here", off_admin.base), None)
         .await
-        .status,
-        404,
-        "no token configured: the endpoints do not exist"
-    );
+        .assert_problem(404, "no-admin-endpoint");
 
     let token = token_file("s3cret-token");
     let yaml = env.config("").replace(
@@ -279,7 +279,9 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
 
     let by_key =
         format!("{base}/keys/create-booking?key=kt-1&scope=Authorization%3A%20Bearer%20alice");
-    assert_eq!(get(by_key.clone(), None).await.status, 401);
+    get(by_key.clone(), None)
+        .await
+        .assert_problem(401, "unauthorized");
     assert_eq!(get(by_key.clone(), Some("wrong")).await.status, 401);
     let shown = get(by_key.clone(), Some("s3cret-token")).await;
     assert_eq!(shown.status, 200, "{:?}", shown.body);
@@ -345,7 +347,25 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         Some("s3cret-token"),
     )
     .await;
-    assert_eq!(other.status, 404);
+    other.assert_problem(404, "no-record");
+    for (url, status, slug) in [
+        ("/keys/no-such-route?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/rest?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/create-booking/abc", 400, "invalid-record-name"),
+        ("/keys/create-booking", 400, "invalid-record-name"),
+        (
+            "/keys/create-booking?key=kt-1&scope=nocolon",
+            400,
+            "invalid-record-name",
+        ),
+    ] {
+        get(format!("{base}{url}"), Some("s3cret-token"))
+            .await
+            .assert_problem(status, slug);
+    }
+    send(client().put(by_key.clone()).bearer_auth("s3cret-token"))
+        .await
+        .assert_problem(405, "method-not-allowed");
 
     // In flight: shown, never forgotten.
     let slow = spawn_booking(proxy.url(""), "kt-2", BODY, "1s");
@@ -356,7 +376,7 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         "in_flight"
     );
     let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
-    assert_eq!(del.status, 409, "{:?}", del.body);
+    del.assert_problem(409, "record-in-flight");
     assert_eq!(slow.await.expect("slow").status, 201);
 
     // A saved 502 (the upstream reset after receiving; on_unknown_outcome: keep) is forgotten,
