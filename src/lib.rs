@@ -15,9 +15,11 @@
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
 //! - [`proxy`]: the per-request flow — match, then admission (key, body, fingerprint), the
-//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay.
+//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay; and
+//!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
-//! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
+//! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as
+//!   problem+json, in one place.
 //! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
 //! - [`server`]: the listener and graceful shutdown; [`server::run`] is what `main` calls.

@@ -135,7 +135,7 @@ pub struct RouteSettings {
     pub methods: Option<Vec<Method>>,
     /// The compiled path pattern.
     pub path: PathPattern,
-    /// The upstream's name (a key of [`Config::upstreams`]).
+    /// The upstream's name (a key of the configuration's `upstreams`).
     pub upstream: String,
     /// `None` for pass-through routes.
     pub idempotency: Option<IdempotencySettings>,
