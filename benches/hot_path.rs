@@ -9,7 +9,8 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::FingerprintPart;
-use idemproxy::record::{Entry, Outcome, SavedResponse};
+use idemproxy::key::StoreKey;
+use idemproxy::record::{Record, Saved, SavedResponse};
 use sha2::{Digest, Sha256};
 
 fn request_parts(body_len: usize) -> (http::request::Parts, Vec<u8>) {
@@ -24,10 +25,10 @@ fn request_parts(body_len: usize) -> (http::request::Parts, Vec<u8>) {
     (parts, vec![b'x'; body_len])
 }
 
-fn saved(body_len: usize) -> Entry {
-    Entry::Done {
+fn saved(body_len: usize) -> Record {
+    Record::Done {
         fingerprint: [7; 32],
-        outcome: Outcome::Response(SavedResponse {
+        saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
             headers: vec![
                 (
@@ -69,15 +70,15 @@ fn bench(c: &mut Criterion) {
             h.finalize()
         })
     });
+    let namespace = idemproxy::key::namespace("idemproxy:", "create-booking");
     c.bench_function("key/store_key", |b| {
         b.iter(|| {
-            idemproxy::key::store_key(
-                "idemproxy:",
-                "create-booking",
+            let id = idemproxy::key::key_id(
                 &scope,
                 black_box(headers),
                 "8e03978e-40d5-43e8-bc93-6894a57f9324",
-            )
+            );
+            StoreKey::new(namespace.clone(), 0, id).text()
         })
     });
 
@@ -103,7 +104,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| black_box(&entry).encode())
     });
     c.bench_function("record/decode 1KiB response", |b| {
-        b.iter(|| Entry::decode(black_box(&encoded)))
+        b.iter(|| Record::decode(black_box(&encoded)))
     });
 }
 

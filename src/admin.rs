@@ -11,6 +11,9 @@
 //! The `/keys` endpoints reveal and change records, so they exist only when an admin token is
 //! configured (`admin_token_file` or `admin_token_env`, never inline in the YAML), and every
 //! call must carry `Authorization: Bearer TOKEN`. Without a token they answer `404`.
+//!
+//! Every refusal is problem+json ([`AdminProblem`]), with `type`s of its own, listed in the
+//! README.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -25,10 +28,11 @@ use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
 use crate::key::StoreKey;
-use crate::proxy::Proxy;
-use crate::record::{Entry, Outcome};
+use crate::problem::AdminProblem;
+use crate::proxy::{Lookup, Proxy};
+use crate::record::{Record, Saved};
 use crate::server::listener::{Handler, Listener, Peer};
-use crate::store::Forgotten;
+use crate::store::{Forgotten, StoreError};
 
 /// How long admin requests in flight (a scrape, a key lookup) may run once the admin listener
 /// stops, after the proxy's own drain.
@@ -92,10 +96,6 @@ fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> 
     resp
 }
 
-fn error(status: StatusCode, message: &str) -> Response<Body> {
-    json_response(status, &json!({ "error": message }))
-}
-
 async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     let path = req.uri().path().to_owned();
     match (req.method(), path.as_str()) {
@@ -113,26 +113,20 @@ async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Resp
         }
         (method, p) if p.starts_with("/keys/") => {
             let Some(token) = proxy.config().admin_token.as_deref() else {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    "the key tooling is off: configure admin_token_file or admin_token_env",
-                );
+                return AdminProblem::KeyToolingOff.response();
             };
             if !authorized(req.headers(), token) {
-                return error(
-                    StatusCode::UNAUTHORIZED,
-                    "send Authorization: Bearer <admin token>",
-                );
+                return AdminProblem::Unauthorized.response();
             }
             let query = req.uri().query().unwrap_or("").to_owned();
             let rest = &p["/keys/".len()..];
             match *method {
                 Method::GET => show(proxy, rest, &query).await,
                 Method::DELETE => forget(proxy, rest, &query, peer).await,
-                _ => error(StatusCode::METHOD_NOT_ALLOWED, "GET or DELETE"),
+                _ => AdminProblem::MethodNotAllowed.response(),
             }
         }
-        _ => error(StatusCode::NOT_FOUND, "no such admin endpoint"),
+        _ => AdminProblem::NoEndpoint.response(),
     }
 }
 
@@ -165,31 +159,30 @@ fn authorized(headers: &HeaderMap, token: &str) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// A refused admin request: its status and why.
-struct Refusal(StatusCode, &'static str);
-
-fn refusal(status: StatusCode, why: &'static str) -> Refusal {
-    Refusal(status, why)
+/// A request that names no record: why, in the words of the refusal's detail.
+fn unnamed(why: impl Into<String>) -> AdminProblem {
+    AdminProblem::InvalidRecordName { detail: why.into() }
 }
 
 /// The `scope=Name: value` parameters as headers.
-fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, Refusal> {
+fn scope_headers(pairs: &[(String, String)]) -> Result<HeaderMap, AdminProblem> {
     let mut scope = HeaderMap::new();
     for (_, v) in pairs.iter().filter(|(k, _)| k == "scope") {
         let (name, value) = v
             .split_once(':')
-            .ok_or_else(|| refusal(StatusCode::BAD_REQUEST, "scope is Name: value"))?;
+            .ok_or_else(|| unnamed("A scope parameter is Name: value"))?;
         let name = HeaderName::from_bytes(name.trim().as_bytes())
-            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header name"))?;
+            .map_err(|_| unnamed("A scope parameter names an invalid header"))?;
         let value = HeaderValue::from_str(value.trim_start())
-            .map_err(|_| refusal(StatusCode::BAD_REQUEST, "invalid scope header value"))?;
+            .map_err(|_| unnamed("A scope parameter has an invalid header value"))?;
         scope.append(name, value);
     }
     Ok(scope)
 }
 
-/// Which record a `/keys/…` request names: `ROUTE/HASH`, or `ROUTE?key=K&scope=Name: value`.
-fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal> {
+/// Which record a `/keys/…` request names: `ROUTE/HASH`, `ROUTE?key=K&scope=Name: value`, or
+/// `ROUTE?part=V1&part=V2…` (a `key_from` route's part values, with the same scope).
+fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminProblem> {
     let (route, hash) = match rest.split_once('/') {
         Some((route, hash)) => (route, Some(hash)),
         None => (rest, None),
@@ -197,95 +190,90 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, Refusal
     let pairs: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
-    let found = match hash {
+    let scope = match hash {
+        Some(_) => HeaderMap::new(),
+        None => scope_headers(&pairs)?,
+    };
+    let parts: Vec<String> = pairs
+        .iter()
+        .filter(|(k, _)| k == "part")
+        .map(|(_, v)| v.clone())
+        .collect();
+    let key;
+    let lookup = match hash {
         Some(hash) => {
             let mut id = [0u8; 32];
-            hex::decode_to_slice(hash, &mut id).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key hash is 64 hex digits, as the logs show it",
-                )
-            })?;
-            proxy.store_key_of_id(route, id)
+            hex::decode_to_slice(hash, &mut id)
+                .map_err(|_| unnamed("The key hash is 64 hex digits, as the logs show it"))?;
+            Lookup::Hash(id)
         }
+        None if !parts.is_empty() => Lookup::Parts(&parts),
         None => {
-            let scope = scope_headers(&pairs)?;
-            let parts: Vec<String> = pairs
-                .iter()
-                .filter(|(k, _)| k == "part")
-                .map(|(_, v)| v.clone())
-                .collect();
-            if !parts.is_empty() {
-                return proxy
-                    .derived_store_key(route, &scope, &parts)
-                    .map_err(|_| {
-                        refusal(
-                            StatusCode::BAD_REQUEST,
-                            "part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts)",
-                        )
-                    });
-            }
-            let key = pairs
-                .iter()
-                .find(|(k, _)| k == "key")
-                .map(|(_, v)| v.clone())
-                .ok_or_else(|| {
-                    refusal(
-                        StatusCode::BAD_REQUEST,
-                        "name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH",
-                    )
-                })?;
-            // The key as the client sent it: bare or quoted, one key either way (SPEC §4.1),
-            // so it goes through the same parser as the request header.
-            let value = HeaderValue::from_str(&key).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key is not a valid header value",
-                )
-            })?;
-            let key = crate::key::parse(&value).map_err(|_| {
-                refusal(
-                    StatusCode::BAD_REQUEST,
-                    "the key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)",
-                )
-            })?;
-            proxy.store_key(route, &scope, &key)
+            key = sent_key(&pairs)?;
+            Lookup::Key(&key)
         }
     };
-    found.ok_or_else(|| refusal(StatusCode::NOT_FOUND, "no idempotent route with that name"))
+    proxy
+        .keys()
+        .store_key(route, lookup, &scope)
+        .map_err(|e| match lookup {
+            // Part values are refused as not fitting, whatever the reason: on an unknown route
+            // too, as they always were (400).
+            Lookup::Parts(_) => unnamed(format!(
+                "The part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts): {e}"
+            )),
+            Lookup::Key(_) | Lookup::Hash(_) => AdminProblem::NoIdempotentRoute,
+        })
+}
+
+/// The `key=K` parameter, parsed as the request header is: bare or quoted, one key either way
+/// (SPEC §4.1).
+fn sent_key(pairs: &[(String, String)]) -> Result<String, AdminProblem> {
+    let key = pairs
+        .iter()
+        .find(|(k, _)| k == "key")
+        .map(|(_, v)| v.as_str())
+        .ok_or_else(|| {
+            unnamed("Name the record by ?key=K (and scope=Name: value for each scope header) or by /keys/ROUTE/HASH")
+        })?;
+    let value =
+        HeaderValue::from_str(key).map_err(|_| unnamed("The key is not a valid header value"))?;
+    crate::key::parse(&value).map_err(|_| {
+        unnamed("The key is not a valid idempotency key (1 to 255 visible ASCII characters, bare or quoted)")
+    })
 }
 
 async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
     let key = match store_key(proxy, rest, query) {
         Ok(k) => k,
-        Err(Refusal(status, why)) => return error(status, why),
+        Err(problem) => return problem.response(),
     };
     let with_body =
         form_urlencoded::parse(query.as_bytes()).any(|(k, v)| k == "body" && v == "true");
-    let (entry, ttl) = match proxy.store().inspect(&key).await {
+    let (record, ttl) = match proxy.store().inspect(&key).await {
         Ok(Some(found)) => found,
-        Ok(None) => return error(StatusCode::NOT_FOUND, "no record under this key"),
-        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Ok(None) => return AdminProblem::NoRecord.response(),
+        Err(e) => return store_unavailable(&e),
     };
     let mut doc = json!({
         "route": rest.split('/').next().unwrap_or(rest),
         "key_hash": key.id_hex(),
         "store_key": key.text(),
-        "fingerprint": hex::encode(entry.fingerprint()),
+        "fingerprint": hex::encode(record.fingerprint()),
         "ttl_remaining_ms": ttl.as_millis() as u64,
     });
-    match entry {
-        Entry::InFlight { .. } => {
+    match record {
+        Record::InFlight { .. } => {
             doc["state"] = json!("in_flight");
         }
-        Entry::Done { outcome, .. } => {
+        Record::Done { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
-            if let Some(saved_for) = proxy.ttl_of(&key) {
+            if let Some(saved_for) = proxy.keys().ttl_of(&key) {
                 doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
             }
-            match outcome {
-                Outcome::Response(r) => {
+            match saved {
+                Saved::Response(r) => {
                     doc["replayable"] = json!(true);
                     doc["status"] = json!(r.status.as_u16());
                     doc["headers"] = json!(
@@ -302,7 +290,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
                         }
                     }
                 }
-                Outcome::NotReplayable { status } => {
+                Saved::NotReplayable { status } => {
                     doc["replayable"] = json!(false);
                     doc["status"] = json!(status.as_u16());
                 }
@@ -315,7 +303,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
 async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Response<Body> {
     let key = match store_key(proxy, rest, query) {
         Ok(k) => k,
-        Err(Refusal(status, why)) => return error(status, why),
+        Err(problem) => return problem.response(),
     };
     let route = rest.split('/').next().unwrap_or(rest);
     match proxy.store().forget(&key).await {
@@ -331,17 +319,18 @@ async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Res
                 &json!({ "forgotten": true, "key_hash": key.id_hex() }),
             )
         }
-        Ok(Forgotten::Absent) => error(StatusCode::NOT_FOUND, "no record under this key"),
-        Ok(Forgotten::InFlight) => error(
-            StatusCode::CONFLICT,
-            "a claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl",
-        ),
-        Ok(Forgotten::NotARecord) => error(
-            StatusCode::CONFLICT,
-            "what is under this key is not a finished record of this proxy; left alone",
-        ),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Ok(Forgotten::Absent) => AdminProblem::NoRecord.response(),
+        Ok(Forgotten::InFlight) => AdminProblem::RecordInFlight.response(),
+        Ok(Forgotten::NotARecord) => AdminProblem::NotARecord.response(),
+        Err(e) => store_unavailable(&e),
     }
+}
+
+fn store_unavailable(e: &StoreError) -> Response<Body> {
+    AdminProblem::StoreUnavailable {
+        detail: e.to_string(),
+    }
+    .response()
 }
 
 /// A client of a running proxy's admin listener, for `idemproxy health` and `idemproxy keys`.

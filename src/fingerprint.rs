@@ -28,7 +28,7 @@ pub fn compute(parts: &[FingerprintPart], head: &Parts, body: &[u8]) -> Fingerpr
             FingerprintPart::Path => field(b'p', head.uri.path().as_bytes()),
             FingerprintPart::Query => field(b'q', head.uri.query().unwrap_or("").as_bytes()),
             FingerprintPart::Body => field(b'b', body),
-            FingerprintPart::Json => match crate::derive::canonical_json(body) {
+            FingerprintPart::Json => match crate::key_from::canonical_json(body) {
                 Some(canonical) => field(b'j', &canonical),
                 None => field(b'b', body),
             },

@@ -135,17 +135,6 @@ pub fn key_id(scope: &[HeaderName], headers: &HeaderMap, key: &str) -> KeyId {
     h.finalize().into()
 }
 
-/// Builds the store key of an operation as text: `prefix + route + ":" + hex(key_id(...))`.
-pub fn store_key(
-    prefix: &str,
-    route: &str,
-    scope: &[HeaderName],
-    headers: &HeaderMap,
-    key: &str,
-) -> String {
-    StoreKey::new(namespace(prefix, route), 0, key_id(scope, headers, key)).text()
-}
-
 /// `prefix + route + ":"`: what every store key of a route starts with.
 pub fn namespace(prefix: &str, route: &str) -> Arc<str> {
     format!("{prefix}{route}:").into()
@@ -222,6 +211,17 @@ mod tests {
         assert!(parse(&hv(&"k".repeat(256))).is_err());
         assert!(parse(&hv(&"k".repeat(255))).is_ok());
         assert!(parse(&HeaderValue::from_bytes(b"caf\xc3\xa9").expect("bytes")).is_err());
+    }
+
+    /// The text of `key`'s store key on the route `route` (numbered 0).
+    fn store_key(
+        prefix: &str,
+        route: &str,
+        scope: &[HeaderName],
+        headers: &HeaderMap,
+        key: &str,
+    ) -> String {
+        StoreKey::new(namespace(prefix, route), 0, key_id(scope, headers, key)).text()
     }
 
     #[test]

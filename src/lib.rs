@@ -9,15 +9,17 @@
 //! - [`route`]: compiled routes — path patterns (exact, `{param}`, trailing `/*`) and each
 //!   route's upstream and idempotency policy.
 //! - [`key`]: parsing the key header; namespacing it into a hashed, fixed-size store key.
-//! - [`derive`]: keys derived from what the request means (`key_from`), canonical values.
+//! - [`key_from`]: keys derived from what the request means (`key_from`), canonical values.
 //! - [`fingerprint`]: what makes two requests "the same".
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
 //! - [`proxy`]: the per-request flow — match, then admission (key, body, fingerprint), the
-//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay.
+//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay; and
+//!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
-//! - [`problem`]: every answer the proxy makes itself, as problem+json, in one place.
+//! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as
+//!   problem+json, in one place.
 //! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
 //! - [`server`]: the proxy's listener and graceful shutdown ([`server::run`] is what `main`
@@ -32,9 +34,9 @@
 pub mod admin;
 pub mod body;
 pub mod config;
-pub mod derive;
 pub mod fingerprint;
 pub mod key;
+pub mod key_from;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;

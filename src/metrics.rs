@@ -1,5 +1,5 @@
 //! Counters and histograms, in Prometheus form: the admin listener serves [`Metrics::encode`]
-//! at `/metrics`, and tests read the counters.
+//! at `/metrics`, and tests read them there, as a scraper does.
 //!
 //! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
 //! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
@@ -7,7 +7,6 @@
 //! no lookup in a family's map.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -15,7 +14,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// What happened to one request, as counted and logged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,31 +179,96 @@ fn latency() -> Histogram {
 /// Every metric the proxy keeps.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<RouteOutcome, Counter>,
-    request_duration: Family<RouteOutcome, Histogram, Buckets>,
+    routes: RouteFamilies,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
-    lost_leases: Family<RouteLabel, Counter>,
-    unprotected: Family<RouteLabel, Counter>,
-    saves_abandoned: Family<RouteLabel, Counter>,
-    results_not_kept: Family<RouteLabel, Counter>,
-    lost_leases_total: Arc<AtomicU64>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
-    /// Completions being retried in the background, and their bytes.
-    pub pending_saves: Gauge,
-    /// Bytes of the results those completions hold.
-    pub pending_save_bytes: Gauge,
-    /// Exchanges still running after their client left.
-    pub detached_exchanges: Gauge,
-    /// Memory store: records held, and its `max_entries`.
-    pub memory_records: Gauge,
-    /// Memory store: its bound.
-    pub memory_max_entries: Gauge,
-    lease_renewals: Family<RouteLabel, Counter>,
-    derived_keys: Family<RouteLabel, Counter>,
     /// Per store operation (claim, complete): writes fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
     replica_acks_missing: Family<OpLabel, Counter>,
+    /// Completions being retried in the background.
+    pub pending_completions: Gauge,
+    /// Bytes of the results those completions hold.
+    pub pending_completion_bytes: Gauge,
+    /// Exchanges still running after their client left.
+    pub detached_exchanges: Gauge,
+    /// Memory store: records held.
+    pub memory_records: Gauge,
+    /// Memory store: its bound (`max_entries`).
+    pub memory_max_entries: Gauge,
+}
+
+/// The families labelled by route, from which [`Metrics::route`] hands out a route's series.
+struct RouteFamilies {
+    requests: Family<RouteOutcome, Counter>,
+    request_duration: Family<RouteOutcome, Histogram, Buckets>,
+    lost_leases: Family<RouteLabel, Counter>,
+    unprotected: Family<RouteLabel, Counter>,
+    completions_abandoned: Family<RouteLabel, Counter>,
+    results_not_kept: Family<RouteLabel, Counter>,
+    lease_renewals: Family<RouteLabel, Counter>,
+    derived_keys: Family<RouteLabel, Counter>,
+}
+
+impl RouteFamilies {
+    fn register(r: &mut Registry) -> RouteFamilies {
+        RouteFamilies {
+            requests: register(
+                r,
+                "idemproxy_requests",
+                "Requests by route and outcome",
+                Family::default(),
+            ),
+            request_duration: register(
+                r,
+                "idemproxy_request_duration_seconds",
+                "Request duration by route and outcome",
+                Family::new_with_constructor(Buckets(latency)),
+            ),
+            lost_leases: register(
+                r,
+                "idemproxy_lost_leases",
+                "Claims whose lease expired before the result was saved",
+                Family::default(),
+            ),
+            unprotected: register(
+                r,
+                "idemproxy_unprotected_requests",
+                "Requests forwarded without idempotency because the store failed (on_store_error: forward)",
+                Family::default(),
+            ),
+            completions_abandoned: register(
+                r,
+                "idemproxy_saves_abandoned",
+                "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
+                Family::default(),
+            ),
+            results_not_kept: register(
+                r,
+                "idemproxy_results_not_kept",
+                "Results dropped to fit the pending-save bounds: a result-not-kept record (502) is saved in their place",
+                Family::default(),
+            ),
+            lease_renewals: register(
+                r,
+                "idemproxy_lease_renewals",
+                "Leases renewed while an upstream call ran",
+                Family::default(),
+            ),
+            derived_keys: register(
+                r,
+                "idemproxy_derived_keys",
+                "Requests whose key was derived from the request (key_from), not sent",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// Registers `metric` under `name` and hands it back: its clones share its value.
+fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
 }
 
 /// One route's series, registered at start. A clone shares them (one reference count, not
@@ -216,11 +280,10 @@ struct RouteSeries {
     requests: Vec<(Counter, Histogram)>,
     lost_leases: Counter,
     unprotected: Counter,
-    saves_abandoned: Counter,
+    completions_abandoned: Counter,
     results_not_kept: Counter,
     lease_renewals: Counter,
     derived_keys: Counter,
-    lost_leases_total: Arc<AtomicU64>,
 }
 
 impl RouteMetrics {
@@ -234,7 +297,6 @@ impl RouteMetrics {
 
     /// Counts a lost lease.
     pub fn lost_lease(&self) {
-        self.0.lost_leases_total.fetch_add(1, Ordering::Relaxed);
         self.0.lost_leases.inc();
     }
 
@@ -254,8 +316,8 @@ impl RouteMetrics {
     }
 
     /// Counts a result given up on: its lease was lost before the store took it.
-    pub fn save_abandoned(&self) {
-        self.0.saves_abandoned.inc();
+    pub fn completion_abandoned(&self) {
+        self.0.completions_abandoned.inc();
     }
 
     /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
@@ -274,107 +336,31 @@ impl Metrics {
     /// Registers every metric.
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
-        let requests = Family::<RouteOutcome, Counter>::default();
-        let request_duration = Family::new_with_constructor(Buckets(latency));
-        let upstream_duration = Family::new_with_constructor(Buckets(latency));
-        let store_duration = Family::new_with_constructor(Buckets(latency));
-        let store_errors = Family::<OpLabel, Counter>::default();
-        let lost_leases = Family::<RouteLabel, Counter>::default();
-        let unprotected = Family::<RouteLabel, Counter>::default();
-        let saves_abandoned = Family::<RouteLabel, Counter>::default();
-        let results_not_kept = Family::<RouteLabel, Counter>::default();
-        registry.register(
-            "idemproxy_requests",
-            "Requests by route and outcome",
-            requests.clone(),
-        );
-        registry.register(
-            "idemproxy_request_duration_seconds",
-            "Request duration by route and outcome",
-            request_duration.clone(),
-        );
-        registry.register(
+        let r = &mut registry;
+        let routes = RouteFamilies::register(r);
+        let upstream_duration = register(
+            r,
             "idemproxy_upstream_duration_seconds",
             "Upstream call duration",
-            upstream_duration.clone(),
+            Family::new_with_constructor(Buckets(latency)),
         );
-        registry.register(
+        let store_duration: Family<OpLabel, Histogram, Buckets> = register(
+            r,
             "idemproxy_store_operation_duration_seconds",
             "Store operation duration",
-            store_duration.clone(),
+            Family::new_with_constructor(Buckets(latency)),
         );
-        registry.register(
+        let store_errors: Family<OpLabel, Counter> = register(
+            r,
             "idemproxy_store_errors",
             "Store operations that failed or timed out",
-            store_errors.clone(),
+            Family::default(),
         );
-        registry.register(
-            "idemproxy_lost_leases",
-            "Claims whose lease expired before the result was saved",
-            lost_leases.clone(),
-        );
-        registry.register(
-            "idemproxy_unprotected_requests",
-            "Requests forwarded without idempotency because the store failed (on_store_error: forward)",
-            unprotected.clone(),
-        );
-        registry.register(
-            "idemproxy_saves_abandoned",
-            "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
-            saves_abandoned.clone(),
-        );
-        registry.register(
-            "idemproxy_results_not_kept",
-            "Results dropped to fit the pending-save bounds: a result-not-kept record (502) is saved in their place",
-            results_not_kept.clone(),
-        );
-        let pending_saves = Gauge::default();
-        let pending_save_bytes = Gauge::default();
-        let detached_exchanges = Gauge::default();
-        registry.register(
-            "idemproxy_pending_saves",
-            "Results whose save is being retried in the background (the store refused or timed out)",
-            pending_saves.clone(),
-        );
-        registry.register(
-            "idemproxy_pending_save_bytes",
-            "Bytes held by results whose save is being retried",
-            pending_save_bytes.clone(),
-        );
-        let memory_records = Gauge::default();
-        let memory_max_entries = Gauge::default();
-        let lease_renewals = Family::<RouteLabel, Counter>::default();
-        let derived_keys = Family::<RouteLabel, Counter>::default();
-        registry.register(
-            "idemproxy_derived_keys",
-            "Requests whose key was derived from the request (key_from), not sent",
-            derived_keys.clone(),
-        );
-        registry.register(
-            "idemproxy_memory_store_records",
-            "Records the memory store holds (expired ones not yet swept included)",
-            memory_records.clone(),
-        );
-        registry.register(
-            "idemproxy_memory_store_max_entries",
-            "The memory store's bound (store.max_entries): at it, new claims fail",
-            memory_max_entries.clone(),
-        );
-        registry.register(
-            "idemproxy_lease_renewals",
-            "Leases renewed while an upstream call ran",
-            lease_renewals.clone(),
-        );
-        registry.register(
-            "idemproxy_detached_exchanges",
-            "Idempotent exchanges still running after their client left",
-            detached_exchanges.clone(),
-        );
-        let replica_acks_missing = Family::<OpLabel, Counter>::default();
-        registry.register(
+        let replica_acks_missing: Family<OpLabel, Counter> = register(
+            r,
             "idemproxy_replica_acks_missing",
             "Claims and saves fewer replicas acknowledged in time than store.wait_replicas asks (a claim is then refused with 503; a save stands)",
-            replica_acks_missing.clone(),
+            Family::default(),
         );
         for op in [StoreOp::Claim, StoreOp::Complete] {
             let _ = replica_acks_missing.get_or_create(&OpLabel { op: op.as_str() });
@@ -390,24 +376,41 @@ impl Metrics {
             })
             .collect();
         Metrics {
-            registry,
-            store_ops,
-            pending_saves,
-            pending_save_bytes,
-            detached_exchanges,
-            memory_records,
-            memory_max_entries,
-            lease_renewals,
-            derived_keys,
-            replica_acks_missing,
-            requests,
-            request_duration,
+            pending_completions: register(
+                r,
+                "idemproxy_pending_saves",
+                "Results whose save is being retried in the background (the store refused or timed out)",
+                Gauge::default(),
+            ),
+            pending_completion_bytes: register(
+                r,
+                "idemproxy_pending_save_bytes",
+                "Bytes held by results whose save is being retried",
+                Gauge::default(),
+            ),
+            detached_exchanges: register(
+                r,
+                "idemproxy_detached_exchanges",
+                "Idempotent exchanges still running after their client left",
+                Gauge::default(),
+            ),
+            memory_records: register(
+                r,
+                "idemproxy_memory_store_records",
+                "Records the memory store holds (expired ones not yet swept included)",
+                Gauge::default(),
+            ),
+            memory_max_entries: register(
+                r,
+                "idemproxy_memory_store_max_entries",
+                "The memory store's bound (store.max_entries): at it, new claims fail",
+                Gauge::default(),
+            ),
+            routes,
             upstream_duration,
-            lost_leases,
-            unprotected,
-            saves_abandoned,
-            results_not_kept,
-            lost_leases_total: Arc::new(AtomicU64::new(0)),
+            store_ops,
+            replica_acks_missing,
+            registry,
         }
     }
 
@@ -425,18 +428,21 @@ impl Metrics {
                         outcome: o.as_str(),
                     };
                     (
-                        self.requests.get_or_create(&labels).clone(),
-                        self.request_duration.get_or_create(&labels).clone(),
+                        self.routes.requests.get_or_create(&labels).clone(),
+                        self.routes.request_duration.get_or_create(&labels).clone(),
                     )
                 })
                 .collect(),
-            lost_leases: self.lost_leases.get_or_create(&label).clone(),
-            unprotected: self.unprotected.get_or_create(&label).clone(),
-            saves_abandoned: self.saves_abandoned.get_or_create(&label).clone(),
-            results_not_kept: self.results_not_kept.get_or_create(&label).clone(),
-            lease_renewals: self.lease_renewals.get_or_create(&label).clone(),
-            derived_keys: self.derived_keys.get_or_create(&label).clone(),
-            lost_leases_total: self.lost_leases_total.clone(),
+            lost_leases: self.routes.lost_leases.get_or_create(&label).clone(),
+            unprotected: self.routes.unprotected.get_or_create(&label).clone(),
+            completions_abandoned: self
+                .routes
+                .completions_abandoned
+                .get_or_create(&label)
+                .clone(),
+            results_not_kept: self.routes.results_not_kept.get_or_create(&label).clone(),
+            lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
+            derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
         }))
     }
 
@@ -459,34 +465,12 @@ impl Metrics {
         }
     }
 
-    /// Requests counted for a route and outcome.
-    pub fn requests_count(&self, route: &str, outcome: Outcome) -> u64 {
-        self.requests
-            .get_or_create(&RouteOutcome {
-                route: route.to_owned(),
-                outcome: outcome.as_str(),
-            })
-            .get()
-    }
-
-    /// Lost leases counted, all routes.
-    pub fn lost_leases_count(&self) -> u64 {
-        self.lost_leases_total.load(Ordering::Relaxed)
-    }
-
     /// Counts a write (claim or complete) fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
     pub fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
             .inc();
-    }
-
-    /// Short replica acknowledgements counted for `op`.
-    pub fn replica_acks_missing_count(&self, op: StoreOp) -> u64 {
-        self.replica_acks_missing
-            .get_or_create(&OpLabel { op: op.as_str() })
-            .get()
     }
 
     /// The Prometheus text exposition.
@@ -518,12 +502,20 @@ mod tests {
         let r = m.route("create-booking");
         r.request(Outcome::Replayed, Duration::from_millis(1));
         r.request(Outcome::Replayed, Duration::from_millis(1));
-        assert_eq!(m.requests_count("create-booking", Outcome::Replayed), 2);
-        assert_eq!(m.requests_count("create-booking", Outcome::Forwarded), 0);
         r.lost_lease();
-        assert_eq!(m.lost_leases_count(), 1);
         m.store_op(StoreOp::Claim, Duration::from_millis(1), true);
         let text = m.encode();
+        let requests = |outcome: &str| {
+            format!(r#"idemproxy_requests_total{{route="create-booking",outcome="{outcome}"}}"#)
+        };
+        assert!(
+            text.contains(&format!("{} 2\n", requests("replayed"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{} 0\n", requests("forwarded"))),
+            "{text}"
+        );
         assert!(
             text.contains(r#"idemproxy_store_errors_total{op="claim"} 1"#),
             "{text}"

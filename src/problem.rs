@@ -1,4 +1,5 @@
-//! Every answer the proxy makes itself, as `application/problem+json` (RFC 9457), in one place.
+//! Every answer the proxy makes itself, as `application/problem+json` (RFC 9457), in one place:
+//! [`Problem`] on the proxy's listener, [`AdminProblem`] for the admin listener's refusals.
 //!
 //! Each kind has a stable `type` URI, `urn:idemproxy:problem:<slug>`, listed in the README;
 //! clients may branch on it. The `detail` says what happened to this request in words.
@@ -268,21 +269,11 @@ impl Problem {
 
     /// The problem document's bytes.
     pub fn body(&self) -> Bytes {
-        let status = self.status();
-        let doc = serde_json::json!({
-            "type": format!("{TYPE_PREFIX}{}", self.slug()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
-        Bytes::from(doc.to_string())
+        document(self.slug(), self.title(), self.status(), &self.detail())
     }
 
     fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
-        let mut h = vec![(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        )];
+        let mut h = vec![content_type()];
         let retry_after = match self {
             Problem::InProgress { retry_after } => Some(*retry_after),
             // A store outage is usually short; a client retrying with the same key is safe.
@@ -299,11 +290,7 @@ impl Problem {
 
     /// The response to send.
     pub fn response(&self) -> Response<Body> {
-        let mut resp = Response::new(body::full(self.body()));
-        *resp.status_mut() = self.status();
-        resp.headers_mut()
-            .extend(self.headers().into_iter().map(|(n, v)| (Some(n), v)));
-        resp
+        respond(self.status(), self.body(), self.headers())
     }
 
     /// The problem as a response to save: with `on_unknown_outcome: keep`, a 502/504 problem
@@ -315,6 +302,139 @@ impl Problem {
             body: self.body(),
         }
     }
+}
+
+/// A refusal of the admin listener: a path it does not serve, and the key tooling's (`/keys`)
+/// answers that are not a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminProblem {
+    /// No admin endpoint has this path (404).
+    NoEndpoint,
+    /// No admin token is configured, so the key tooling does not exist (404).
+    KeyToolingOff,
+    /// The bearer token is missing or wrong (401).
+    Unauthorized,
+    /// `/keys` takes `GET` and `DELETE` only (405).
+    MethodNotAllowed,
+    /// The request does not name a record in a form the tooling reads (400).
+    InvalidRecordName {
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// No idempotent route has that name (404).
+    NoIdempotentRoute,
+    /// Nothing is saved under the key (404).
+    NoRecord,
+    /// The key holds a claim in flight, which is never forgotten (409).
+    RecordInFlight,
+    /// What the key holds is not a finished record of this proxy, so it is left alone (409).
+    NotARecord,
+    /// The store failed or did not answer in time (503).
+    StoreUnavailable {
+        /// The store error.
+        detail: String,
+    },
+}
+
+impl AdminProblem {
+    /// The stable slug of this kind (the last part of its `type`).
+    pub fn slug(&self) -> &'static str {
+        match self {
+            AdminProblem::NoEndpoint => "no-admin-endpoint",
+            AdminProblem::KeyToolingOff => "key-tooling-off",
+            AdminProblem::Unauthorized => "unauthorized",
+            AdminProblem::MethodNotAllowed => "method-not-allowed",
+            AdminProblem::InvalidRecordName { .. } => "invalid-record-name",
+            AdminProblem::NoIdempotentRoute => "no-idempotent-route",
+            AdminProblem::NoRecord => "no-record",
+            AdminProblem::RecordInFlight => "record-in-flight",
+            AdminProblem::NotARecord => "not-a-record",
+            AdminProblem::StoreUnavailable { .. } => "admin-store-unavailable",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            AdminProblem::NoEndpoint
+            | AdminProblem::KeyToolingOff
+            | AdminProblem::NoIdempotentRoute
+            | AdminProblem::NoRecord => StatusCode::NOT_FOUND,
+            AdminProblem::Unauthorized => StatusCode::UNAUTHORIZED,
+            AdminProblem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            AdminProblem::InvalidRecordName { .. } => StatusCode::BAD_REQUEST,
+            AdminProblem::RecordInFlight | AdminProblem::NotARecord => StatusCode::CONFLICT,
+            AdminProblem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            AdminProblem::NoEndpoint => "No such admin endpoint",
+            AdminProblem::KeyToolingOff => "Key tooling off",
+            AdminProblem::Unauthorized => "Admin token required",
+            AdminProblem::MethodNotAllowed => "Method not allowed",
+            AdminProblem::InvalidRecordName { .. } => "Record not named",
+            AdminProblem::NoIdempotentRoute => "No such idempotent route",
+            AdminProblem::NoRecord => "No record",
+            AdminProblem::RecordInFlight => "Claim in flight",
+            AdminProblem::NotARecord => "Not a record",
+            AdminProblem::StoreUnavailable { .. } => "Idempotency store unavailable",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            AdminProblem::NoEndpoint => "The admin listener serves /healthz, /readyz, /metrics and, with an admin token, /keys/ROUTE.".into(),
+            AdminProblem::KeyToolingOff => "The key tooling is off: configure admin_token_file or admin_token_env.".into(),
+            AdminProblem::Unauthorized => "Send Authorization: Bearer <admin token>.".into(),
+            AdminProblem::MethodNotAllowed => "/keys takes GET (show a record) or DELETE (forget it).".into(),
+            AdminProblem::InvalidRecordName { detail } => format!("{detail}."),
+            AdminProblem::NoIdempotentRoute => "No idempotent route has that name.".into(),
+            AdminProblem::NoRecord => "No record under this key.".into(),
+            AdminProblem::RecordInFlight => "A claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl.".into(),
+            AdminProblem::NotARecord => "What is under this key is not a finished record of this proxy; left alone.".into(),
+            AdminProblem::StoreUnavailable { detail } => {
+                format!("The idempotency store did not answer ({detail}).")
+            }
+        }
+    }
+
+    /// The response to send.
+    pub fn response(&self) -> Response<Body> {
+        let body = document(self.slug(), self.title(), self.status(), &self.detail());
+        respond(self.status(), body, vec![content_type()])
+    }
+}
+
+fn content_type() -> (HeaderName, HeaderValue) {
+    (
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    )
+}
+
+/// An RFC 9457 document: `type`, `title`, `status`, `detail`.
+fn document(slug: &str, title: &str, status: StatusCode, detail: &str) -> Bytes {
+    let doc = serde_json::json!({
+        "type": format!("{TYPE_PREFIX}{slug}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    Bytes::from(doc.to_string())
+}
+
+fn respond(
+    status: StatusCode,
+    body: Bytes,
+    headers: Vec<(HeaderName, HeaderValue)>,
+) -> Response<Body> {
+    let mut resp = Response::new(body::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .extend(headers.into_iter().map(|(n, v)| (Some(n), v)));
+    resp
 }
 
 #[cfg(test)]
@@ -391,6 +511,49 @@ mod tests {
             assert!(!doc["title"].as_str().unwrap_or("").is_empty());
             assert!(!doc["detail"].as_str().unwrap_or("").is_empty());
             assert_eq!(p.saved().body, p.body(), "saved and sent documents agree");
+        }
+    }
+
+    fn all_admin() -> Vec<AdminProblem> {
+        vec![
+            AdminProblem::NoEndpoint,
+            AdminProblem::KeyToolingOff,
+            AdminProblem::Unauthorized,
+            AdminProblem::MethodNotAllowed,
+            AdminProblem::InvalidRecordName {
+                detail: "scope is Name: value".into(),
+            },
+            AdminProblem::NoIdempotentRoute,
+            AdminProblem::NoRecord,
+            AdminProblem::RecordInFlight,
+            AdminProblem::NotARecord,
+            AdminProblem::StoreUnavailable {
+                detail: "timed out".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_admin_problem_is_a_complete_document_with_a_type_of_its_own() {
+        let mut types: std::collections::HashSet<String> = all()
+            .iter()
+            .map(|p| format!("{TYPE_PREFIX}{}", p.slug()))
+            .collect();
+        for p in all_admin() {
+            let resp = p.response();
+            assert_eq!(resp.status(), p.status());
+            assert_eq!(
+                resp.headers()[header::CONTENT_TYPE],
+                "application/problem+json"
+            );
+            assert!(resp.headers().get(header::RETRY_AFTER).is_none());
+            let body = document(p.slug(), p.title(), p.status(), &p.detail());
+            let doc: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+            assert_eq!(doc["status"], p.status().as_u16());
+            let ty = doc["type"].as_str().expect("type");
+            assert!(types.insert(ty.to_owned()), "{ty} is used twice");
+            assert!(!doc["title"].as_str().unwrap_or("").is_empty());
+            assert!(!doc["detail"].as_str().unwrap_or("").is_empty());
         }
     }
 

@@ -1,6 +1,6 @@
 //! What the store keeps under a key, and its versioned binary encoding.
 //!
-//! An entry is either a claim in progress (its holder's random fencing token and the request
+//! A record is either a claim in progress (its holder's random fencing token and the request
 //! fingerprint) or a finished operation (the fingerprint and the saved response). Redis holds
 //! the encoded bytes; the Lua scripts compare a holder's whole in-progress value byte for byte,
 //! which is the compare-and-set on the token.
@@ -12,7 +12,7 @@
 //! "IDP" 0x01  'D'  fingerprint[32]  'N' status:u16      (a response too large to replay)
 //! ```
 //! Anything else — another magic, an unknown version, trailing or missing bytes, an invalid
-//! header — fails to decode, and an undecodable entry is a store error: never forwarded, never
+//! header — fails to decode, and an undecodable record is a store error: never forwarded, never
 //! replayed. A future version adds a new version byte; this one stays readable.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -44,7 +44,7 @@ pub struct SavedResponse {
 
 /// How a finished operation ended, as far as replays are concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Saved {
     /// The response, to replay byte for byte.
     Response(SavedResponse),
     /// The response was larger than `max_response_body`: the operation happened, its response
@@ -57,7 +57,7 @@ pub enum Outcome {
 
 /// What the store holds under one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Entry {
+pub enum Record {
     /// Claimed; the upstream call may be running.
     InFlight {
         /// The holder's fencing token.
@@ -69,38 +69,35 @@ pub enum Entry {
     Done {
         /// The fingerprint of the request that ran.
         fingerprint: Fingerprint,
-        /// Its outcome.
-        outcome: Outcome,
+        /// What was saved for its repeats.
+        saved: Saved,
     },
 }
 
-impl Entry {
-    /// The fingerprint of the request this entry belongs to.
+impl Record {
+    /// The fingerprint of the request this record belongs to.
     pub fn fingerprint(&self) -> &Fingerprint {
         match self {
-            Entry::InFlight { fingerprint, .. } | Entry::Done { fingerprint, .. } => fingerprint,
+            Record::InFlight { fingerprint, .. } | Record::Done { fingerprint, .. } => fingerprint,
         }
     }
 
-    /// Encodes the entry (current version).
+    /// Encodes the record (current version).
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.encoded_len_hint());
         out.put_slice(MAGIC);
         out.put_u8(VERSION);
         match self {
-            Entry::InFlight { token, fingerprint } => {
+            Record::InFlight { token, fingerprint } => {
                 out.put_u8(b'P');
                 out.put_slice(token);
                 out.put_slice(fingerprint);
             }
-            Entry::Done {
-                fingerprint,
-                outcome,
-            } => {
+            Record::Done { fingerprint, saved } => {
                 out.put_u8(b'D');
                 out.put_slice(fingerprint);
-                match outcome {
-                    Outcome::Response(r) => {
+                match saved {
+                    Saved::Response(r) => {
                         out.put_u8(b'R');
                         out.put_u16(r.status.as_u16());
                         // Header count and lengths are bounded by the HTTP parser's limits,
@@ -117,7 +114,7 @@ impl Entry {
                         out.put_u64(r.body.len() as u64);
                         out.put_slice(&r.body);
                     }
-                    Outcome::NotReplayable { status } => {
+                    Saved::NotReplayable { status } => {
                         out.put_u8(b'N');
                         out.put_u16(status.as_u16());
                     }
@@ -129,9 +126,9 @@ impl Entry {
 
     fn encoded_len_hint(&self) -> usize {
         match self {
-            Entry::InFlight { .. } => 4 + 1 + 16 + 32,
-            Entry::Done { outcome, .. } => match outcome {
-                Outcome::Response(r) => {
+            Record::InFlight { .. } => 4 + 1 + 16 + 32,
+            Record::Done { saved, .. } => match saved {
+                Saved::Response(r) => {
                     4 + 1
                         + 32
                         + 1
@@ -143,20 +140,20 @@ impl Entry {
                         + 8
                         + r.body.len()
                 }
-                Outcome::NotReplayable { .. } => 4 + 1 + 32 + 3,
+                Saved::NotReplayable { .. } => 4 + 1 + 32 + 3,
             },
         }
     }
 
-    /// Decodes an entry from a copy of `bytes`. Any deviation from a known layout is an error.
-    pub fn decode(bytes: &[u8]) -> Result<Entry, DecodeError> {
-        Entry::decode_shared(&Bytes::copy_from_slice(bytes))
+    /// Decodes a record from a copy of `bytes`. Any deviation from a known layout is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+        Record::decode_shared(&Bytes::copy_from_slice(bytes))
     }
 
-    /// Decodes an entry whose header values and body share `bytes` instead of copying them
+    /// Decodes a record whose header values and body share `bytes` instead of copying them
     /// (a replay costs no copy of the saved response). Any deviation from a known layout is
     /// an error.
-    pub fn decode_shared(bytes: &Bytes) -> Result<Entry, DecodeError> {
+    pub fn decode_shared(bytes: &Bytes) -> Result<Record, DecodeError> {
         let all: &[u8] = bytes;
         let mut b = all;
         // Where `b` starts within `bytes`, to slice shared parts out of it.
@@ -168,15 +165,15 @@ impl Entry {
             return Err(DecodeError("unknown record format version"));
         }
         b.advance(4);
-        let entry = match take_u8(&mut b)? {
+        let record = match take_u8(&mut b)? {
             b'P' => {
                 let token = take_array::<16>(&mut b)?;
                 let fingerprint = take_array::<32>(&mut b)?;
-                Entry::InFlight { token, fingerprint }
+                Record::InFlight { token, fingerprint }
             }
             b'D' => {
                 let fingerprint = take_array::<32>(&mut b)?;
-                let outcome = match take_u8(&mut b)? {
+                let saved = match take_u8(&mut b)? {
                     b'R' => {
                         let status = take_status(&mut b)?;
                         let n = take_u16(&mut b)?;
@@ -187,7 +184,7 @@ impl Entry {
                             let parsed = HeaderName::from_bytes(name)
                                 .map_err(|_| DecodeError("invalid header name"))?;
                             // The encoder writes names as `HeaderName` holds them, lower-case:
-                            // other bytes are not a record this proxy wrote, and one entry
+                            // other bytes are not a record this proxy wrote, and one record
                             // must have one encoding.
                             if parsed.as_str().as_bytes() != name {
                                 return Err(DecodeError("header name not in lower case"));
@@ -207,28 +204,25 @@ impl Entry {
                         let start = at(b);
                         take_slice(&mut b, body_len)?;
                         let body = bytes.slice(start..start + body_len);
-                        Outcome::Response(SavedResponse {
+                        Saved::Response(SavedResponse {
                             status,
                             headers,
                             body,
                         })
                     }
-                    b'N' => Outcome::NotReplayable {
+                    b'N' => Saved::NotReplayable {
                         status: take_status(&mut b)?,
                     },
                     _ => return Err(DecodeError("unknown outcome kind")),
                 };
-                Entry::Done {
-                    fingerprint,
-                    outcome,
-                }
+                Record::Done { fingerprint, saved }
             }
             _ => return Err(DecodeError("unknown record state")),
         };
         if !b.is_empty() {
             return Err(DecodeError("trailing bytes after the record"));
         }
-        Ok(entry)
+        Ok(record)
     }
 }
 
@@ -289,10 +283,10 @@ fn take_status(b: &mut &[u8]) -> Result<StatusCode, DecodeError> {
 mod tests {
     use super::*;
 
-    fn done() -> Entry {
-        Entry::Done {
+    fn done() -> Record {
+        Record::Done {
             fingerprint: [7; 32],
-            outcome: Outcome::Response(SavedResponse {
+            saved: Saved::Response(SavedResponse {
                 status: StatusCode::CREATED,
                 headers: vec![
                     (
@@ -317,18 +311,18 @@ mod tests {
     fn round_trips() {
         for e in [
             done(),
-            Entry::InFlight {
+            Record::InFlight {
                 token: [1; 16],
                 fingerprint: [2; 32],
             },
-            Entry::Done {
+            Record::Done {
                 fingerprint: [3; 32],
-                outcome: Outcome::NotReplayable {
+                saved: Saved::NotReplayable {
                     status: StatusCode::OK,
                 },
             },
         ] {
-            assert_eq!(Entry::decode(&e.encode()), Ok(e));
+            assert_eq!(Record::decode(&e.encode()), Ok(e));
         }
     }
 
@@ -336,17 +330,17 @@ mod tests {
     fn damage_is_detected() {
         let bytes = done().encode();
         for cut in 0..bytes.len() {
-            assert!(Entry::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+            assert!(Record::decode(&bytes[..cut]).is_err(), "cut at {cut}");
         }
         let mut extra = bytes.to_vec();
         extra.push(0);
-        assert!(Entry::decode(&extra).is_err());
+        assert!(Record::decode(&extra).is_err());
         let mut v2 = bytes.to_vec();
         v2[3] = 2;
         assert_eq!(
-            Entry::decode(&v2),
+            Record::decode(&v2),
             Err(DecodeError("unknown record format version"))
         );
-        assert!(Entry::decode(b"garbage").is_err());
+        assert!(Record::decode(b"garbage").is_err());
     }
 }

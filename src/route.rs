@@ -135,7 +135,7 @@ pub struct RouteSettings {
     pub methods: Option<Vec<Method>>,
     /// The compiled path pattern.
     pub path: PathPattern,
-    /// The upstream's name (a key of [`Config::upstreams`]).
+    /// The upstream's name (a key of the configuration's `upstreams`).
     pub upstream: String,
     /// `None` for pass-through routes.
     pub idempotency: Option<IdempotencySettings>,
@@ -164,6 +164,79 @@ pub enum FingerprintPart {
     Json,
     /// The values of one request header.
     Header(HeaderName),
+}
+
+/// One part of a derived key, as configured (`key_from`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// `path:NAME`: the `{NAME}` segment of the route's path, percent-decoded.
+    Path(String),
+    /// `json:POINTER`: the string, number or boolean at this RFC 6901 pointer in the body.
+    Json(String),
+    /// `query:NAME`: the query parameter, percent-decoded; exactly once.
+    Query(String),
+    /// `header:NAME`: the header's value; exactly once.
+    Header(HeaderName),
+    /// `method`.
+    Method,
+}
+
+impl KeyPart {
+    /// Parses a configured part. The error says what is wrong.
+    pub fn parse(text: &str) -> Result<KeyPart, String> {
+        if text == "method" {
+            return Ok(KeyPart::Method);
+        }
+        let Some((kind, arg)) = text.split_once(':') else {
+            return Err(format!(
+                "unknown key_from part {text:?}; expected path:NAME, json:POINTER, query:NAME, header:NAME or method"
+            ));
+        };
+        match kind {
+            "path" if !arg.is_empty() => Ok(KeyPart::Path(arg.to_owned())),
+            "json" => {
+                check_pointer(arg)?;
+                Ok(KeyPart::Json(arg.to_owned()))
+            }
+            "query" if !arg.is_empty() => Ok(KeyPart::Query(arg.to_owned())),
+            "header" => HeaderName::from_bytes(arg.trim().as_bytes())
+                .map(KeyPart::Header)
+                .map_err(|_| format!("invalid header name {arg:?}")),
+            "path" | "query" => Err(format!("{kind}: needs a name, as in {kind}:id")),
+            other => Err(format!(
+                "unknown key_from part kind {other:?}; expected path, json, query, header or method"
+            )),
+        }
+    }
+
+    /// The part as configured, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            KeyPart::Path(n) => format!("path:{n}"),
+            KeyPart::Json(p) => format!("json:{p}"),
+            KeyPart::Query(n) => format!("query:{n}"),
+            KeyPart::Header(h) => format!("header:{h}"),
+            KeyPart::Method => "method".into(),
+        }
+    }
+}
+
+/// RFC 6901: empty (the whole document) or `/`-separated tokens where `~` is only `~0` or `~1`.
+fn check_pointer(p: &str) -> Result<(), String> {
+    if !p.is_empty() && !p.starts_with('/') {
+        return Err(format!(
+            "invalid JSON pointer {p:?}: it starts with '/' (RFC 6901), as in json:/reason/code"
+        ));
+    }
+    let mut chars = p.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
+            return Err(format!(
+                "invalid JSON pointer {p:?}: '~' is only allowed as ~0 or ~1"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Idempotency settings of one route, compiled.
@@ -200,7 +273,7 @@ pub struct IdempotencySettings {
     /// Forward the key header upstream.
     pub forward_key: bool,
     /// Parts to derive a key from when the request has no key header (empty: none).
-    pub key_from: Vec<crate::derive::KeyPart>,
+    pub key_from: Vec<KeyPart>,
 }
 
 /// What to do with a repeat that arrives while the first request is still in flight.
@@ -284,6 +357,18 @@ mod tests {
         assert_eq!(pat.capture("/tickets/T-1/refunds/2", "n"), Some("2"));
         assert_eq!(pat.capture("/tickets/T-1", "ticket_id"), None, "no match");
         assert_eq!(pat.capture("/tickets/T-1/refunds/2", "x"), None);
+    }
+
+    #[test]
+    fn pointers_and_parts_are_checked() {
+        assert!(KeyPart::parse("json:/reason/code").is_ok());
+        assert!(KeyPart::parse("json:").is_ok());
+        assert!(KeyPart::parse("json:reason").is_err());
+        assert!(KeyPart::parse("json:/a~2b").is_err());
+        assert!(KeyPart::parse("json:/a~0b~1c").is_ok());
+        assert!(KeyPart::parse("cookie:x").is_err());
+        assert!(KeyPart::parse("path:").is_err());
+        assert_eq!(KeyPart::parse("method"), Ok(KeyPart::Method));
     }
 
     #[test]

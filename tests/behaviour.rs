@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Backend, Env, Reply, TestProxy, book, client, eventually, send};
+use idemproxy::proxy::Lookup;
 use reqwest::header::{HeaderName, HeaderValue};
 use tokio::task::JoinHandle;
 
@@ -393,7 +394,7 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
     // In flight: the claim already has a TTL (the lease).
     let slow = spawn_send(post(&proxy, "/bookings", raw, SEAT).header("X-Mock-Delay", "1500ms"));
     until_calls(&env, raw, 1).await;
-    let expected = idemproxy::key::store_key(
+    let expected = common::store_key(
         "idemproxy:",
         "create-booking",
         &[HeaderName::from_static("authorization")],
@@ -421,7 +422,8 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
 
     let store_key = proxy
         .proxy
-        .store_key("create-booking", &http::HeaderMap::new(), raw)
+        .keys()
+        .store_key("create-booking", Lookup::Key(raw), &http::HeaderMap::new())
         .expect("an idempotent route");
     assert_eq!(store_key.text(), expected);
     let entry = proxy
@@ -431,7 +433,7 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
         .await
         .expect("store read");
     assert!(
-        matches!(entry, Some(idemproxy::record::Entry::Done { .. })),
+        matches!(entry, Some(idemproxy::record::Record::Done { .. })),
         "the finished record lives under {expected}: {entry:?}"
     );
     let suffix = expected
@@ -490,7 +492,7 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
     assert_replay_of(&first, &again);
     assert_eq!(env.mock.calls("pfx"), 1);
 
-    let expected = idemproxy::key::store_key(
+    let expected = common::store_key(
         "shop:idem:",
         "create-booking",
         &[HeaderName::from_static("authorization")],
@@ -500,7 +502,12 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
     assert!(expected.starts_with("shop:idem:create-booking:"));
     let store_key = proxy
         .proxy
-        .store_key("create-booking", &http::HeaderMap::new(), "pfx")
+        .keys()
+        .store_key(
+            "create-booking",
+            Lookup::Key("pfx"),
+            &http::HeaderMap::new(),
+        )
         .expect("an idempotent route");
     assert_eq!(store_key.text(), expected);
     let entry = proxy

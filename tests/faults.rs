@@ -18,7 +18,7 @@ use common::{
     client, eventually, free_port,
 };
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::record::Entry;
+use idemproxy::record::Record;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Store, StoreHandle};
@@ -113,12 +113,7 @@ async fn connect_failure_releases_the_claim(backend: Backend) {
             "attempt {attempt}: a connect failure is not saved"
         );
     }
-    assert_eq!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::UpstreamError),
-        2
-    );
+    assert_eq!(proxy.requests("create-booking", Outcome::UpstreamError), 2);
 
     // The upstream comes up on that port: the key was released, so it is forwarded now.
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
@@ -273,7 +268,7 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
     let after = book_with(&base, "renew-1", BODY, &[]).await;
     assert_replay_of(&after, &first);
     assert_eq!(env.mock.calls("renew-1"), 1);
-    assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
+    assert_eq!(proxy.lost_leases(), 0, "no lease was lost");
 }
 
 /// The compare-and-set on the token, at the store: A's lease expires, B claims the key; from
@@ -324,11 +319,7 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
     assert_forwarded(&first);
     assert_ne!(first.body, second.body, "two bookings were made");
     assert!(
-        eventually(Duration::from_secs(2), || proxy
-            .metrics()
-            .lost_leases_count()
-            >= 1)
-        .await,
+        eventually(Duration::from_secs(2), || proxy.lost_leases() >= 1).await,
         "the lost lease is counted"
     );
     assert!(
@@ -423,12 +414,7 @@ async fn redis_paused_gives_503_in_bounded_time_then_recovers() {
     }
     assert_eq!(env.mock.calls("paused-new"), 0, "nothing forwarded");
     assert_eq!(env.mock.calls("warm"), 1);
-    assert!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError)
-            >= 2
-    );
+    assert!(proxy.requests("create-booking", Outcome::StoreError) >= 2);
 
     env.redis().resume();
     let (key, first) = first_forwarded_after_outage(&env, &base, "after-pause", 50).await;
@@ -508,18 +494,8 @@ async fn redis_killed_rejects_or_forwards_unprotected() {
     assert_forwarded(&f2);
     assert_eq!(env.mock.calls("dead-f"), 2);
 
-    assert_eq!(
-        reject
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError),
-        1
-    );
-    assert_eq!(
-        forward
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError),
-        2
-    );
+    assert_eq!(reject.requests("create-booking", Outcome::StoreError), 1);
+    assert_eq!(forward.requests("create-booking", Outcome::StoreError), 2);
     let text = forward.metrics().encode();
     assert!(
         text.contains(r#"idemproxy_unprotected_requests_total{route="create-booking"} 2"#),
@@ -590,7 +566,7 @@ async fn redis_stall_after_the_upstream_answered_loses_nothing() {
     };
     assert_replay_of(&replay, &first);
     assert_eq!(env.mock.calls("stall-1"), 1, "nothing ran twice");
-    assert_eq!(proxy.metrics().lost_leases_count(), 0, "nothing lost");
+    assert_eq!(proxy.lost_leases(), 0, "nothing lost");
 }
 
 /// The save fails after the upstream answered and the command that carried it is lost (the
@@ -635,8 +611,8 @@ async fn redis_lost_save_is_retried_in_the_background() {
         .expect("GET");
     assert!(
         matches!(
-            Entry::decode(&raw).expect("decodable"),
-            Entry::InFlight { .. }
+            Record::decode(&raw).expect("decodable"),
+            Record::InFlight { .. }
         ),
         "the first save attempt must not have landed yet"
     );
@@ -662,7 +638,7 @@ async fn redis_lost_save_is_retried_in_the_background() {
     };
     assert_replay_of(&replay, &first);
     assert_eq!(env.mock.calls("cut-1"), 1, "nothing ran twice");
-    assert_eq!(proxy.metrics().lost_leases_count(), 0, "nothing lost");
+    assert_eq!(proxy.lost_leases(), 0, "nothing lost");
 }
 
 /// A record the proxy cannot decode — garbage, or a well-formed record of an unknown format
@@ -854,11 +830,8 @@ async fn redis_two_instances_fifty_duplicates_one_booking() {
         assert_eq!(r.header("location"), original.header("location"));
     }
     assert_eq!(env.mock.calls("multi-1"), 1);
-    let conflicts = a
-        .metrics()
-        .requests_count("create-booking", Outcome::Conflict)
-        + b.metrics()
-            .requests_count("create-booking", Outcome::Conflict);
+    let conflicts = a.requests("create-booking", Outcome::Conflict)
+        + b.requests("create-booking", Outcome::Conflict);
     assert_eq!(
         conflicts,
         replies.iter().filter(|r| r.status == 409).count() as u64

@@ -14,12 +14,12 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::Config;
 use idemproxy::proxy::admission::check_head;
-use idemproxy::record::{Entry, Outcome, SavedResponse};
+use idemproxy::record::{Record, Saved, SavedResponse};
 
 /// The record decoder's seeds: one entry of each kind the encoder writes.
-fn record_seeds() -> Vec<(&'static str, Entry)> {
+fn record_seeds() -> Vec<(&'static str, Record)> {
     let response = |headers: Vec<(&'static str, &'static str)>, body: &'static [u8]| {
-        Outcome::Response(SavedResponse {
+        Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
             headers: headers
                 .into_iter()
@@ -31,16 +31,16 @@ fn record_seeds() -> Vec<(&'static str, Entry)> {
     vec![
         (
             "in-flight",
-            Entry::InFlight {
+            Record::InFlight {
                 token: [0x11; 16],
                 fingerprint: [0x22; 32],
             },
         ),
         (
             "done-response",
-            Entry::Done {
+            Record::Done {
                 fingerprint: [0x33; 32],
-                outcome: response(
+                saved: response(
                     vec![
                         ("content-type", "application/json"),
                         ("location", "/bookings/bk_1"),
@@ -53,23 +53,23 @@ fn record_seeds() -> Vec<(&'static str, Entry)> {
         ),
         (
             "done-empty",
-            Entry::Done {
+            Record::Done {
                 fingerprint: [0; 32],
-                outcome: response(vec![], b""),
+                saved: response(vec![], b""),
             },
         ),
         (
             "done-binary",
-            Entry::Done {
+            Record::Done {
                 fingerprint: [0xff; 32],
-                outcome: response(vec![("etag", "\"v1\"")], b"\x00\x01\xfe\xff"),
+                saved: response(vec![("etag", "\"v1\"")], b"\x00\x01\xfe\xff"),
             },
         ),
         (
             "not-replayable",
-            Entry::Done {
+            Record::Done {
                 fingerprint: [0x44; 32],
-                outcome: Outcome::NotReplayable {
+                saved: Saved::NotReplayable {
                     status: StatusCode::OK,
                 },
             },
@@ -87,7 +87,7 @@ fn record_decoder_seeds_are_current_encodings() {
     for (name, entry) in record_seeds() {
         let path = dir.join(format!("seed-{name}"));
         let bytes = entry.encode();
-        assert_eq!(Entry::decode(&bytes).as_ref(), Ok(&entry));
+        assert_eq!(Record::decode(&bytes).as_ref(), Ok(&entry));
         if write {
             std::fs::create_dir_all(&dir).expect("create the seed directory");
             std::fs::write(&path, &bytes).expect("write a seed");
@@ -116,7 +116,7 @@ fn a_record_with_an_upper_case_header_name_is_refused() {
     bytes.extend_from_slice(b"\x00\x01A"); // its name: "A"
     bytes.extend_from_slice(b"\x00\x00\x00\x00"); // an empty value
     bytes.extend_from_slice(&[0; 8]); // an empty body
-    let decoded = Entry::decode(&bytes);
+    let decoded = Record::decode(&bytes);
     if let Ok(entry) = &decoded {
         assert_eq!(
             &entry.encode()[..],
@@ -133,7 +133,7 @@ fn a_record_with_an_upper_case_header_name_is_refused() {
         .iter()
         .map(|b| if *b == b'A' { b'a' } else { *b })
         .collect();
-    let entry = Entry::decode(&lower).expect("the lower-case record decodes");
+    let entry = Record::decode(&lower).expect("the lower-case record decodes");
     assert_eq!(&entry.encode()[..], &lower[..]);
 }
 

@@ -60,12 +60,7 @@ async fn redis_waiter_that_saw_the_key_held_answers_503_on_a_store_error() {
     let first = first.await.expect("first request");
     assert_eq!(first.status, 201, "the first one ran: {:?}", first.body);
     assert_eq!(env.mock.calls(key), 1, "the waiter was never forwarded");
-    assert_eq!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError),
-        1
-    );
+    assert_eq!(proxy.requests("create-booking", Outcome::StoreError), 1);
 }
 
 /// WRONGTYPE: a value of another Redis type under a store key is a corrupt record — 503 and
@@ -182,12 +177,7 @@ async fn connection_naming_the_key_scope_or_fingerprint_header_is_refused(backen
     // A Connection header naming anything else is fine (and stripped as usual).
     let r = post(&proxy, "conn-other", &[("Connection", "x-other")]).await;
     assert_eq!(r.status, 201);
-    assert_eq!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::BadRequest),
-        3
-    );
+    assert_eq!(proxy.requests("create-booking", Outcome::BadRequest), 3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -297,7 +287,7 @@ async fn redis_saves_refused_for_lack_of_memory_are_bounded_and_land_later() {
     for key in keys {
         assert_eq!(env.mock.calls(key), 1, "{key} ran once");
     }
-    assert_eq!(proxy.metrics().lost_leases_count(), 0, "no lease was lost");
+    assert_eq!(proxy.lost_leases(), 0, "no lease was lost");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ mod common;
 
 use common::{Backend, Env, Reply, TestProxy, client, send};
 use http::{HeaderMap, HeaderName};
-use idemproxy::derive::{KeyPart, Value, derived_id, derived_key};
+use idemproxy::key_from::{Value, derived_id, derived_key};
+use idemproxy::route::KeyPart;
 use proptest::prelude::*;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -417,14 +418,20 @@ async fn derived_keys_are_looked_up_by_their_parts(backend: Backend) {
             .bearer_auth(token),
     )
     .await;
-    assert_eq!(missing.status, 404);
+    missing.assert_problem(404, "no-record");
     let wrong = send(
         client()
             .get(format!("{base}/keys/refund-ticket?part=T-7"))
             .bearer_auth(token),
     )
     .await;
-    assert_eq!(wrong.status, 400, "one value per part");
+    let doc = wrong.assert_problem(400, "invalid-record-name");
+    assert!(
+        doc["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("give one value each")),
+        "one value per part: {doc}"
+    );
 }
 
 fn part_strategy() -> impl Strategy<Value = (Vec<KeyPart>, Vec<Value>)> {

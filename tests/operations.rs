@@ -251,16 +251,16 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
     let env = Env::new(backend).await;
     let off = env.proxy(&env.config("")).await;
     let off_admin = admin(&off).await;
-    assert_eq!(
-        get(
-            format!("{}/keys/create-booking?key=x", off_admin.base),
-            Some("t")
-        )
+    // No token configured: the endpoints do not exist. Refusals are problem+json.
+    get(
+        format!("{}/keys/create-booking?key=x", off_admin.base),
+        Some("t"),
+    )
+    .await
+    .assert_problem(404, "key-tooling-off");
+    get(format!("{}/nothing-here", off_admin.base), None)
         .await
-        .status,
-        404,
-        "no token configured: the endpoints do not exist"
-    );
+        .assert_problem(404, "no-admin-endpoint");
 
     let token = token_file("s3cret-token");
     let yaml = env.config("").replace(
@@ -279,7 +279,9 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
 
     let by_key =
         format!("{base}/keys/create-booking?key=kt-1&scope=Authorization%3A%20Bearer%20alice");
-    assert_eq!(get(by_key.clone(), None).await.status, 401);
+    get(by_key.clone(), None)
+        .await
+        .assert_problem(401, "unauthorized");
     assert_eq!(get(by_key.clone(), Some("wrong")).await.status, 401);
     let shown = get(by_key.clone(), Some("s3cret-token")).await;
     assert_eq!(shown.status, 200, "{:?}", shown.body);
@@ -318,7 +320,7 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         HeaderName::from_static("authorization"),
         HeaderValue::from_static("Bearer alice"),
     );
-    let expected = idemproxy::key::store_key(
+    let expected = common::store_key(
         "idemproxy:",
         "create-booking",
         &[HeaderName::from_static("authorization")],
@@ -345,7 +347,25 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         Some("s3cret-token"),
     )
     .await;
-    assert_eq!(other.status, 404);
+    other.assert_problem(404, "no-record");
+    for (url, status, slug) in [
+        ("/keys/no-such-route?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/rest?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/create-booking/abc", 400, "invalid-record-name"),
+        ("/keys/create-booking", 400, "invalid-record-name"),
+        (
+            "/keys/create-booking?key=kt-1&scope=nocolon",
+            400,
+            "invalid-record-name",
+        ),
+    ] {
+        get(format!("{base}{url}"), Some("s3cret-token"))
+            .await
+            .assert_problem(status, slug);
+    }
+    send(client().put(by_key.clone()).bearer_auth("s3cret-token"))
+        .await
+        .assert_problem(405, "method-not-allowed");
 
     // In flight: shown, never forgotten.
     let slow = spawn_booking(proxy.url(""), "kt-2", BODY, "1s");
@@ -356,7 +376,7 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
         "in_flight"
     );
     let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
-    assert_eq!(del.status, 409, "{:?}", del.body);
+    del.assert_problem(409, "record-in-flight");
     assert_eq!(slow.await.expect("slow").status, 201);
 
     // A saved 502 (the upstream reset after receiving; on_unknown_outcome: keep) is forgotten,
@@ -530,4 +550,30 @@ async fn command_line_health_and_keys() {
     )
     .await;
     assert_eq!(again.status, 201, "the retry ran again");
+}
+
+/// The harness reads `/metrics` as a scraper does: by name and labels, summing what matches.
+#[test]
+fn the_metrics_text_is_read_as_a_scraper_reads_it() {
+    let text = "# TYPE r counter\n\
+        r_total{route=\"a\",outcome=\"x\"} 2\n\
+        r_total{route=\"b \\\"q\\\"\",outcome=\"x\"} 3\n\
+        g 7\n# EOF\n";
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("route", "a")]),
+        2.0
+    );
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("route", "b \"q\"")]),
+        3.0
+    );
+    assert_eq!(
+        common::metric_value(text, "r_total", &[("outcome", "x")]),
+        5.0
+    );
+    assert_eq!(common::metric_value(text, "g", &[]), 7.0);
+    assert!(
+        std::panic::catch_unwind(|| common::metric_value(text, "r_total", &[("route", "c")]))
+            .is_err()
+    );
 }

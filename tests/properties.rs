@@ -1,13 +1,15 @@
 //! Properties of the pure parts, over generated inputs: the key (SPEC §4.1), the fingerprint,
 //! the store key, the record encoding, and the config's size and duration parsers.
 
+mod common;
+
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::{Config, FingerprintPart, parse_duration, parse_size};
 use idemproxy::fingerprint;
 use idemproxy::key::{self, KeyError};
-use idemproxy::record::{Entry, Outcome, SavedResponse};
+use idemproxy::record::{Record, Saved, SavedResponse};
 use proptest::prelude::*;
 
 fn config() -> ProptestConfig {
@@ -176,30 +178,28 @@ fn status() -> impl Strategy<Value = StatusCode> {
     (100u16..=599).prop_map(|s| StatusCode::from_u16(s).expect("a status"))
 }
 
-fn entry() -> impl Strategy<Value = Entry> {
+fn entry() -> impl Strategy<Value = Record> {
     let response = (
         status(),
         proptest::collection::vec((header_name(), header_value()), 0..12),
         proptest::collection::vec(any::<u8>(), 0..4096),
     )
         .prop_map(|(status, headers, body)| {
-            Outcome::Response(SavedResponse {
+            Saved::Response(SavedResponse {
                 status,
                 headers,
                 body: Bytes::from(body),
             })
         });
-    let outcome = prop_oneof![
+    let saved = prop_oneof![
         4 => response,
-        1 => status().prop_map(|status| Outcome::NotReplayable { status }),
+        1 => status().prop_map(|status| Saved::NotReplayable { status }),
     ];
     prop_oneof![
         (any::<[u8; 16]>(), any::<[u8; 32]>())
-            .prop_map(|(token, fingerprint)| Entry::InFlight { token, fingerprint }),
-        (any::<[u8; 32]>(), outcome).prop_map(|(fingerprint, outcome)| Entry::Done {
-            fingerprint,
-            outcome
-        }),
+            .prop_map(|(token, fingerprint)| Record::InFlight { token, fingerprint }),
+        (any::<[u8; 32]>(), saved)
+            .prop_map(|(fingerprint, saved)| Record::Done { fingerprint, saved }),
     ]
 }
 
@@ -232,8 +232,8 @@ proptest! {
         quoted.insert("authorization", auth);
         let kb = key::from_headers(&bare, &name).expect("bare key");
         let kq = key::from_headers(&quoted, &name).expect("quoted key");
-        let sb = key::store_key("idemproxy:", "create-booking", &scope, &bare, &kb);
-        let sq = key::store_key("idemproxy:", "create-booking", &scope, &quoted, &kq);
+        let sb = common::store_key("idemproxy:", "create-booking", &scope, &bare, &kb);
+        let sq = common::store_key("idemproxy:", "create-booking", &scope, &quoted, &kq);
         prop_assert_eq!(&sb, &sq);
         prop_assert!(sb.starts_with("idemproxy:create-booking:"));
         prop_assert_eq!(sb.len(), "idemproxy:create-booking:".len() + 64);
@@ -392,15 +392,15 @@ proptest! {
         let ha = headers_with(&HeaderName::from_static("authorization"), a);
         let hb = headers_with(&HeaderName::from_static("authorization"), b);
         let none = HeaderMap::new();
-        let sa = key::store_key("idemproxy:", "r", &scope, &ha, &k);
-        let sb = key::store_key("idemproxy:", "r", &scope, &hb, &k);
-        let sn = key::store_key("idemproxy:", "r", &scope, &none, &k);
+        let sa = common::store_key("idemproxy:", "r", &scope, &ha, &k);
+        let sb = common::store_key("idemproxy:", "r", &scope, &hb, &k);
+        let sn = common::store_key("idemproxy:", "r", &scope, &none, &k);
         prop_assert_ne!(&sa, &sb);
         prop_assert_ne!(&sa, &sn, "absent and present scope headers are different callers");
         // With no scope, every caller shares the key.
         prop_assert_eq!(
-            key::store_key("idemproxy:", "r", &[], &ha, &k),
-            key::store_key("idemproxy:", "r", &[], &hb, &k)
+            common::store_key("idemproxy:", "r", &[], &ha, &k),
+            common::store_key("idemproxy:", "r", &[], &hb, &k)
         );
     }
 
@@ -412,11 +412,11 @@ proptest! {
     ) {
         let scope = [HeaderName::from_static("authorization")];
         let h = headers_with(&HeaderName::from_static("authorization"), auth);
-        let base = key::store_key("p:", "route-a", &scope, &h, &k);
+        let base = common::store_key("p:", "route-a", &scope, &h, &k);
         if j != k {
-            prop_assert_ne!(&base, &key::store_key("p:", "route-a", &scope, &h, &j));
+            prop_assert_ne!(&base, &common::store_key("p:", "route-a", &scope, &h, &j));
         }
-        let other_route = key::store_key("p:", "route-b", &scope, &h, &k);
+        let other_route = common::store_key("p:", "route-b", &scope, &h, &k);
         prop_assert_ne!(&base, &other_route);
         prop_assert!(other_route.starts_with("p:route-b:"));
     }
@@ -435,7 +435,7 @@ proptest! {
             let mut h = HeaderMap::new();
             h.insert("x-a", hv(x.as_bytes()));
             h.insert("x-b", hv(y.as_bytes()));
-            key::store_key("idemproxy:", "r", &scope, &h, &k)
+            common::store_key("idemproxy:", "r", &scope, &h, &k)
         };
         let (head, tail) = a.split_at(a.len() - n);
         let shifted = format!("{tail}{b}");
@@ -448,7 +448,7 @@ proptest! {
     fn records_round_trip(e in entry()) {
         let bytes = e.encode();
         prop_assert!(bytes.starts_with(b"IDP\x01"), "versioned");
-        prop_assert_eq!(Entry::decode(&bytes), Ok(e));
+        prop_assert_eq!(Record::decode(&bytes), Ok(e));
     }
 
     #[test]
@@ -465,7 +465,7 @@ proptest! {
                 }),
         ],
     ) {
-        let _ = Entry::decode(&bytes);
+        let _ = Record::decode(&bytes);
     }
 
     #[test]
@@ -477,14 +477,14 @@ proptest! {
     ) {
         let bytes = e.encode().to_vec();
         let n = cut.index(bytes.len());
-        prop_assert!(Entry::decode(&bytes[..n]).is_err(), "truncated at {}", n);
+        prop_assert!(Record::decode(&bytes[..n]).is_err(), "truncated at {}", n);
         let mut extra = bytes.clone();
         extra.push(0);
-        prop_assert!(Entry::decode(&extra).is_err(), "trailing byte");
+        prop_assert!(Record::decode(&extra).is_err(), "trailing byte");
         let mut damaged = bytes;
         let i = flip.index(damaged.len());
         damaged[i] ^= mask;
-        let _ = Entry::decode(&damaged);
+        let _ = Record::decode(&damaged);
     }
 
     // ---- The configuration parsers ---------------------------------------------------------

@@ -12,7 +12,7 @@ use common::secured::SecuredRedis;
 use common::{Backend, Env, Reply, TestProxy, client, send};
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::Metrics;
-use idemproxy::record::Entry;
+use idemproxy::record::Record;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Held, StoreHandle, StoreKey};
 
@@ -108,7 +108,7 @@ async fn rediss_without_the_ca_is_refused() {
         "the error says why: {err} (after {:?})",
         started.elapsed()
     );
-    let held = Held::new(Entry::InFlight {
+    let held = Held::new(Record::InFlight {
         token: [1; 16],
         fingerprint: [2; 32],
     });

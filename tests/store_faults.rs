@@ -13,7 +13,7 @@ use common::relay::{Direction, Relay};
 use common::{Backend, Env, RedisServer, Reply, TestProxy, book_with};
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::record::Entry;
+use idemproxy::record::Record;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Claim, Held, Store, StoreError, StoreHandle, StoreKey};
@@ -47,9 +47,7 @@ async fn request_fault_request(env: &Env, proxy: &TestProxy, fault: impl FnOnce(
     assert_replay_of(&post(proxy, "after-fault").await, &after);
     assert_eq!(env.mock.calls("after-fault"), 1, "run once");
     assert_eq!(
-        proxy
-            .metrics()
-            .requests_count("create-booking", Outcome::StoreError),
+        proxy.requests("create-booking", Outcome::StoreError),
         0,
         "no request answered a store error"
     );
@@ -153,7 +151,7 @@ async fn cluster_restart_between_two_requests_is_not_a_503() {
 // ---------------------------------------------------------------------------------------------
 
 fn held(token: u8) -> Held {
-    Held::new(Entry::InFlight {
+    Held::new(Record::InFlight {
         token: [token; 16],
         fingerprint: [7; 32],
     })
@@ -200,7 +198,7 @@ async fn release_answers(store: &StoreHandle) {
     );
     assert_eq!(
         store.get(key).await.expect("get"),
-        Some(b.entry.clone()),
+        Some(b.record.clone()),
         "B's claim is untouched"
     );
 }

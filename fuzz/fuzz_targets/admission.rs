@@ -1,7 +1,7 @@
 //! Request admission: `proxy::admission::check_head` on arbitrary request heads (method, URI,
 //! headers, any number of key lines and `Content-Length` values) against five routes, then, for
 //! an admitted head, what the proxy computes next: `fingerprint::compute`, and `key::key_id` for
-//! a sent key or `derive::read` and `derive::derived_key` for a derived one.
+//! a sent key or `key_from::read` and `key_from::derived_key` for a derived one.
 //!
 //! Invariants: never panics; the decision agrees with SPEC (exactly one valid key line, a
 //! declared length within `max_request_body`, no `Connection` line naming a header that
@@ -17,10 +17,11 @@ use std::sync::LazyLock;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri, header};
 use idemproxy::config::{Config, FingerprintPart, RouteSettings};
-use idemproxy::derive::{self, KeyPart};
+use idemproxy::key_from;
 use idemproxy::metrics::Outcome;
 use idemproxy::problem::TYPE_PREFIX;
 use idemproxy::proxy::admission::{KeySource, check_head};
+use idemproxy::route::KeyPart;
 use idemproxy::{fingerprint, key};
 use idemproxy_fuzz::{assert_key_rules, expected_key};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
@@ -357,7 +358,7 @@ fn check_derived(route: &RouteSettings, parts: &Parts, body: &[u8]) {
     let Some(idem) = &route.idempotency else {
         return;
     };
-    let values = match derive::read(&idem.key_from, &route.path, parts, body) {
+    let values = match key_from::read(&idem.key_from, &route.path, parts, body) {
         Ok(values) => values,
         Err(e) => {
             assert!(!e.part.is_empty() && !e.why.is_empty(), "{e:?}");
@@ -367,9 +368,9 @@ fn check_derived(route: &RouteSettings, parts: &Parts, body: &[u8]) {
     assert_eq!(values.len(), idem.key_from.len());
     assert_eq!(
         values,
-        derive::read(&idem.key_from, &route.path, parts, body).expect("read twice")
+        key_from::read(&idem.key_from, &route.path, parts, body).expect("read twice")
     );
-    let derived = derive::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
+    let derived = key_from::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
     let hex = derived
         .strip_prefix("derived-")
         .expect("a derived key starts with derived-");
@@ -380,7 +381,7 @@ fn check_derived(route: &RouteSettings, parts: &Parts, body: &[u8]) {
     let value = HeaderValue::from_str(&derived).expect("a derived key is a header value");
     assert_eq!(key::parse(&value).as_deref(), Ok(derived.as_str()));
     assert_ne!(
-        derive::derived_id(&derived),
+        key_from::derived_id(&derived),
         key::key_id(&idem.scope, &parts.headers, &derived),
         "a sent key could land on a derived record"
     );

@@ -16,7 +16,7 @@
 //! - `limits`, `store`, `upstream`, `routes`: the sections of the same names.
 //!
 //! Config reads no other part of the product but [`crate::route`] (the compiled types, whose
-//! `key_from` parts are [`crate::derive::KeyPart`]) and [`crate::tls`]: the store, the upstream
+//! `key_from` parts are [`crate::route::KeyPart`]) and [`crate::tls`]: the store, the upstream
 //! client and the server take their typed settings from here, and loading a file opens,
 //! connects or starts nothing.
 

@@ -11,7 +11,7 @@ use super::limits::RawLimits;
 use super::store::RawStore;
 use super::units::{at_most, bounds, byte_size, count_at_most, duration};
 use super::upstream::RawUpstream;
-use crate::derive::KeyPart;
+use crate::route::KeyPart;
 use crate::route::{
     FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, PathPattern,
     RouteSettings,

@@ -8,14 +8,14 @@ use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::Route;
+use super::resolved::Route;
 use crate::config::Limits;
-use crate::derive;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
+use crate::key_from;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::route::{FingerprintPart, IdempotencySettings};
+use crate::route::{FingerprintPart, IdempotencySettings, KeyPart};
 use crate::upstream;
 
 /// A request that may be claimed.
@@ -83,7 +83,7 @@ pub(super) async fn admit(
     let (id, derived) = match source {
         KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),
         KeySource::Derive | KeySource::None => {
-            let values = match derive::read(&idem.key_from, &route.settings.path, &parts, &body) {
+            let values = match key_from::read(&idem.key_from, &route.settings.path, &parts, &body) {
                 Ok(v) => v,
                 Err(e) => {
                     return Admission::Refused(
@@ -94,7 +94,8 @@ pub(super) async fn admit(
                     );
                 }
             };
-            let derived = derive::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
+            let derived =
+                key_from::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
             // With forward_key, the upstream gets the derived key in the key header, as a
             // caller's key would arrive: a stable value that differs between callers.
             if idem.forward_key {
@@ -102,11 +103,11 @@ pub(super) async fn admit(
                     parts.headers.insert(idem.header.clone(), v);
                 }
             }
-            (derive::derived_id(&derived), true)
+            (key_from::derived_id(&derived), true)
         }
     };
     Admission::Admitted(Admitted {
-        key: StoreKey::new(route.namespace.clone(), route.number, id),
+        key: route.store_key(id),
         parts,
         body,
         fingerprint,
@@ -172,7 +173,7 @@ fn named_in_connection(idem: &IdempotencySettings, headers: &HeaderMap) -> Optio
             || idem
                 .key_from
                 .iter()
-                .any(|p| matches!(p, derive::KeyPart::Header(h) if h == name))
+                .any(|p| matches!(p, KeyPart::Header(h) if h == name))
     };
     headers
         .get_all(header::CONNECTION)

@@ -8,11 +8,19 @@
 //! rare case: it polls the exchange inline, and when the request future is dropped before the
 //! exchange has ended (the client went away), it moves the still-pinned exchange into a task
 //! of its own, where it runs to its end exactly as it would have.
+//!
+//! Whether it did is counted (`idemproxy_detached_exchanges`, which bounds them) by two guards
+//! over one [`Attachment`]: [`ExchangeEnd`] inside the exchange and [`ClientWatch`] in the
+//! client's request future; whichever is dropped first decides.
 
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};
+
+use prometheus_client::metrics::gauge::Gauge;
 
 /// An exchange future that runs to its end whatever happens to whoever awaits it.
 pub(super) struct Detachable<F: Future<Output: Send + 'static> + Send + 'static> {
@@ -68,6 +76,78 @@ impl<F: Future<Output: Send + 'static> + Send + 'static> Drop for Detachable<F> 
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(exchange);
             }
+        }
+    }
+}
+
+/// Whether the client still waits for an exchange: `ATTACHED`, then `GONE` (the client left
+/// first) or `FINISHED` (the exchange ended first). Each side moves it once.
+#[derive(Default)]
+pub(super) struct Attachment(AtomicU8);
+
+const ATTACHED: u8 = 0;
+const GONE: u8 = 1;
+const FINISHED: u8 = 2;
+
+impl Attachment {
+    /// The client left; `true` if the exchange was still running.
+    fn leave(&self) -> bool {
+        self.0
+            .compare_exchange(ATTACHED, GONE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The exchange ended; `true` if its client had left before.
+    fn finish(&self) -> bool {
+        self.0.swap(FINISHED, Ordering::AcqRel) == GONE
+    }
+
+    /// Whether the client has left.
+    pub fn is_gone(&self) -> bool {
+        self.0.load(Ordering::Acquire) == GONE
+    }
+}
+
+/// A new exchange's attachment and its two guards, counting in `detached` the time the
+/// exchange runs after its client left.
+pub(super) fn guards(detached: Gauge) -> (Arc<Attachment>, ExchangeEnd, ClientWatch) {
+    let attachment = Arc::new(Attachment::default());
+    let end = ExchangeEnd {
+        attachment: attachment.clone(),
+        detached: detached.clone(),
+    };
+    let watch = ClientWatch {
+        attachment: attachment.clone(),
+        detached,
+    };
+    (attachment, end, watch)
+}
+
+/// Uncounts a detached exchange when it ends; held by the exchange, so a panic drops it too
+/// and the gauge never drifts.
+pub(super) struct ExchangeEnd {
+    attachment: Arc<Attachment>,
+    detached: Gauge,
+}
+
+impl Drop for ExchangeEnd {
+    fn drop(&mut self) {
+        if self.attachment.finish() {
+            self.detached.dec();
+        }
+    }
+}
+
+/// Counts an exchange as detached when its client's request future is dropped first.
+pub(super) struct ClientWatch {
+    attachment: Arc<Attachment>,
+    detached: Gauge,
+}
+
+impl Drop for ClientWatch {
+    fn drop(&mut self) {
+        if self.attachment.leave() {
+            self.detached.inc();
         }
     }
 }

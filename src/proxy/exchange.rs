@@ -9,17 +9,21 @@ use bytes::Bytes;
 use http::Response;
 use http::header;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use super::admission::Admitted;
+use super::detach::Attachment;
 use super::lease::Lease;
+use super::pending::PendingCompletions;
 use super::replay::{replay, saved_headers};
-use super::{Answer, Attachment, Proxy, Route, forward_plain, refuse};
-use crate::body;
+use super::resolved::{Answer, Route, forward_plain, refuse};
+use crate::body::{self, Body};
+use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Entry, Outcome as Saved, SavedResponse, new_token};
+use crate::record::{Record, Saved, SavedResponse, new_token};
 use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
-use crate::store::{Claim, Held, StoreError};
+use crate::store::{Claim, Held, StoreError, StoreHandle};
 use crate::upstream::{self, Bounded, UpstreamError};
 
 /// How long a 409 asks the client to wait (`Retry-After`).
@@ -30,9 +34,17 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
 const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
 
+/// What every exchange shares with the proxy: the store, the tracker of the background tasks
+/// (detached exchanges, completions) that shutdown waits for, and the completions being retried.
+pub(super) struct Shared {
+    pub store: StoreHandle,
+    pub tasks: TaskTracker,
+    pub pending: Arc<PendingCompletions>,
+}
+
 /// One admitted request, from its claim to its answer.
 pub(super) struct Exchange {
-    proxy: Arc<Proxy>,
+    shared: Arc<Shared>,
     route: Arc<Route>,
     idem: Arc<IdempotencySettings>,
     request: Admitted,
@@ -44,19 +56,19 @@ pub(super) struct Exchange {
 
 impl Exchange {
     pub fn new(
-        proxy: Arc<Proxy>,
+        shared: Arc<Shared>,
         route: Arc<Route>,
         idem: Arc<IdempotencySettings>,
         request: Admitted,
         client: SocketAddr,
         attachment: Arc<Attachment>,
     ) -> Exchange {
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: request.fingerprint,
         });
         Exchange {
-            proxy,
+            shared,
             route,
             idem,
             request,
@@ -70,7 +82,7 @@ impl Exchange {
     /// exchange when the claim is ours.
     pub async fn claim_and_run(self) -> Answer {
         let idem = self.idem.clone();
-        let store = self.proxy.store.clone();
+        let store = self.shared.store.clone();
         let wait_until = Instant::now() + idem.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
         // Whether a claim has shown this key held by another request. From then on the
@@ -89,7 +101,7 @@ impl Exchange {
                     return self.claimed_too_late(sent).await;
                 }
                 Ok(Claim::Claimed) => return self.run(sent).await,
-                Ok(Claim::Existing(entry)) => entry,
+                Ok(Claim::Existing(record)) => record,
                 Err(e) => return self.store_failure(e, seen_held).await,
             };
             seen_held = true;
@@ -98,8 +110,8 @@ impl Exchange {
                 return refuse(Problem::KeyReused, Outcome::Mismatch);
             }
             match existing {
-                Entry::Done { outcome, .. } => return replay(outcome),
-                Entry::InFlight { .. } => {
+                Record::Done { saved, .. } => return replay(saved),
+                Record::InFlight { .. } => {
                     let now = Instant::now();
                     // A waiter whose client left has nobody to answer: stop polling.
                     if idem.on_conflict == OnConflict::Reject
@@ -186,7 +198,7 @@ impl Exchange {
         // Not through `Lease::release`: a claim already expired (or taken over) is what this
         // path expects, not a lost lease, since nothing ran under it.
         if let Err(e) = self
-            .proxy
+            .shared
             .store
             .release(&self.request.key, &self.held)
             .await
@@ -214,7 +226,7 @@ impl Exchange {
     /// claim according to the answer.
     async fn run(self, claimed_at: Instant) -> Answer {
         let Exchange {
-            proxy,
+            shared,
             route,
             idem,
             request,
@@ -231,7 +243,7 @@ impl Exchange {
         } = request;
         let up = &route.upstream;
         let mut lease = Lease::new(
-            proxy.store.clone(),
+            shared.store.clone(),
             route.metrics.clone(),
             route.name.clone(),
             key,
@@ -252,93 +264,119 @@ impl Exchange {
             }
             Err(e) => Err(e),
         };
-        let done = |outcome| Entry::Done {
+        let decision = Decision {
+            shared,
+            route,
+            idem,
             fingerprint,
-            outcome,
+            lease,
         };
-
         match result {
-            Ok((parts, Bounded::Complete(bytes))) => {
-                if not_a_result(&route, &idem, &parts) {
-                    lease.release().await;
-                } else {
-                    let saved = SavedResponse {
-                        status: parts.status,
-                        headers: saved_headers(&parts.headers, &idem),
-                        body: bytes.clone(),
-                    };
-                    lease
-                        .complete(
-                            done(Saved::Response(saved)),
-                            idem.ttl,
-                            &proxy.tasks,
-                            &proxy.pending,
-                        )
-                        .await;
-                }
-                (first_response(parts, bytes), Outcome::Forwarded)
+            Ok((parts, Bounded::Complete(bytes))) => decision.whole(parts, bytes).await,
+            Ok((parts, Bounded::Over { prefix, rest })) => decision.over(parts, prefix, rest).await,
+            Err(e) => decision.failed(e).await,
+        }
+    }
+}
+
+/// A claimed exchange whose upstream call has ended: what its answer means for the key —
+/// completed with it as the result, or released so that a retry runs again.
+struct Decision {
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+    idem: Arc<IdempotencySettings>,
+    fingerprint: Fingerprint,
+    lease: Lease,
+}
+
+impl Decision {
+    /// The whole response: saved (unless it is not a result) and answered as read.
+    async fn whole(self, parts: http::response::Parts, bytes: Bytes) -> Answer {
+        if not_a_result(&self.route, &self.idem, &parts) {
+            self.lease.release().await;
+        } else {
+            let saved = SavedResponse {
+                status: parts.status,
+                headers: saved_headers(&parts.headers, &self.idem),
+                body: bytes.clone(),
+            };
+            self.complete(Saved::Response(saved)).await;
+        }
+        (first_response(parts, bytes), Outcome::Forwarded)
+    }
+
+    /// A response over `max_response_body`: streamed on to this client, saved as not
+    /// replayable (unless it is not a result).
+    async fn over(self, parts: http::response::Parts, prefix: Bytes, rest: Body) -> Answer {
+        let status = parts.status;
+        if not_a_result(&self.route, &self.idem, &parts) {
+            self.lease.release().await;
+        } else {
+            tracing::warn!(
+                route = %self.route.settings.name,
+                limit = self.idem.max_response_body,
+                "response larger than max_response_body: it reaches this client but cannot be replayed"
+            );
+            self.complete(Saved::NotReplayable { status }).await;
+        }
+        (
+            Response::from_parts(parts, upstream::chain(prefix, rest)),
+            Outcome::Forwarded,
+        )
+    }
+
+    /// No response: the key is freed when the operation surely did not run, otherwise kept
+    /// or freed as `on_unknown_outcome` says.
+    async fn failed(self, e: UpstreamError) -> Answer {
+        let (route, up) = (&self.route.settings.name, self.route.upstream.name());
+        match e {
+            // The body here is the buffered one admission read, which cannot fail; were it
+            // to, the upstream got no whole request, so the key is freed as for a connect
+            // error.
+            e @ UpstreamError::ClientBody { .. } => {
+                tracing::warn!(%route, upstream = up, error = %e, "request body failed on its way upstream; claim released");
+                self.lease.release().await;
+                refuse(Problem::of_upstream(up, &e), Outcome::BadRequest)
             }
-            Ok((parts, Bounded::Over { prefix, rest })) => {
-                let status = parts.status;
-                if not_a_result(&route, &idem, &parts) {
-                    lease.release().await;
-                } else {
-                    tracing::warn!(
-                        route = %route.settings.name,
-                        limit = idem.max_response_body,
-                        "response larger than max_response_body: it reaches this client but cannot be replayed"
-                    );
-                    lease
-                        .complete(
-                            done(Saved::NotReplayable { status }),
-                            idem.ttl,
-                            &proxy.tasks,
-                            &proxy.pending,
-                        )
-                        .await;
-                }
-                (
-                    Response::from_parts(parts, upstream::chain(prefix, rest)),
-                    Outcome::Forwarded,
-                )
-            }
-            // The body here is the buffered one admission read, which cannot fail; were it to,
-            // the upstream got no whole request, so the key is freed as for a connect error.
-            Err(e @ UpstreamError::ClientBody { .. }) => {
-                tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "request body failed on its way upstream; claim released");
-                lease.release().await;
-                refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
-            }
-            Err(e @ UpstreamError::Connect(_)) => {
+            e @ UpstreamError::Connect(_) => {
                 // Nothing was sent: the operation did not happen; free the key.
-                tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e, "upstream connect failed; claim released");
-                lease.release().await;
-                refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)
+                tracing::warn!(%route, upstream = up, error = %e, "upstream connect failed; claim released");
+                self.lease.release().await;
+                refuse(Problem::of_upstream(up, &e), Outcome::UpstreamError)
             }
-            Err(e) => {
-                let problem = Problem::of_upstream(up.name(), &e);
-                match idem.on_unknown_outcome {
+            e => {
+                let problem = Problem::of_upstream(up, &e);
+                match self.idem.on_unknown_outcome {
                     OnUnknownOutcome::Keep => {
-                        tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e,
+                        tracing::warn!(%route, upstream = up, error = %e,
                             "outcome unknown; saving {} as the key's result (on_unknown_outcome: keep)", problem.status().as_u16());
-                        lease
-                            .complete(
-                                done(Saved::Response(problem.saved())),
-                                idem.ttl,
-                                &proxy.tasks,
-                                &proxy.pending,
-                            )
-                            .await;
+                        self.complete(Saved::Response(problem.saved())).await;
                     }
                     OnUnknownOutcome::Release => {
-                        tracing::warn!(route = %route.settings.name, upstream = up.name(), error = %e,
+                        tracing::warn!(%route, upstream = up, error = %e,
                             "outcome unknown; claim released (on_unknown_outcome: release)");
-                        lease.release().await;
+                        self.lease.release().await;
                     }
                 }
                 refuse(problem, Outcome::UpstreamError)
             }
         }
+    }
+
+    /// Completes the claim with `saved` as the key's result.
+    async fn complete(self, saved: Saved) {
+        let done = Record::Done {
+            fingerprint: self.fingerprint,
+            saved,
+        };
+        self.lease
+            .complete(
+                done,
+                self.idem.ttl,
+                &self.shared.tasks,
+                &self.shared.pending,
+            )
+            .await;
     }
 }
 

@@ -12,11 +12,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::pending::PendingSaves;
-use super::unsaved::Unsaved;
+use super::completion::Completion;
+use super::pending::PendingCompletions;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
-use crate::record::Entry;
+use crate::record::Record;
 use crate::store::{Held, StoreHandle};
 
 /// Once a failing save has backed off this far, it is retried at this steady pace.
@@ -115,16 +115,16 @@ impl Lease {
         }
     }
 
-    /// Completes the claim with the finished entry (compare-and-set on the token). If the store
+    /// Completes the claim with the finished record (compare-and-set on the token). If the store
     /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
     /// `pending`: past its bounds it saves `result-not-kept` instead) while the lease may still
     /// be valid; the caller answers the client at once either way.
     pub async fn complete(
         mut self,
-        done: Entry,
+        done: Record,
         ttl: Duration,
         tasks: &TaskTracker,
-        pending: &Arc<PendingSaves>,
+        pending: &Arc<PendingCompletions>,
     ) {
         let encoded = done.encode();
         match self
@@ -133,7 +133,10 @@ impl Lease {
             .await
         {
             Ok(true) => {}
-            Ok(false) => self.lost_or_completed(&Unsaved::whole(done, encoded)).await,
+            Ok(false) => {
+                self.lost_or_completed(&Completion::whole(done, encoded))
+                    .await
+            }
             Err(e) => {
                 tracing::warn!(
                     route = %self.route,
@@ -142,11 +145,11 @@ impl Lease {
                     "completing the claim failed; retrying in the background"
                 );
                 let ticket =
-                    pending.admit(self.route.clone(), self.key.id_hex(), encoded.len() as u64);
+                    pending.begin(self.route.clone(), self.key.id_hex(), encoded.len() as u64);
                 let pending = pending.clone();
                 tasks.spawn(async move {
-                    let unsaved = Unsaved::whole(done, encoded);
-                    self.complete_in_background(unsaved, ttl, &ticket.downgrade)
+                    let completion = Completion::whole(done, encoded);
+                    self.complete_in_background(completion, ttl, &ticket.downgrade)
                         .await;
                     pending.finish(&ticket);
                 });
@@ -175,15 +178,15 @@ impl Lease {
     /// freed now would let a retry run the operation a second time.
     async fn complete_in_background(
         &mut self,
-        mut unsaved: Unsaved,
+        mut completion: Completion,
         ttl: Duration,
         downgrade: &CancellationToken,
     ) {
         let slowest = SLOWEST_RETRY.min(self.lock_ttl / 3);
         let mut backoff = Duration::from_millis(50).min(slowest);
         loop {
-            if downgrade.is_cancelled() && !unsaved.is_downgraded() {
-                self.downgrade(&mut unsaved);
+            if downgrade.is_cancelled() && !completion.is_downgraded() {
+                self.downgrade(&mut completion);
             }
             let now = Instant::now();
             if now >= self.valid_until {
@@ -192,7 +195,7 @@ impl Lease {
                     key = %self.key.id_hex(),
                     "gave up saving the result: the lease expired; a retry of this key will run the operation again"
                 );
-                self.metrics.save_abandoned();
+                self.metrics.completion_abandoned();
                 self.mark_lost("it expired while the store was failing");
                 return;
             }
@@ -200,15 +203,15 @@ impl Lease {
             tokio::select! {
                 () = pause => {}
                 // Let go of the result at once, not after the pause: that frees its bytes.
-                () = downgrade.cancelled(), if !unsaved.is_downgraded() => continue,
+                () = downgrade.cancelled(), if !completion.is_downgraded() => continue,
             }
             backoff = (backoff * 2).min(slowest);
             match self
                 .store
-                .complete(&self.key, &self.held, &unsaved.encoded, ttl)
+                .complete(&self.key, &self.held, &completion.encoded, ttl)
                 .await
             {
-                Ok(true) if unsaved.is_downgraded() => {
+                Ok(true) if completion.is_downgraded() => {
                     tracing::warn!(route = %self.route, key = %self.key.id_hex(), "result-not-kept saved in place of the result");
                     return;
                 }
@@ -216,13 +219,13 @@ impl Lease {
                     tracing::info!(route = %self.route, key = %self.key.id_hex(), "result saved after retrying");
                     return;
                 }
-                Ok(false) => return self.lost_or_completed(&unsaved).await,
+                Ok(false) => return self.lost_or_completed(&completion).await,
                 // Keep the lease alive while the store comes back.
                 Err(_) => {
                     let sent = Instant::now();
                     match self.store.renew(&self.key, &self.held, self.lock_ttl).await {
                         Ok(true) => self.valid_until = sent + self.lock_ttl,
-                        Ok(false) => return self.lost_or_completed(&unsaved).await,
+                        Ok(false) => return self.lost_or_completed(&completion).await,
                         Err(_) => {}
                     }
                 }
@@ -232,25 +235,25 @@ impl Lease {
 
     /// Drops the result of a save the pending-save bounds cannot keep; logged (with the key's
     /// hash, for reconciliation) and counted.
-    fn downgrade(&self, unsaved: &mut Unsaved) {
+    fn downgrade(&self, completion: &mut Completion) {
         tracing::error!(
             route = %self.route,
             key = %self.key.id_hex(),
-            bytes = unsaved.encoded.len(),
-            status = unsaved.status().as_u16(),
+            bytes = completion.encoded.len(),
+            status = completion.status().as_u16(),
             "result not kept: the store keeps refusing to save it and the pending-save bounds are reached \
              (limits.max_pending_saves / max_pending_save_bytes); the key stays held, and a result-not-kept \
              (502) is saved in its place as soon as the store takes it, so the operation never runs twice"
         );
         self.metrics.result_not_kept();
-        unsaved.downgrade();
+        completion.downgrade();
     }
 
     /// The compare-and-set failed: either an earlier attempt whose answer was lost did complete
     /// (the record is ours), or the lease was lost to another request.
-    async fn lost_or_completed(&mut self, unsaved: &Unsaved) {
+    async fn lost_or_completed(&mut self, completion: &Completion) {
         match self.store.get(&self.key).await {
-            Ok(Some(current)) if unsaved.wrote(&current) => {}
+            Ok(Some(current)) if completion.wrote(&current) => {}
             Ok(_) => self.mark_lost("the key was claimed by another request"),
             // Only the confirming read failed: the lease may well be ours and saved. Not
             // counted as lost (that would send operators after a loss that did not happen).
@@ -268,7 +271,7 @@ impl Lease {
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::record::{Outcome, new_token};
+    use crate::record::{Saved, new_token};
     use crate::store::memory::MemoryStore;
     use crate::store::{Store, StoreError};
     use async_trait::async_trait;
@@ -391,7 +394,7 @@ mod tests {
         let store = StoreHandle::new(refusing.clone(), Duration::from_secs(1), metrics.clone());
         let lock_ttl = Duration::from_millis(300);
         let key = StoreKey::new("p:r:".into(), 0, [2; 32]);
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: [1; 32],
         });
@@ -409,15 +412,15 @@ mod tests {
             lock_ttl,
             claimed_at,
         );
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: Outcome::Response(crate::record::SavedResponse {
+            saved: Saved::Response(crate::record::SavedResponse {
                 status: StatusCode::CREATED,
                 headers: vec![],
                 body: Bytes::from(vec![b'x'; 1000]),
             }),
         };
-        let pending = Arc::new(PendingSaves::new(
+        let pending = Arc::new(PendingCompletions::new(
             10,
             100,
             Default::default(),
@@ -436,9 +439,9 @@ mod tests {
             .await
             .expect("the background save ends once the store takes it");
 
-        let Ok(Some(Entry::Done {
+        let Ok(Some(Record::Done {
             fingerprint,
-            outcome: Outcome::Response(saved),
+            saved: Saved::Response(saved),
         })) = store.get(&key).await
         else {
             panic!("a finished record is saved: the lease was kept");
@@ -448,14 +451,14 @@ mod tests {
         let doc: serde_json::Value = serde_json::from_slice(&saved.body).expect("JSON");
         assert_eq!(doc["type"], "urn:idemproxy:problem:result-not-kept");
         assert!(doc["detail"].as_str().is_some_and(|d| d.contains("201")));
-        assert_eq!(metrics.lost_leases_count(), 0);
         let text = metrics.encode();
+        assert!(text.contains(r#"idemproxy_lost_leases_total{route="r"} 0"#));
         assert!(text.contains(r#"idemproxy_results_not_kept_total{route="r"} 1"#));
         assert!(text.contains(r#"idemproxy_saves_abandoned_total{route="r"} 0"#));
     }
 
     fn lease(store: StoreHandle, metrics: &Metrics) -> Lease {
-        let held = Held::new(Entry::InFlight {
+        let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: [1; 32],
         });
@@ -478,13 +481,13 @@ mod tests {
             Duration::from_secs(1),
             metrics.clone(),
         );
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: crate::record::Outcome::NotReplayable {
+            saved: Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
         };
-        let pending = Arc::new(PendingSaves::new(
+        let pending = Arc::new(PendingCompletions::new(
             10,
             1024,
             Default::default(),
@@ -493,7 +496,12 @@ mod tests {
         lease(store.clone(), &metrics)
             .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
             .await;
-        assert_eq!(metrics.lost_leases_count(), 0, "unknown, not lost");
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"idemproxy_lost_leases_total{route="r"} 0"#),
+            "unknown, not lost"
+        );
     }
 
     #[tokio::test]
@@ -502,13 +510,13 @@ mod tests {
         let memory = MemoryStore::new(10);
         let store = StoreHandle::new(Arc::new(memory), Duration::from_secs(1), metrics.clone());
         // Never claimed: the compare-and-set misses and the key holds nothing of ours.
-        let done = Entry::Done {
+        let done = Record::Done {
             fingerprint: [1; 32],
-            outcome: crate::record::Outcome::NotReplayable {
+            saved: Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
         };
-        let pending = Arc::new(PendingSaves::new(
+        let pending = Arc::new(PendingCompletions::new(
             10,
             1024,
             Default::default(),
@@ -517,6 +525,10 @@ mod tests {
         lease(store, &metrics)
             .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
             .await;
-        assert_eq!(metrics.lost_leases_count(), 1);
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"idemproxy_lost_leases_total{route="r"} 1"#)
+        );
     }
 }

@@ -2,12 +2,14 @@
 //! idempotency — admission, the exchange, the lease, replay — in the modules named after those
 //! steps.
 //!
+//! - [`resolved`]: each route as resolved at start, and the two answers any step can give:
+//!   a refusal, or the request passed through.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
-//! - [`pending`] and [`unsaved`]: saves retried in the background, their bounds, and the
-//!   `result-not-kept` record a save past those bounds writes instead of its response.
+//! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
+//!   the `result-not-kept` record a completion past those bounds writes instead of its response.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -29,123 +31,79 @@
 //!   released and answered 503, never forwarded.
 
 pub mod admission;
+mod completion;
 mod detach;
 mod exchange;
+mod keys;
 mod lease;
 mod pending;
 mod replay;
-mod unsaved;
+mod resolved;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::request::Parts;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
 use crate::config::Config;
-use crate::key::{self, StoreKey};
+use crate::key;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
-use crate::route::{IdempotencySettings, RouteSettings};
+use crate::route::IdempotencySettings;
 use crate::store::StoreHandle;
-use crate::upstream::{Upstream, UpstreamError};
 
 use self::detach::{Detachable, Panicked};
-use self::pending::PendingSaves;
+use self::exchange::{Exchange, Shared};
+use self::pending::PendingCompletions;
+use self::resolved::{Answer, Route, forward_plain, refuse};
 
+pub use keys::{KeyResolver, Lookup, LookupError};
 pub use replay::REPLAYED;
-
-/// A route resolved once at start: everything a request on it needs, in one value.
-struct Route {
-    /// The route's name, for logs.
-    name: Arc<str>,
-    settings: RouteSettings,
-    /// The idempotency policy (`None`: a pass-through route), shared with exchange tasks.
-    idempotency: Option<Arc<IdempotencySettings>>,
-    /// The route's upstream: one pooled client per upstream, shared by its routes.
-    upstream: Arc<Upstream>,
-    /// The route's metric series, registered at start.
-    metrics: RouteMetrics,
-    /// `key_prefix + name + ":"`: what every store key of the route starts with.
-    namespace: Arc<str>,
-    /// The route's position in the file, which namespaces its keys in the memory store.
-    number: u32,
-}
 
 /// The proxy: routes, upstream clients, the store, metrics, and the tracker of background
 /// tasks (upstream calls and completions) that shutdown waits for.
 pub struct Proxy {
     config: Config,
     routes: Vec<Arc<Route>>,
+    keys: KeyResolver,
     /// The series of requests that match no route.
     unrouted: RouteMetrics,
-    store: StoreHandle,
+    /// The store and the background work, shared with every exchange.
+    shared: Arc<Shared>,
     metrics: Arc<Metrics>,
-    tasks: TaskTracker,
-    /// Completions being retried in the background, bounded.
-    pending: Arc<PendingSaves>,
     /// Set when shutdown starts: readiness answers 503 from then on.
-    draining: std::sync::atomic::AtomicBool,
-}
-
-/// What a handler produced: the response and the outcome to count and log.
-type Answer = (Response<Body>, Outcome);
-
-fn refuse(p: Problem, outcome: Outcome) -> Answer {
-    (p.response(), outcome)
+    draining: AtomicBool,
 }
 
 impl Proxy {
     /// Builds the proxy over a store: resolves every route's upstream, policy and metrics.
     pub fn new(config: Config, store: StoreHandle, metrics: Arc<Metrics>) -> Proxy {
-        let upstreams: std::collections::BTreeMap<&str, Arc<Upstream>> = config
-            .upstreams
-            .iter()
-            .map(|(name, s)| {
-                (
-                    name.as_str(),
-                    Arc::new(Upstream::new(s, metrics.upstream(name))),
-                )
-            })
-            .collect();
-        let routes = config
-            .routes
-            .iter()
-            .zip(0u32..)
-            .filter_map(|(r, number)| {
-                // Validation guarantees every route's upstream exists.
-                let upstream = upstreams.get(r.upstream.as_str())?.clone();
-                Some(Arc::new(Route {
-                    name: r.name.as_str().into(),
-                    settings: r.clone(),
-                    idempotency: r.idempotency.clone().map(Arc::new),
-                    upstream,
-                    metrics: metrics.route(&r.name),
-                    namespace: key::namespace(&config.store.key_prefix, &r.name),
-                    number,
-                }))
-            })
-            .collect();
+        let routes = Route::resolve_all(&config, &metrics);
         let limits = config.limits;
-        Proxy {
-            unrouted: metrics.route(""),
-            pending: Arc::new(PendingSaves::new(
+        let shared = Arc::new(Shared {
+            store,
+            tasks: TaskTracker::new(),
+            pending: Arc::new(PendingCompletions::new(
                 limits.max_pending_saves,
                 limits.max_pending_save_bytes,
-                metrics.pending_saves.clone(),
-                metrics.pending_save_bytes.clone(),
+                metrics.pending_completions.clone(),
+                metrics.pending_completion_bytes.clone(),
             )),
+        });
+        Proxy {
+            keys: KeyResolver::new(&routes),
+            unrouted: metrics.route(""),
             config,
             routes,
-            store,
+            shared,
             metrics,
-            tasks: TaskTracker::new(),
-            draining: std::sync::atomic::AtomicBool::new(false),
+            draining: AtomicBool::new(false),
         }
     }
 
@@ -161,7 +119,7 @@ impl Proxy {
 
     /// The Prometheus text, with the gauges read at scrape time brought up to date.
     pub fn encode_metrics(&self) -> String {
-        if let Some((held, max)) = self.store.fill() {
+        if let Some((held, max)) = self.shared.store.fill() {
             self.metrics
                 .memory_records
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
@@ -172,74 +130,20 @@ impl Proxy {
         self.metrics.encode()
     }
 
-    /// The store key that `key_from` derives on the route named `route` from these part
-    /// values (in the configured order; JSON text for `json:` parts) for a caller whose scope
-    /// headers are among `headers`.
-    pub fn derived_store_key(
-        &self,
-        route: &str,
-        headers: &HeaderMap,
-        values: &[String],
-    ) -> Result<StoreKey, String> {
-        let r = self
-            .routes
-            .iter()
-            .find(|r| r.settings.name == route)
-            .ok_or_else(|| "no route with that name".to_owned())?;
-        let idem = r
-            .idempotency
-            .as_ref()
-            .ok_or_else(|| "the route is not idempotent".to_owned())?;
-        if idem.key_from.len() != values.len() {
-            return Err(format!(
-                "the route derives its key from {} part(s) ({}); give one value each, in that order",
-                idem.key_from.len(),
-                idem.key_from
-                    .iter()
-                    .map(|p| p.describe())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
-        }
-        let values = idem
-            .key_from
-            .iter()
-            .zip(values)
-            .map(|(part, text)| {
-                crate::derive::Value::from_text(part, text)
-                    .map_err(|e| format!("{}: {e}", part.describe()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let derived = crate::derive::derived_key(&idem.key_from, &values, &idem.scope, headers);
-        Ok(StoreKey::new(
-            r.namespace.clone(),
-            r.number,
-            crate::derive::derived_id(&derived),
-        ))
-    }
-
-    /// The store key with hash `id` on the idempotent route named `route`.
-    pub fn store_key_of_id(&self, route: &str, id: key::KeyId) -> Option<StoreKey> {
-        let r = self.routes.iter().find(|r| r.settings.name == route)?;
-        r.idempotency.as_ref()?;
-        Some(StoreKey::new(r.namespace.clone(), r.number, id))
-    }
-
-    /// The `ttl` of the route a store key belongs to.
-    pub fn ttl_of(&self, key: &StoreKey) -> Option<std::time::Duration> {
-        let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
-        r.idempotency.as_ref().map(|i| i.ttl)
+    /// The store keys of the idempotent routes, as the key tooling names records.
+    pub fn keys(&self) -> &KeyResolver {
+        &self.keys
     }
 
     /// The background tasks (upstream calls, completions) that must finish before the process
     /// exits.
     pub fn tasks(&self) -> &TaskTracker {
-        &self.tasks
+        &self.shared.tasks
     }
 
     /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
     pub fn log_pending_saves(&self) {
-        self.pending.log_pending();
+        self.shared.pending.log_pending();
     }
 
     /// The metrics.
@@ -249,16 +153,7 @@ impl Proxy {
 
     /// The store.
     pub fn store(&self) -> &StoreHandle {
-        &self.store
-    }
-
-    /// The store key of `key` on the route named `route`, for a caller whose scope headers
-    /// are among `headers`; `None` when no idempotent route has that name.
-    pub fn store_key(&self, route: &str, headers: &HeaderMap, key: &str) -> Option<StoreKey> {
-        let r = self.routes.iter().find(|r| r.settings.name == route)?;
-        let idem = r.idempotency.as_ref()?;
-        let id = key::key_id(&idem.scope, headers, key);
-        Some(StoreKey::new(r.namespace.clone(), r.number, id))
+        &self.shared.store
     }
 
     /// The configuration in force.
@@ -346,14 +241,14 @@ impl Proxy {
         }
         // Saves that could not be kept whole still hold their keys (and a little memory) until
         // the store takes their result-not-kept records; at their bound, claim nothing more.
-        if self.pending.is_saturated() {
+        if self.shared.pending.is_saturated() {
             tracing::warn!(route = %route.name, "too many results waiting for the store to take them: 503");
             return refuse(Problem::Overloaded, Outcome::Overloaded);
         }
         // From the claim on, nothing is cancelled: a client that goes away cancels neither a
         // claim in flight (which would leave the key blocked until its lease expired) nor the
         // upstream call and the completion (its retry gets a replay).
-        let client_gone = Arc::new(Attachment::default());
+        let (attachment, ended, watch) = detach::guards(self.metrics.detached_exchanges.clone());
         let key_hash = KeyHash {
             id: *admitted.key.id(),
             derived: admitted.derived,
@@ -361,35 +256,23 @@ impl Proxy {
         if admitted.derived {
             route.metrics.derived_key();
         }
-        let exchange = exchange::Exchange::new(
-            self.clone(),
+        let exchange = Exchange::new(
+            self.shared.clone(),
             route.clone(),
             idem.clone(),
             admitted,
             client,
-            client_gone.clone(),
+            attachment,
         );
-        let detached = self.metrics.detached_exchanges.clone();
         // Run here, in the request's task (no spawn, no hop to another thread); if the client
         // leaves first, the exchange moves to a task of its own and runs to its end. Either
         // way shutdown waits for it (the tracker).
-        let exchange = {
-            let client_gone = client_gone.clone();
-            let detached = detached.clone();
-            Detachable::new(self.tasks.track_future(async move {
-                // Dropped when the exchange ends, by a panic too, so the gauge never drifts.
-                let _ended = ExchangeEnd {
-                    attachment: client_gone,
-                    detached,
-                };
-                exchange.claim_and_run().await
-            }))
-        };
+        let exchange = Detachable::new(self.shared.tasks.track_future(async move {
+            let _ended = ended;
+            exchange.claim_and_run().await
+        }));
         // Dropped with this future when the client leaves: counts the exchange as detached.
-        let _watch = ClientWatch {
-            attachment: client_gone,
-            detached,
-        };
+        let _watch = watch;
         let (mut resp, outcome) = answer_of(exchange.await, &route.name);
         // For the request log (extensions are never sent).
         resp.extensions_mut().insert(key_hash);
@@ -418,89 +301,6 @@ struct KeyHash {
 impl std::fmt::Display for KeyHash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&hex::encode(self.id))
-    }
-}
-
-/// Whether the client still waits for an exchange: `ATTACHED`, then `GONE` (the client left
-/// first) or `FINISHED` (the exchange ended first). Each side moves it once.
-#[derive(Default)]
-pub(crate) struct Attachment(AtomicU8);
-
-const ATTACHED: u8 = 0;
-const GONE: u8 = 1;
-const FINISHED: u8 = 2;
-
-impl Attachment {
-    /// The client left; `true` if the exchange was still running.
-    fn leave(&self) -> bool {
-        self.0
-            .compare_exchange(ATTACHED, GONE, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-    }
-
-    /// The exchange ended; `true` if its client had left before.
-    fn finish(&self) -> bool {
-        self.0.swap(FINISHED, Ordering::AcqRel) == GONE
-    }
-
-    /// Whether the client has left.
-    pub(crate) fn is_gone(&self) -> bool {
-        self.0.load(Ordering::Acquire) == GONE
-    }
-}
-
-/// Uncounts a detached exchange when it ends.
-struct ExchangeEnd {
-    attachment: Arc<Attachment>,
-    detached: prometheus_client::metrics::gauge::Gauge,
-}
-
-impl Drop for ExchangeEnd {
-    fn drop(&mut self) {
-        if self.attachment.finish() {
-            self.detached.dec();
-        }
-    }
-}
-
-/// Counts an exchange as detached when its client's request future is dropped first.
-struct ClientWatch {
-    attachment: Arc<Attachment>,
-    detached: prometheus_client::metrics::gauge::Gauge,
-}
-
-impl Drop for ClientWatch {
-    fn drop(&mut self) {
-        if self.attachment.leave() {
-            self.detached.inc();
-        }
-    }
-}
-
-/// A plain proxied request: streamed both ways. `drop_key` names a header not to forward
-/// (the key header of a route with `forward_key: false`).
-async fn forward_plain(
-    route: &Route,
-    parts: Parts,
-    body: Body,
-    client: SocketAddr,
-    drop_key: Option<&http::HeaderName>,
-) -> Answer {
-    let up = &route.upstream;
-    let result = match up.request(parts, body, client, drop_key) {
-        Ok(req) => up.send(req).await,
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(resp) => (resp, Outcome::Passthrough),
-        Err(e @ UpstreamError::ClientBody { .. }) => {
-            tracing::info!(upstream = up.name(), error = %e, "the client's request body failed; upstream request abandoned");
-            refuse(Problem::of_upstream(up.name(), &e), Outcome::BadRequest)
-        }
-        Err(e) => {
-            tracing::warn!(upstream = up.name(), error = %e, "upstream call failed");
-            refuse(Problem::of_upstream(up.name(), &e), Outcome::UpstreamError)
-        }
     }
 }
 

@@ -38,8 +38,7 @@ struct Pending {
 #[derive(Default)]
 struct Inner {
     next: u64,
-    /// The saves that still hold their whole result, by admission order: the first entry is
-    /// the oldest.
+    /// The completions that still hold their whole result, oldest first.
     whole: BTreeMap<u64, Pending>,
     /// The saves that were downgraded to a `result-not-kept` record.
     downgraded: BTreeMap<u64, Pending>,
@@ -47,8 +46,8 @@ struct Inner {
     bytes: u64,
 }
 
-/// The pending background saves.
-pub(super) struct PendingSaves {
+/// The completions retried in the background, bounded.
+pub(super) struct PendingCompletions {
     inner: Mutex<Inner>,
     max: u64,
     max_bytes: u64,
@@ -56,16 +55,16 @@ pub(super) struct PendingSaves {
     held_bytes: Gauge,
 }
 
-/// One admitted pending save; [`PendingSaves::finish`] it when the retries end.
+/// One pending completion; [`PendingCompletions::finish`] it when the retries end.
 pub(super) struct Ticket {
     id: u64,
     /// Cancelled when the save must let go of its result and save `result-not-kept` instead.
     pub downgrade: CancellationToken,
 }
 
-impl PendingSaves {
-    pub fn new(max: u32, max_bytes: u64, count: Gauge, held_bytes: Gauge) -> PendingSaves {
-        PendingSaves {
+impl PendingCompletions {
+    pub fn new(max: u32, max_bytes: u64, count: Gauge, held_bytes: Gauge) -> PendingCompletions {
+        PendingCompletions {
             inner: Mutex::default(),
             max: u64::from(max),
             max_bytes,
@@ -79,10 +78,10 @@ impl PendingSaves {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Admits a save of a `bytes` long result for the key whose hash is `key`; downgrades the
-    /// oldest whole ones — this one too, if it alone is over the byte bound — while the bounds
-    /// are exceeded.
-    pub fn admit(&self, route: Arc<str>, key: String, bytes: u64) -> Ticket {
+    /// Starts tracking a completion of a `bytes` long result for the key whose hash is `key`;
+    /// downgrades the oldest whole ones — this one too, if it alone is over the byte bound —
+    /// while the bounds are exceeded.
+    pub fn begin(&self, route: Arc<str>, key: String, bytes: u64) -> Ticket {
         let downgrade = CancellationToken::new();
         let mut inner = self.lock();
         let id = inner.next;
@@ -162,29 +161,29 @@ impl PendingSaves {
 mod tests {
     use super::*;
 
-    fn saves(max: u32, max_bytes: u64) -> (PendingSaves, Gauge, Gauge) {
+    fn saves(max: u32, max_bytes: u64) -> (PendingCompletions, Gauge, Gauge) {
         let (count, bytes) = (Gauge::default(), Gauge::default());
         (
-            PendingSaves::new(max, max_bytes, count.clone(), bytes.clone()),
+            PendingCompletions::new(max, max_bytes, count.clone(), bytes.clone()),
             count,
             bytes,
         )
     }
 
-    fn admit(p: &PendingSaves, key: &str, bytes: u64) -> Ticket {
-        p.admit("r".into(), key.into(), bytes)
+    fn begin(p: &PendingCompletions, key: &str, bytes: u64) -> Ticket {
+        p.begin("r".into(), key.into(), bytes)
     }
 
     #[test]
     fn past_either_bound_the_oldest_is_downgraded_and_stays_pending() {
         let (p, count, bytes) = saves(2, 100);
-        let a = admit(&p, "a", 10);
-        let b = admit(&p, "b", 10);
+        let a = begin(&p, "a", 10);
+        let b = begin(&p, "b", 10);
         assert!(!a.downgrade.is_cancelled() && !b.downgrade.is_cancelled());
-        let c = admit(&p, "c", 10);
+        let c = begin(&p, "c", 10);
         assert!(a.downgrade.is_cancelled(), "the oldest goes past the count");
         assert!(!b.downgrade.is_cancelled() && !c.downgrade.is_cancelled());
-        let d = admit(&p, "d", 85);
+        let d = begin(&p, "d", 85);
         assert!(b.downgrade.is_cancelled(), "and past the bytes");
         assert!(!c.downgrade.is_cancelled() && !d.downgrade.is_cancelled());
         assert_eq!(
@@ -207,11 +206,11 @@ mod tests {
     #[test]
     fn a_result_alone_over_the_byte_bound_is_downgraded_at_once_not_given_up() {
         let (p, count, bytes) = saves(10, 1024);
-        let big = admit(&p, "big", 4096);
+        let big = begin(&p, "big", 4096);
         assert!(big.downgrade.is_cancelled());
         assert_eq!(p.len(), (0, 1), "still pending: it keeps its lease");
         assert_eq!((count.get(), bytes.get()), (1, 0));
-        let small = admit(&p, "small", 100);
+        let small = begin(&p, "small", 100);
         assert!(!small.downgrade.is_cancelled(), "the next one still fits");
         p.finish(&big);
         p.finish(&small);
@@ -221,9 +220,9 @@ mod tests {
     #[test]
     fn as_many_downgraded_saves_as_the_count_bound_saturate_it() {
         let (p, _, _) = saves(2, 100);
-        let a = admit(&p, "a", 200);
+        let a = begin(&p, "a", 200);
         assert!(!p.is_saturated());
-        let b = admit(&p, "b", 200);
+        let b = begin(&p, "b", 200);
         assert!(
             p.is_saturated(),
             "two downgraded saves pending, at max_pending_saves 2"
@@ -236,8 +235,8 @@ mod tests {
     #[test]
     fn finishing_twice_or_in_any_order_keeps_the_counts() {
         let (p, count, bytes) = saves(1, 100);
-        let a = admit(&p, "a", 40);
-        let b = admit(&p, "b", 50);
+        let a = begin(&p, "a", 40);
+        let b = begin(&p, "b", 50);
         assert!(a.downgrade.is_cancelled() && !b.downgrade.is_cancelled());
         p.finish(&a);
         p.finish(&a);

@@ -4,19 +4,19 @@
 use http::Response;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use super::{Answer, refuse};
+use super::resolved::{Answer, refuse};
 use crate::body::{self, Body};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Outcome as Saved, SavedResponse};
+use crate::record::{Saved, SavedResponse};
 use crate::route::IdempotencySettings;
 
 /// The header added to every replayed response.
 pub const REPLAYED: &str = "idempotent-replayed";
 
 /// The answer to a repeat of a finished operation.
-pub(super) fn replay(outcome: Saved) -> Answer {
-    match outcome {
+pub(super) fn replay(saved: Saved) -> Answer {
+    match saved {
         Saved::Response(saved) => {
             let mut resp = response_of(saved);
             resp.headers_mut()

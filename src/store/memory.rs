@@ -35,7 +35,7 @@
 //! that someone waits on, when the claim is completed, released or expires.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry as MapEntry;
+use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -264,15 +264,15 @@ impl Inner {
             record: Arc::from(&held.encoded[..]),
         };
         match shard.map.entry(*key) {
-            MapEntry::Occupied(o) if o.get().expires > now => {
+            Entry::Occupied(o) if o.get().expires > now => {
                 return Ok(Some(shared(&o.get().record)));
             }
             // An expired record is absent: take its place (the count does not change).
-            MapEntry::Occupied(mut o) => {
+            Entry::Occupied(mut o) => {
                 o.insert(slot());
                 shard.wake(key);
             }
-            MapEntry::Vacant(v) => {
+            Entry::Vacant(v) => {
                 if !self.reserve() {
                     return Err(());
                 }

@@ -24,7 +24,7 @@ use bytes::Bytes;
 
 pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp};
-use crate::record::{DecodeError, Entry};
+use crate::record::{DecodeError, Record};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
 /// answers 503 (or forwards, with `on_store_error: forward`), never guesses.
@@ -76,24 +76,24 @@ pub enum Claim {
     /// The key was free and is now ours.
     Claimed,
     /// The key was taken; this is what it holds.
-    Existing(Entry),
+    Existing(Record),
 }
 
-/// A claim held by this proxy: the in-progress entry and its encoding, compared byte for byte
+/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
 /// by `renew`, `complete` and `release`.
 #[derive(Debug, Clone)]
 pub struct Held {
-    /// The in-progress entry (token and fingerprint).
-    pub entry: Entry,
+    /// The in-progress record (token and fingerprint).
+    pub record: Record,
     /// Its encoding, as stored.
     pub encoded: Bytes,
 }
 
 impl Held {
-    /// Wraps an in-progress entry.
-    pub fn new(entry: Entry) -> Held {
-        let encoded = entry.encode();
-        Held { entry, encoded }
+    /// Wraps an in-progress record.
+    pub fn new(record: Record) -> Held {
+        let encoded = record.encode();
+        Held { record, encoded }
     }
 }
 
@@ -238,7 +238,7 @@ impl StoreHandle {
             .await?;
         match found {
             None => Ok(Claim::Claimed),
-            Some(bytes) => Ok(Claim::Existing(Entry::decode_shared(&bytes)?)),
+            Some(bytes) => Ok(Claim::Existing(Record::decode_shared(&bytes)?)),
         }
     }
 
@@ -276,11 +276,11 @@ impl StoreHandle {
     }
 
     /// See [`Store::get`]; decodes the record.
-    pub async fn get(&self, key: &StoreKey) -> Result<Option<Entry>, StoreError> {
+    pub async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let found = self.timed(StoreOp::Get, self.inner.get(key)).await?;
         match found {
             None => Ok(None),
-            Some(bytes) => Ok(Some(Entry::decode_shared(&bytes)?)),
+            Some(bytes) => Ok(Some(Record::decode_shared(&bytes)?)),
         }
     }
 
@@ -295,11 +295,11 @@ impl StoreHandle {
     }
 
     /// See [`Store::inspect`]; decodes the record.
-    pub async fn inspect(&self, key: &StoreKey) -> Result<Option<(Entry, Duration)>, StoreError> {
+    pub async fn inspect(&self, key: &StoreKey) -> Result<Option<(Record, Duration)>, StoreError> {
         let found = self.timed(StoreOp::Get, self.inner.inspect(key)).await?;
         match found {
             None => Ok(None),
-            Some((bytes, ttl)) => Ok(Some((Entry::decode_shared(&bytes)?, ttl))),
+            Some((bytes, ttl)) => Ok(Some((Record::decode_shared(&bytes)?, ttl))),
         }
     }
 

@@ -401,7 +401,7 @@ async fn run(spec: RunSpec) {
     let _ = writeln!(
         report,
         "lost leases: proxy A {}, proxy B {b_lost} (its log)",
-        proxy_a.metrics().lost_leases_count()
+        proxy_a.lost_leases()
     );
     report.push_str("timeline (seconds from start):\n");
     report.push_str(&timeline.render());

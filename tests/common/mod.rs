@@ -14,6 +14,7 @@
 //! - [`mock::start`]: the mock booking service on a free port, with its counters.
 //! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
 //!   effects) and, for the Redis backend, its own Redis.
+//! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
 //!
 //! Every behaviour test is written once and run against both stores with [`both_stores!`].
 #![allow(dead_code)]
@@ -21,6 +22,7 @@
 pub mod cluster;
 pub mod mock;
 pub mod pki;
+pub mod prometheus;
 pub mod relay;
 pub mod secured;
 pub mod store_checks;
@@ -33,12 +35,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idemproxy::config::Config;
-use idemproxy::metrics::Metrics;
+use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::proxy::Proxy;
 use mock::MockHandle;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+pub use prometheus::metric_value;
 
 /// Which store a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -365,6 +369,22 @@ impl TestProxy {
         self.proxy.metrics()
     }
 
+    /// [`metric_value`] in this proxy's `/metrics` text.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        metric_value(&self.proxy.encode_metrics(), name, labels)
+    }
+
+    /// The requests on `route` counted with `outcome`.
+    pub fn requests(&self, route: &str, outcome: Outcome) -> u64 {
+        let labels = [("route", route), ("outcome", outcome.as_str())];
+        self.metric("idemproxy_requests_total", &labels) as u64
+    }
+
+    /// The lost leases counted, every route together.
+    pub fn lost_leases(&self) -> u64 {
+        self.metric("idemproxy_lost_leases_total", &[]) as u64
+    }
+
     /// Graceful stop: waits for requests in flight and background saves.
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
@@ -500,10 +520,23 @@ pub fn spawn_booking(
     tokio::spawn(async move { book_with(&base, &key, &body, &[("X-Mock-Delay", &delay)]).await })
 }
 
+/// The store key SPEC §4.1 gives `key` on the route named `route`, as text: `key_prefix` + the
+/// route's name + `:` + the hex SHA-256 of the scope values and the key (`key::key_id`).
+pub fn store_key(
+    prefix: &str,
+    route: &str,
+    scope: &[http::HeaderName],
+    headers: &http::HeaderMap,
+    key: &str,
+) -> String {
+    let id = idemproxy::key::key_id(scope, headers, key);
+    format!("{prefix}{route}:{}", hex::encode(id))
+}
+
 /// The store key of `key` on the harness's route `create-booking` (default prefix, default
 /// `Authorization` scope) for a caller without `Authorization`.
 pub fn booking_store_key(key: &str) -> String {
-    idemproxy::key::store_key(
+    store_key(
         "idemproxy:",
         "create-booking",
         &[http::HeaderName::from_static("authorization")],

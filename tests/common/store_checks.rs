@@ -4,14 +4,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderName, StatusCode};
-use idemproxy::record::{Entry, Outcome as Saved, SavedResponse};
+use idemproxy::record::{Record, Saved, SavedResponse};
 use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
 
 /// A finished record: a 201 JSON response with `body`.
-pub fn done(fingerprint: [u8; 32], body: &'static str) -> Entry {
-    Entry::Done {
+pub fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
+    Record::Done {
         fingerprint,
-        outcome: Saved::Response(SavedResponse {
+        saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
             headers: vec![(
                 HeaderName::from_static("content-type"),
@@ -31,11 +31,11 @@ pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
         [9; 32],
     );
     let fp = [7u8; 32];
-    let a = Held::new(Entry::InFlight {
+    let a = Held::new(Record::InFlight {
         token: [1; 16],
         fingerprint: fp,
     });
-    let b = Held::new(Entry::InFlight {
+    let b = Held::new(Record::InFlight {
         token: [2; 16],
         fingerprint: fp,
     });
@@ -50,7 +50,7 @@ pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
     );
     assert_eq!(
         store.claim(key, &b, long).await.expect("B tries"),
-        Claim::Existing(a.entry.clone()),
+        Claim::Existing(a.record.clone()),
         "while A's lease runs, B sees A's claim"
     );
 
@@ -82,7 +82,7 @@ pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
     assert!(!store.release(key, &a).await.expect("A releases"));
     assert_eq!(
         store.get(key).await.expect("get"),
-        Some(b.entry.clone()),
+        Some(b.record.clone()),
         "B's claim is untouched"
     );
 

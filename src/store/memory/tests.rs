@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::metrics::Metrics;
-use crate::record::{Entry, Outcome, new_token};
+use crate::record::{Record, Saved, new_token};
 use crate::store::{Claim, StoreHandle};
 use http::StatusCode;
 
@@ -24,16 +24,16 @@ fn k(n: u8) -> StoreKey {
 }
 
 fn held(fp: u8) -> Held {
-    Held::new(Entry::InFlight {
+    Held::new(Record::InFlight {
         token: new_token(),
         fingerprint: [fp; 32],
     })
 }
 
-fn done(fp: u8) -> Entry {
-    Entry::Done {
+fn done(fp: u8) -> Record {
+    Record::Done {
         fingerprint: [fp; 32],
-        outcome: Outcome::NotReplayable {
+        saved: Saved::NotReplayable {
             status: StatusCode::OK,
         },
     }
@@ -48,7 +48,7 @@ async fn claim_is_exclusive_and_expires() {
     assert_eq!(s.claim(&k(1), &a, lease).await.ok(), Some(Claim::Claimed));
     assert_eq!(
         s.claim(&k(1), &b, lease).await.ok(),
-        Some(Claim::Existing(a.entry.clone()))
+        Some(Claim::Existing(a.record.clone()))
     );
     tokio::time::advance(Duration::from_millis(1001)).await;
     // a's lease expired: b may claim, and a may no longer complete.

@@ -1,26 +1,26 @@
-//! What a background save writes: the whole result, or the small `result-not-kept` record the
-//! pending-save bounds downgrade it to (see [`super::pending`]).
+//! What a completion retried in the background writes: the whole result, or the small
+//! `result-not-kept` record the pending-save bounds downgrade it to (see [`super::pending`]).
 
 use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 
 use crate::problem::Problem;
-use crate::record::{Entry, Outcome};
+use crate::record::{Record, Saved};
 
-/// A finished entry a background save is writing: the whole result, or, once the pending-save
-/// bounds downgraded it, the small `result-not-kept` record that stands in for it.
-pub(super) struct Unsaved {
-    pub done: Entry,
+/// A finished record a background completion is writing: the whole result, or, once the
+/// pending-save bounds downgraded it, the small `result-not-kept` record that stands in for it.
+pub(super) struct Completion {
+    pub done: Record,
     pub encoded: Bytes,
     /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
     /// whose answer was lost, may have written it, and then the record is ours.
     whole_digest: Option<[u8; 32]>,
 }
 
-impl Unsaved {
-    pub fn whole(done: Entry, encoded: Bytes) -> Unsaved {
-        Unsaved {
+impl Completion {
+    pub fn whole(done: Record, encoded: Bytes) -> Completion {
+        Completion {
             done,
             encoded,
             whole_digest: None,
@@ -34,9 +34,9 @@ impl Unsaved {
     /// Lets go of the result, keeping the record that says it was not kept. The status the
     /// first client got goes into the record: it tells the caller the operation ran.
     pub fn downgrade(&mut self) {
-        let small = Entry::Done {
+        let small = Record::Done {
             fingerprint: *self.done.fingerprint(),
-            outcome: Outcome::Response(
+            saved: Saved::Response(
                 Problem::ResultNotKept {
                     status: self.status(),
                 }
@@ -48,9 +48,9 @@ impl Unsaved {
         self.done = small;
     }
 
-    /// Whether `current`, read back from the store, is what this save (or an earlier attempt
+    /// Whether `current`, read back from the store, is what this completion (or an earlier attempt
     /// of it) wrote.
-    pub fn wrote(&self, current: &Entry) -> bool {
+    pub fn wrote(&self, current: &Record) -> bool {
         *current == self.done
             || self
                 .whole_digest
@@ -59,15 +59,15 @@ impl Unsaved {
 
     pub fn status(&self) -> StatusCode {
         match &self.done {
-            Entry::Done {
-                outcome: Outcome::Response(r),
+            Record::Done {
+                saved: Saved::Response(r),
                 ..
             } => r.status,
-            Entry::Done {
-                outcome: Outcome::NotReplayable { status },
+            Record::Done {
+                saved: Saved::NotReplayable { status },
                 ..
             } => *status,
-            Entry::InFlight { .. } => StatusCode::BAD_GATEWAY,
+            Record::InFlight { .. } => StatusCode::BAD_GATEWAY,
         }
     }
 }

@@ -1,0 +1,99 @@
+//! Which record a key names, for the admin's key tooling: the store key of a key as the client
+//! sent it, of a key's hash, or of the part values a `key_from` route derives its key from —
+//! computed as admission computes it for a request, through the same resolved route.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+
+use super::resolved::Route;
+use crate::key::{self, KeyId, StoreKey};
+use crate::key_from::{self, Value};
+
+/// How a lookup names a record on its route.
+#[derive(Debug, Clone, Copy)]
+pub enum Lookup<'a> {
+    /// The key as the client sent it, already parsed (bare and quoted forms are one key).
+    Key(&'a str),
+    /// The key's hash, as the request log shows it.
+    Hash(KeyId),
+    /// A `key_from` route's part values, in the configured order; JSON text for `json:` parts.
+    Parts(&'a [String]),
+}
+
+/// Why a lookup names no store key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    /// No route has that name, or it is a pass-through route.
+    #[error("no idempotent route with that name")]
+    NoRoute,
+    /// The part values do not fit the route's `key_from`; the message says how.
+    #[error("{0}")]
+    Parts(String),
+}
+
+/// The store keys of every idempotent route, built once from the resolved routes.
+pub struct KeyResolver {
+    /// Every route, in file order: a store key's route number is its index.
+    routes: Vec<Arc<Route>>,
+}
+
+impl KeyResolver {
+    pub(super) fn new(routes: &[Arc<Route>]) -> KeyResolver {
+        KeyResolver {
+            routes: routes.to_vec(),
+        }
+    }
+
+    /// The store key that `lookup` names on the idempotent route named `route`, for a caller
+    /// whose scope headers are among `scope`.
+    pub fn store_key(
+        &self,
+        route: &str,
+        lookup: Lookup<'_>,
+        scope: &HeaderMap,
+    ) -> Result<StoreKey, LookupError> {
+        let (route, idem) = self
+            .routes
+            .iter()
+            .find(|r| r.settings.name == route)
+            .and_then(|r| Some((r, r.idempotency.as_ref()?)))
+            .ok_or(LookupError::NoRoute)?;
+        let id = match lookup {
+            Lookup::Key(key) => key::key_id(&idem.scope, scope, key),
+            Lookup::Hash(id) => id,
+            Lookup::Parts(texts) => {
+                if idem.key_from.len() != texts.len() {
+                    return Err(LookupError::Parts(format!(
+                        "the route derives its key from {} part(s) ({}); give one value each, in that order",
+                        idem.key_from.len(),
+                        idem.key_from
+                            .iter()
+                            .map(|p| p.describe())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+                let values = idem
+                    .key_from
+                    .iter()
+                    .zip(texts)
+                    .map(|(part, text)| {
+                        Value::from_text(part, text)
+                            .map_err(|e| LookupError::Parts(format!("{}: {e}", part.describe())))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let derived = key_from::derived_key(&idem.key_from, &values, &idem.scope, scope);
+                key_from::derived_id(&derived)
+            }
+        };
+        Ok(route.store_key(id))
+    }
+
+    /// The `ttl` of the route a store key belongs to.
+    pub fn ttl_of(&self, key: &StoreKey) -> Option<Duration> {
+        let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
+        r.idempotency.as_ref().map(|i| i.ttl)
+    }
+}
