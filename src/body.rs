@@ -1,31 +1,32 @@
 //! The one body type that flows through the proxy, and helpers to make it.
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};
+use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 
 /// Any error a body may fail with.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A boxed body: a buffered one (saved, replayed, problem documents) or a streamed one
 /// (pass-through traffic, responses too large to save).
-pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+pub(crate) type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 /// A body of these bytes.
-pub fn full(bytes: impl Into<Bytes>) -> Body {
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed_unsync()
 }
 
 /// An empty body.
-pub fn empty() -> Body {
-    Empty::<Bytes>::new()
+#[cfg(test)]
+pub(crate) fn empty() -> Body {
+    http_body_util::Empty::<Bytes>::new()
         .map_err(|never| match never {})
         .boxed_unsync()
 }
 
 /// Boxes any body whose error converts.
-pub fn boxed<B>(b: B) -> Body
+pub(crate) fn boxed<B>(b: B) -> Body
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -37,7 +38,11 @@ where
 /// `timeout` bounds the whole response, streamed bodies included, so a stalled upstream
 /// cannot hold a client connection forever; `limits.body_read_timeout` bounds a client's
 /// streamed request body the same way. `what` names the body in the error.
-pub fn with_deadline(body: Body, deadline: tokio::time::Instant, what: &'static str) -> Body {
+pub(crate) fn with_deadline(
+    body: Body,
+    deadline: tokio::time::Instant,
+    what: &'static str,
+) -> Body {
     Deadline {
         inner: body,
         sleep: Box::pin(tokio::time::sleep_until(deadline)),
@@ -50,7 +55,7 @@ pub fn with_deadline(body: Body, deadline: tokio::time::Instant, what: &'static 
 /// its failures marked as the client's: hyper's client reports a body that fails mid-send as its
 /// own error, and without the mark a client that broke off its body (or sent a malformed chunk)
 /// would read as an upstream failure.
-pub fn from_client(body: Body, timeout: std::time::Duration) -> Body {
+pub(crate) fn from_client(body: Body, timeout: std::time::Duration) -> Body {
     let deadline = tokio::time::Instant::now() + timeout;
     with_deadline(
         body,
@@ -67,7 +72,7 @@ pub fn from_client(body: Body, timeout: std::time::Duration) -> Body {
 /// The error of a [`from_client`] body: the client's fault, whatever carried it.
 #[derive(Debug, thiserror::Error)]
 #[error("the client's request body failed")]
-pub struct ClientBodyError {
+pub(crate) struct ClientBodyError {
     #[source]
     source: BoxError,
     /// `Some(limit)` when the body missed its deadline of `limit`.
@@ -76,7 +81,7 @@ pub struct ClientBodyError {
 
 impl ClientBodyError {
     /// What went wrong with the body, without the wrapping.
-    pub fn detail(&self) -> String {
+    pub(crate) fn detail(&self) -> String {
         self.source.to_string()
     }
 }
@@ -90,7 +95,7 @@ struct Deadline {
 /// The error a [`with_deadline`] body fails with.
 #[derive(Debug, thiserror::Error)]
 #[error("{0} did not complete in time")]
-pub struct DeadlineExceeded(pub &'static str);
+pub(crate) struct DeadlineExceeded(pub &'static str);
 
 impl http_body::Body for Deadline {
     type Data = Bytes;

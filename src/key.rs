@@ -108,7 +108,7 @@ fn unquote_sf_string(bytes: &[u8]) -> Option<Vec<u8>> {
 
 /// The hash that names one operation within a route: SHA-256 over the scope header values and
 /// the key. Logs show it in hex, never the key itself.
-pub type KeyId = [u8; 32];
+pub(crate) type KeyId = [u8; 32];
 
 /// Hashes the scope header values and the key, each length-prefixed (and absent headers marked
 /// as such, so an absent `Authorization` and an empty one are different callers).
@@ -163,17 +163,17 @@ impl StoreKey {
     }
 
     /// The route's number (its position in the configuration).
-    pub fn route(&self) -> u32 {
+    pub(crate) fn route(&self) -> u32 {
         self.route
     }
 
     /// The key's hash.
-    pub fn id(&self) -> &KeyId {
+    pub(crate) fn id(&self) -> &KeyId {
         &self.id
     }
 
     /// The key's hash in hex, as logs show it.
-    pub fn id_hex(&self) -> String {
+    pub(crate) fn id_hex(&self) -> String {
         hex::encode(self.id)
     }
 

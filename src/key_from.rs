@@ -57,7 +57,7 @@ impl Value {
 
     /// Reads a value as the key tooling is given it: JSON text for `json:` parts, raw text
     /// for the others.
-    pub fn from_text(part: &KeyPart, text: &str) -> Result<Value, String> {
+    pub(crate) fn from_text(part: &KeyPart, text: &str) -> Result<Value, String> {
         match part {
             KeyPart::Json(_) => {
                 let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
@@ -147,7 +147,7 @@ fn json_value(v: &serde_json::Value) -> Result<Value, String> {
 /// The canonical form of a JSON number's text: `-`? significant digits, then `e` and the
 /// exponent when it is not zero — `1`, `1.0`, `10e-1` and `0.1e1` are all `1`; `-0` is `0`;
 /// `123456789012345678901234567890` stays exactly that. `None` for text that is not a number.
-pub fn canonical_number(text: &str) -> Option<String> {
+pub(crate) fn canonical_number(text: &str) -> Option<String> {
     let (negative, rest) = match text.strip_prefix('-') {
         Some(r) => (true, r),
         None => (false, text),
@@ -224,7 +224,7 @@ fn name(part: &KeyPart) -> &[u8] {
 /// The body as canonical JSON — object keys sorted, no whitespace, numbers canonical — so that
 /// a job that re-serialises the same payload has the same fingerprint. `None` when the body is
 /// not JSON.
-pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
     write_canonical(&v, &mut out);

@@ -296,32 +296,32 @@ impl RouteMetrics {
     }
 
     /// Counts a lost lease.
-    pub fn lost_lease(&self) {
+    pub(crate) fn lost_lease(&self) {
         self.0.lost_leases.inc();
     }
 
     /// Counts a request whose key was derived (`key_from`).
-    pub fn derived_key(&self) {
+    pub(crate) fn derived_key(&self) {
         self.0.derived_keys.inc();
     }
 
     /// Counts a lease renewal.
-    pub fn lease_renewed(&self) {
+    pub(crate) fn lease_renewed(&self) {
         self.0.lease_renewals.inc();
     }
 
     /// Counts a request forwarded without protection.
-    pub fn unprotected(&self) {
+    pub(crate) fn unprotected(&self) {
         self.0.unprotected.inc();
     }
 
     /// Counts a result given up on: its lease was lost before the store took it.
-    pub fn completion_abandoned(&self) {
+    pub(crate) fn completion_abandoned(&self) {
         self.0.completions_abandoned.inc();
     }
 
     /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
-    pub fn result_not_kept(&self) {
+    pub(crate) fn result_not_kept(&self) {
         self.0.results_not_kept.inc();
     }
 }
@@ -467,7 +467,7 @@ impl Metrics {
 
     /// Counts a write (claim or complete) fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
-    pub fn replica_acks_missing(&self, op: StoreOp) {
+    pub(crate) fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
             .inc();

@@ -115,7 +115,7 @@ pub enum Problem {
 impl Problem {
     /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
     /// result), or to the client's body failing on its way upstream.
-    pub fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
+    pub(crate) fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
         let upstream = upstream.to_owned();
         match e {
             UpstreamError::Connect(detail) => Problem::UpstreamUnavailable {
@@ -295,7 +295,7 @@ impl Problem {
 
     /// The problem as a response to save: with `on_unknown_outcome: keep`, a 502/504 problem
     /// becomes the key's result and is replayed to every repeat.
-    pub fn saved(&self) -> SavedResponse {
+    pub(crate) fn saved(&self) -> SavedResponse {
         SavedResponse {
             status: self.status(),
             headers: self.headers(),
@@ -307,7 +307,7 @@ impl Problem {
 /// A refusal of the admin listener: a path it does not serve, and the key tooling's (`/keys`)
 /// answers that are not a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AdminProblem {
+pub(crate) enum AdminProblem {
     /// No admin endpoint has this path (404).
     NoEndpoint,
     /// No admin token is configured, so the key tooling does not exist (404).
@@ -338,7 +338,7 @@ pub enum AdminProblem {
 
 impl AdminProblem {
     /// The stable slug of this kind (the last part of its `type`).
-    pub fn slug(&self) -> &'static str {
+    pub(crate) fn slug(&self) -> &'static str {
         match self {
             AdminProblem::NoEndpoint => "no-admin-endpoint",
             AdminProblem::KeyToolingOff => "key-tooling-off",
@@ -354,7 +354,7 @@ impl AdminProblem {
     }
 
     /// The HTTP status.
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             AdminProblem::NoEndpoint
             | AdminProblem::KeyToolingOff
@@ -401,7 +401,7 @@ impl AdminProblem {
     }
 
     /// The response to send.
-    pub fn response(&self) -> Response<Body> {
+    pub(crate) fn response(&self) -> Response<Body> {
         let body = document(self.slug(), self.title(), self.status(), &self.detail());
         respond(self.status(), body, vec![content_type()])
     }

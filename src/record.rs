@@ -24,10 +24,10 @@ const MAGIC: &[u8; 3] = b"IDP";
 const VERSION: u8 = 1;
 
 /// A claim's fencing token: random, so only the claimant can complete or release the claim.
-pub type Token = [u8; 16];
+pub(crate) type Token = [u8; 16];
 
 /// A new random token.
-pub fn new_token() -> Token {
+pub(crate) fn new_token() -> Token {
     rand::random()
 }
 
@@ -76,7 +76,7 @@ pub enum Record {
 
 impl Record {
     /// The fingerprint of the request this record belongs to.
-    pub fn fingerprint(&self) -> &Fingerprint {
+    pub(crate) fn fingerprint(&self) -> &Fingerprint {
         match self {
             Record::InFlight { fingerprint, .. } | Record::Done { fingerprint, .. } => fingerprint,
         }

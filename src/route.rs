@@ -30,7 +30,7 @@ pub struct PathPattern {
 
 impl PathPattern {
     /// Compiles a pattern. The error says what is wrong with it.
-    pub fn parse(text: &str) -> Result<PathPattern, String> {
+    pub(crate) fn parse(text: &str) -> Result<PathPattern, String> {
         if !text.starts_with('/') {
             return Err(format!("invalid path {text:?}: it must start with '/'"));
         }
@@ -85,7 +85,7 @@ impl PathPattern {
     }
 
     /// Whether `path` (without query) matches.
-    pub fn matches(&self, path: &str) -> bool {
+    pub(crate) fn matches(&self, path: &str) -> bool {
         let body = path.strip_prefix('/').unwrap_or(path);
         // "/" has no segments at all (splitting "" would yield one empty segment).
         let mut parts = body.split('/').filter(|_| !body.is_empty());
@@ -101,7 +101,7 @@ impl PathPattern {
 
     /// The segment of `path` that the parameter `{name}` matches, as sent (percent-encoded);
     /// `None` when the pattern has no such parameter or `path` does not match.
-    pub fn capture<'p>(&self, path: &'p str, name: &str) -> Option<&'p str> {
+    pub(crate) fn capture<'p>(&self, path: &'p str, name: &str) -> Option<&'p str> {
         if !self.matches(path) {
             return None;
         }
@@ -116,12 +116,12 @@ impl PathPattern {
     }
 
     /// Whether the pattern has a `{name}` parameter.
-    pub fn has_param(&self, name: &str) -> bool {
+    pub(crate) fn has_param(&self, name: &str) -> bool {
         self.segments.contains(&Segment::Param(name.to_owned()))
     }
 
     /// The pattern as written.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.text
     }
 }
@@ -143,7 +143,7 @@ pub struct RouteSettings {
 
 impl RouteSettings {
     /// Whether this route takes a request with this method and path (without query).
-    pub fn matches(&self, method: &Method, path: &str) -> bool {
+    pub(crate) fn matches(&self, method: &Method, path: &str) -> bool {
         self.methods.as_ref().is_none_or(|ms| ms.contains(method)) && self.path.matches(path)
     }
 }
@@ -183,7 +183,7 @@ pub enum KeyPart {
 
 impl KeyPart {
     /// Parses a configured part. The error says what is wrong.
-    pub fn parse(text: &str) -> Result<KeyPart, String> {
+    pub(crate) fn parse(text: &str) -> Result<KeyPart, String> {
         if text == "method" {
             return Ok(KeyPart::Method);
         }
@@ -210,7 +210,7 @@ impl KeyPart {
     }
 
     /// The part as configured, for messages.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             KeyPart::Path(n) => format!("path:{n}"),
             KeyPart::Json(p) => format!("json:{p}"),

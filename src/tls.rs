@@ -73,7 +73,7 @@ fn private_key(path: &str) -> Result<PrivateKeyDer<'static>, String> {
 
 /// Which file of the `tls:` section an error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TlsFile {
+pub(crate) enum TlsFile {
     /// `tls.cert_file`.
     Cert,
     /// `tls.key_file`.
@@ -92,7 +92,10 @@ impl ServerTls {
     /// Reads and checks both files. Every problem found is returned, each with its file: an
     /// unreadable file, no certificate, no key, a key that does not match the first
     /// certificate.
-    pub fn load(cert_file: &str, key_file: &str) -> Result<ServerTls, Vec<(TlsFile, String)>> {
+    pub(crate) fn load(
+        cert_file: &str,
+        key_file: &str,
+    ) -> Result<ServerTls, Vec<(TlsFile, String)>> {
         let chain = certificates(cert_file).map_err(|m| (TlsFile::Cert, m));
         let key = private_key(key_file).map_err(|m| (TlsFile::Key, m));
         let (chain, key) = match (chain, key) {
@@ -135,7 +138,7 @@ impl ServerTls {
     }
 
     /// An acceptor over this configuration (cheap: it shares it).
-    pub fn acceptor(&self) -> TlsAcceptor {
+    pub(crate) fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.config.clone())
     }
 }
@@ -160,7 +163,7 @@ pub struct ClientTls {
 
 impl ClientTls {
     /// The Mozilla roots.
-    pub fn public_roots() -> Result<ClientTls, String> {
+    pub(crate) fn public_roots() -> Result<ClientTls, String> {
         let roots = RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
         };
@@ -168,7 +171,7 @@ impl ClientTls {
     }
 
     /// The certificates of a PEM file (one or more), instead of the Mozilla roots.
-    pub fn private_roots(ca_file: &str) -> Result<ClientTls, String> {
+    pub(crate) fn private_roots(ca_file: &str) -> Result<ClientTls, String> {
         let mut roots = RootCertStore::empty();
         for (i, cert) in certificates(ca_file)?.into_iter().enumerate() {
             roots.add(cert).map_err(|e| {
@@ -199,7 +202,7 @@ impl ClientTls {
     }
 
     /// A copy of the configuration, for a connector (which sets its own ALPN on it).
-    pub fn client_config(&self) -> ClientConfig {
+    pub(crate) fn client_config(&self) -> ClientConfig {
         (*self.config).clone()
     }
 }

@@ -14,7 +14,7 @@ use crate::scenario;
      they are looked up on PATH and in the sbin directories.",
     scenario::listing()
 ))]
-pub struct Args {
+pub(crate) struct Args {
     /// Scenarios: a comma list of names, names without the store (`new-key`), globs (`64k-*`,
     /// `*/redis`), `default` or `all`. Default: every scenario but fill-1m.
     #[arg(long, env = "LOAD_SCENARIOS", value_name = "LIST")]

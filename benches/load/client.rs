@@ -22,22 +22,22 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 /// How long a TCP connect (and the HTTP/1 handshake) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long one request may take, from writing it to the last byte of the answer.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a failed connect, so a refusing server is not hammered in a tight loop.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(50);
 /// Latencies are recorded in microseconds, from 1 µs to a minute, 3 significant digits.
 const HISTOGRAM_MAX_MICROS: u64 = 60_000_000;
 
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A request sender on one connection.
-pub type Sender = SendRequest<Full<Bytes>>;
+pub(crate) type Sender = SendRequest<Full<Bytes>>;
 
 /// A response, read whole.
-pub struct Answer {
+pub(crate) struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
@@ -45,14 +45,14 @@ pub struct Answer {
 
 impl Answer {
     /// Carries `Idempotent-Replayed: true`.
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.headers.get(REPLAYED).is_some_and(|v| v == "true")
     }
 }
 
 /// Opens a connection; its driver runs on a task of its own until the sender is dropped or the
 /// server closes the connection.
-pub async fn connect(addr: SocketAddr) -> Result<Sender, String> {
+pub(crate) async fn connect(addr: SocketAddr) -> Result<Sender, String> {
     let opening = async {
         let stream = TcpStream::connect(addr)
             .await
@@ -76,7 +76,7 @@ pub async fn connect(addr: SocketAddr) -> Result<Sender, String> {
 
 /// Sends one request on a ready connection and reads the whole answer, within
 /// [`REQUEST_TIMEOUT`].
-pub async fn exchange(
+pub(crate) async fn exchange(
     sender: &mut Sender,
     request: Request<Full<Bytes>>,
 ) -> Result<Answer, String> {
@@ -107,7 +107,7 @@ pub async fn exchange(
 }
 
 /// One request on a connection of its own (setup and control calls, not load).
-pub async fn request_once(
+pub(crate) async fn request_once(
     addr: SocketAddr,
     method: Method,
     path: &str,
@@ -128,14 +128,17 @@ pub async fn request_once(
 }
 
 /// Sends `request` on a connection of its own.
-pub async fn send_once(addr: SocketAddr, request: Request<Full<Bytes>>) -> Result<Answer, String> {
+pub(crate) async fn send_once(
+    addr: SocketAddr,
+    request: Request<Full<Bytes>>,
+) -> Result<Answer, String> {
     let mut sender = connect(addr).await?;
     exchange(&mut sender, request).await
 }
 
 /// The `Idempotency-Key` of each request.
 #[derive(Clone, Debug)]
-pub enum Key {
+pub(crate) enum Key {
     /// No key header.
     None,
     /// The same key every time.
@@ -146,7 +149,7 @@ pub enum Key {
 
 /// What every request of a load run looks like: `POST path` with a JSON body.
 #[derive(Clone, Debug)]
-pub struct RequestSpec {
+pub(crate) struct RequestSpec {
     pub path: &'static str,
     pub host: HeaderValue,
     pub headers: Vec<(HeaderName, HeaderValue)>,
@@ -156,7 +159,7 @@ pub struct RequestSpec {
 
 impl RequestSpec {
     /// The request with ticket number `ticket` (unique within a run).
-    pub fn build(&self, ticket: u64) -> Request<Full<Bytes>> {
+    pub(crate) fn build(&self, ticket: u64) -> Request<Full<Bytes>> {
         let mut request = Request::new(Full::new(self.body.clone()));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = Uri::from_static(self.path);
@@ -186,7 +189,7 @@ fn unique_key(prefix: &str, ticket: u64) -> HeaderValue {
 
 /// The answer a scenario expects; anything else is an error.
 #[derive(Clone, Copy, Debug)]
-pub struct Expect {
+pub(crate) struct Expect {
     pub status: StatusCode,
     /// `Idempotent-Replayed: true` present (or, when false, absent).
     pub replayed: bool,
@@ -194,7 +197,7 @@ pub struct Expect {
 }
 
 impl Expect {
-    pub fn check(&self, answer: &Answer) -> Result<(), String> {
+    pub(crate) fn check(&self, answer: &Answer) -> Result<(), String> {
         if answer.status != self.status {
             return Err(format!("status {}", answer.status.as_u16()));
         }
@@ -214,25 +217,25 @@ impl Expect {
     }
 
     /// For the notes column: `200`, `200+replayed`.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let replayed = if self.replayed { "+replayed" } else { "" };
         format!("{}{replayed}", self.status.as_u16())
     }
 }
 
 /// An empty latency histogram (microseconds).
-pub fn histogram() -> Histogram<u64> {
+pub(crate) fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, HISTOGRAM_MAX_MICROS, 3).expect("valid histogram bounds")
 }
 
 /// Records `elapsed` in microseconds (clamped to the histogram's range).
-pub fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
+pub(crate) fn record(histogram: &mut Histogram<u64>, elapsed: Duration) {
     let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
     histogram.saturating_record(micros.max(1));
 }
 
 /// What a load run measured. Only answers completed inside the measured window count.
-pub struct Stats {
+pub(crate) struct Stats {
     /// Latencies of the expected answers, in microseconds.
     pub histogram: Histogram<u64>,
     pub ok: u64,
@@ -266,7 +269,7 @@ impl Stats {
     }
 
     /// Expected answers per second of the measured window.
-    pub fn rps(&self) -> f64 {
+    pub(crate) fn rps(&self) -> f64 {
         let secs = self.window.as_secs_f64();
         if secs > 0.0 {
             self.ok as f64 / secs
@@ -276,7 +279,7 @@ impl Stats {
     }
 
     /// A latency quantile, if anything was recorded.
-    pub fn quantile(&self, q: f64) -> Option<Duration> {
+    pub(crate) fn quantile(&self, q: f64) -> Option<Duration> {
         (!self.histogram.is_empty())
             .then(|| Duration::from_micros(self.histogram.value_at_quantile(q)))
     }
@@ -305,7 +308,7 @@ impl Stats {
     }
 
     /// The most frequent error kinds, for a progress line.
-    pub fn error_summary(&self) -> String {
+    pub(crate) fn error_summary(&self) -> String {
         let mut kinds: Vec<_> = self.error_kinds.iter().collect();
         kinds.sort_by(|a, b| b.1.cmp(a.1));
         let shown: Vec<String> = kinds
@@ -319,7 +322,7 @@ impl Stats {
 
 /// One load run against one address.
 #[derive(Clone)]
-pub struct LoadPlan {
+pub(crate) struct LoadPlan {
     pub addr: SocketAddr,
     pub spec: RequestSpec,
     pub expect: Expect,
@@ -332,7 +335,7 @@ pub struct LoadPlan {
 
 /// Runs `plan`: `connections` workers until the warm-up and the window have passed or the
 /// request cap is reached. `done` counts answered requests as they land (for progress lines).
-pub async fn run(plan: Arc<LoadPlan>, done: Arc<AtomicU64>) -> Stats {
+pub(crate) async fn run(plan: Arc<LoadPlan>, done: Arc<AtomicU64>) -> Stats {
     let started = Instant::now();
     let measure_from = started + plan.warmup;
     let end = measure_from + plan.duration;

@@ -15,7 +15,7 @@ use crate::storm::{mock_stats, reset_mock};
 /// How often the fill prints a progress line.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
-pub struct FillPlan {
+pub(crate) struct FillPlan {
     /// The new-key measurement before and after the fill; the fill itself uses its address,
     /// request and connections.
     pub load: LoadPlan,
@@ -30,7 +30,7 @@ pub struct FillPlan {
     pub full_keys: Key,
 }
 
-pub struct FillReport {
+pub(crate) struct FillReport {
     pub empty: Stats,
     pub full: Stats,
     /// Finished keys in the store when the RSS was read before the fill (the empty run's).
@@ -45,7 +45,7 @@ pub struct FillReport {
 
 impl FillReport {
     /// The lines printed under the table.
-    pub fn summary(&self) -> Vec<String> {
+    pub(crate) fn summary(&self) -> Vec<String> {
         let mib = |b: Option<u64>| {
             b.map_or("?".to_owned(), |b| {
                 format!("{:.1} MiB", b as f64 / 1048576.0)
@@ -91,7 +91,7 @@ impl FillReport {
     }
 }
 
-pub async fn run(plan: FillPlan) -> Result<FillReport, String> {
+pub(crate) async fn run(plan: FillPlan) -> Result<FillReport, String> {
     reset_mock(plan.mock).await?;
     println!("  fill: new-key on the empty store ...");
     let empty = measured(plan.load.clone(), plan.proxy_pid).await;

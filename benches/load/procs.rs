@@ -21,7 +21,7 @@ static RUNNING: Mutex<Vec<(u32, bool)>> = Mutex::new(Vec::new());
 
 /// Kills every running child at once: for a bench interrupted by a signal, whose handles will
 /// not be dropped.
-pub fn kill_all() {
+pub(crate) fn kill_all() {
     let running = RUNNING
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -35,7 +35,7 @@ pub fn kill_all() {
 }
 
 /// A running child process with its log file; killed on drop.
-pub struct ChildProcess {
+pub(crate) struct ChildProcess {
     name: String,
     child: Child,
     log: PathBuf,
@@ -69,12 +69,12 @@ impl ChildProcess {
         })
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// An error, with the end of its log, if the process has exited.
-    pub fn ensure_running(&mut self) -> Result<(), String> {
+    pub(crate) fn ensure_running(&mut self) -> Result<(), String> {
         match self.child.try_wait() {
             Ok(None) => Ok(()),
             Ok(Some(status)) => {
@@ -91,7 +91,7 @@ impl ChildProcess {
     }
 
     /// The lines of its log so far.
-    pub fn log_lines(&self) -> Vec<String> {
+    pub(crate) fn log_lines(&self) -> Vec<String> {
         std::fs::read_to_string(&self.log)
             .map(|text| text.lines().map(str::to_owned).collect())
             .unwrap_or_default()
@@ -146,7 +146,7 @@ impl ChildProcess {
 }
 
 /// A loopback port that was free a moment ago (never 6379, the default Redis port).
-pub fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     loop {
         let listener =
             TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
@@ -162,7 +162,7 @@ pub fn free_port() -> Result<u16, String> {
 
 /// The binary `env_var` names (empty or `none`: treat it as not installed), else `name` on
 /// `PATH` or in the sbin directories (nginx lives in /usr/sbin).
-pub fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
+pub(crate) fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
     if let Some(value) = std::env::var_os(env_var) {
         let none = value.is_empty() || value == "none";
         return (!none).then(|| PathBuf::from(value));
@@ -177,7 +177,7 @@ pub fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
 /// The resident set size of a process, from `/proc/PID/status` (`VmRSS`), in bytes.
 /// The CPU time (user + system, every thread) used so far by the process `pid` and by its
 /// children (nginx's workers), from `/proc/*/stat`; `None` where `/proc` cannot be read.
-pub fn cpu_time(pid: u32) -> Option<Duration> {
+pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
     /// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
     const TICKS_PER_SECOND: u64 = 100;
     let mut ticks = 0;
@@ -208,13 +208,13 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
 }
 
 /// The CPU time a process (and its children) uses over a stretch of load, per request.
-pub struct CpuMeter {
+pub(crate) struct CpuMeter {
     pid: u32,
     before: Option<Duration>,
 }
 
 impl CpuMeter {
-    pub fn start(pid: u32) -> CpuMeter {
+    pub(crate) fn start(pid: u32) -> CpuMeter {
         CpuMeter {
             pid,
             before: cpu_time(pid),
@@ -222,14 +222,14 @@ impl CpuMeter {
     }
 
     /// CPU time since the start over `requests` (`None` if `/proc` could not be read).
-    pub fn per_request(&self, requests: u64) -> Option<Duration> {
+    pub(crate) fn per_request(&self, requests: u64) -> Option<Duration> {
         let used = cpu_time(self.pid)?.checked_sub(self.before?)?;
         let n = u32::try_from(requests).ok().filter(|n| *n > 0)?;
         Some(used / n)
     }
 }
 
-pub fn rss_bytes(pid: u32) -> Option<u64> {
+pub(crate) fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -237,19 +237,19 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 }
 
 /// The `mock-upstream` binary, on a port it picked itself.
-pub struct Mock {
+pub(crate) struct Mock {
     process: ChildProcess,
     pub addr: SocketAddr,
 }
 
 impl Mock {
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.process.pid()
     }
 }
 
 impl Mock {
-    pub fn start(bin: &Path, dir: &Path) -> Result<Mock, String> {
+    pub(crate) fn start(bin: &Path, dir: &Path) -> Result<Mock, String> {
         let mut process = ChildProcess::spawn(
             "mock-upstream".to_owned(),
             Command::new(bin)
@@ -286,18 +286,18 @@ impl Mock {
 }
 
 /// The store a proxy process is configured with.
-pub enum StoreConfig {
+pub(crate) enum StoreConfig {
     Memory { max_entries: u64 },
     Redis { url: String },
 }
 
 /// Paths the proxy routes: the idempotent route and the pass-through route. Both are mock echo
 /// paths of the same length, so the upstream does the same work for either.
-pub const IDEMPOTENT_PATH: &str = "/echo/idem";
-pub const PASSTHROUGH_PATH: &str = "/echo/pass";
+pub(crate) const IDEMPOTENT_PATH: &str = "/echo/idem";
+pub(crate) const PASSTHROUGH_PATH: &str = "/echo/pass";
 
 /// An `idemproxy` process in front of the mock.
-pub struct Proxy {
+pub(crate) struct Proxy {
     pub process: ChildProcess,
     pub addr: SocketAddr,
 }
@@ -306,7 +306,7 @@ impl Proxy {
     /// Starts the proxy binary with its config written to `DIR/proxy-LABEL.yaml`. The proxy
     /// logs its address only at `info`, so the port is picked here (bind port 0, drop) and the
     /// start retried on another port if it was taken meanwhile.
-    pub fn start(
+    pub(crate) fn start(
         bin: &Path,
         dir: &Path,
         label: &str,
@@ -374,13 +374,13 @@ routes:
 }
 
 /// A `redis-server` of the run's own: a free loopback port, no persistence.
-pub struct Redis {
+pub(crate) struct Redis {
     process: ChildProcess,
     port: u16,
 }
 
 impl Redis {
-    pub fn start(bin: &Path, dir: &Path) -> Result<Redis, String> {
+    pub(crate) fn start(bin: &Path, dir: &Path) -> Result<Redis, String> {
         let port = free_port()?;
         let port_text = port.to_string();
         let mut process = ChildProcess::spawn(
@@ -399,16 +399,16 @@ impl Redis {
         Ok(redis)
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.process.pid()
     }
 
     /// Empties it, so each scenario starts from nothing.
-    pub fn flush(&self) -> Result<(), String> {
+    pub(crate) fn flush(&self) -> Result<(), String> {
         self.command("FLUSHALL")
     }
 
@@ -424,7 +424,7 @@ impl Redis {
 }
 
 /// nginx as a plain reverse proxy to the mock: the reference a proxy is compared with.
-pub struct Nginx {
+pub(crate) struct Nginx {
     process: ChildProcess,
     pub addr: SocketAddr,
 }
@@ -432,7 +432,7 @@ pub struct Nginx {
 impl Nginx {
     /// Runs `nginx -p DIR/nginx -c nginx.conf` in the foreground (`daemon off`), with a
     /// keep-alive pool to the mock and every temp path under its own prefix.
-    pub fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx, String> {
+    pub(crate) fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx, String> {
         let prefix = dir.join("nginx");
         std::fs::create_dir_all(&prefix)
             .map_err(|e| format!("create {}: {e}", prefix.display()))?;
@@ -458,7 +458,7 @@ impl Nginx {
     }
 
     /// The master's pid; its workers are its children (see [`cpu_time`]).
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.process.pid()
     }
 }

@@ -6,13 +6,13 @@ use std::time::Duration;
 use crate::client::Stats;
 use crate::storm::StormReport;
 
-pub enum Outcome {
+pub(crate) enum Outcome {
     Timed(Stats),
     Storm(StormReport),
     Skipped(String),
 }
 
-pub struct Row {
+pub(crate) struct Row {
     pub name: String,
     /// 64 KiB responses: compared with the 64 KiB baselines.
     pub big: bool,
@@ -41,7 +41,7 @@ const HEADERS: [&str; COLUMNS] = [
 ];
 
 /// The table, as lines of text.
-pub fn table(rows: &[Row]) -> Vec<String> {
+pub(crate) fn table(rows: &[Row]) -> Vec<String> {
     let mut cells: Vec<[String; COLUMNS]> = vec![HEADERS.map(str::to_owned)];
     for row in rows {
         cells.push(cells_of(row, rows));
@@ -148,7 +148,7 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; COLUMNS] {
 /// One row per scenario, in first-run order, out of the rows of several rounds: the timed run
 /// with the median req/s (the lower middle of an even count), else the last row (a storm or
 /// a skip; a failed storm is already reported by then).
-pub fn median_rows(rows: Vec<Row>) -> Vec<Row> {
+pub(crate) fn median_rows(rows: Vec<Row>) -> Vec<Row> {
     let mut groups: Vec<Vec<Row>> = Vec::new();
     for row in rows {
         match groups.iter_mut().find(|g| g[0].name == row.name) {
@@ -186,11 +186,11 @@ pub fn median_rows(rows: Vec<Row>) -> Vec<Row> {
 type RowRatios = (String, Option<f64>, Option<f64>);
 
 /// One round's ratios: each timed row's req/s over those of its baselines in the same round.
-pub struct RoundRatios(Vec<RowRatios>);
+pub(crate) struct RoundRatios(Vec<RowRatios>);
 
 impl RoundRatios {
     /// From the rows of one round.
-    pub fn of(rows: &[Row]) -> RoundRatios {
+    pub(crate) fn of(rows: &[Row]) -> RoundRatios {
         RoundRatios(
             rows.iter()
                 .filter_map(|row| match &row.outcome {
@@ -212,7 +212,7 @@ impl RoundRatios {
 /// Lines under the table of a run of several rounds: each row's ratios to nginx and to the
 /// pass-through round by round, and their median. Rows' medians are taken one by one, so
 /// the table's ratios may pair rounds; these never do.
-pub fn round_ratio_lines(rounds: &[RoundRatios]) -> Vec<String> {
+pub(crate) fn round_ratio_lines(rounds: &[RoundRatios]) -> Vec<String> {
     let mut names: Vec<&str> = Vec::new();
     for round in rounds {
         for (name, ..) in &round.0 {
@@ -273,7 +273,7 @@ fn baselines(rows: &[Row], big: bool) -> (Option<&Stats>, Option<&Stats>) {
 }
 
 /// `412µs`, `3.25ms`, `1.20s`.
-pub fn format_duration(d: Duration) -> String {
+pub(crate) fn format_duration(d: Duration) -> String {
     let micros = d.as_micros();
     if micros < 1000 {
         format!("{micros}µs")

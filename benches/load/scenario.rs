@@ -5,14 +5,14 @@ use Target::{Direct, Fill, NewKey, Nginx, Passthrough, Replay, Storm};
 
 /// Which store a proxy scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Store {
+pub(crate) enum Store {
     Memory,
     Redis,
 }
 
 /// What a scenario sends its load to, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
+pub(crate) enum Target {
     /// Straight to the mock upstream.
     Direct,
     /// nginx `proxy_pass` to the mock: the reference reverse proxy.
@@ -31,7 +31,7 @@ pub enum Target {
 
 /// One named scenario.
 #[derive(Clone, Copy, Debug)]
-pub struct Scenario {
+pub(crate) struct Scenario {
     pub name: &'static str,
     pub target: Target,
     /// 64 KiB responses (`X-Mock-Body-Size: 65536`) instead of the ~370-byte JSON echo.
@@ -41,7 +41,7 @@ pub struct Scenario {
 
 impl Scenario {
     /// The store the proxy runs on, if the scenario goes through an idempotent route.
-    pub fn store(&self) -> Option<Store> {
+    pub(crate) fn store(&self) -> Option<Store> {
         match self.target {
             Target::NewKey(s) | Target::Replay(s) | Target::Storm(s) => Some(s),
             Target::Fill => Some(Store::Memory),
@@ -50,7 +50,7 @@ impl Scenario {
     }
 
     /// Part of a run when no scenario is named.
-    pub fn in_default_run(&self) -> bool {
+    pub(crate) fn in_default_run(&self) -> bool {
         self.target != Target::Fill
     }
 
@@ -75,7 +75,7 @@ const fn scenario(name: &'static str, target: Target, big: bool, about: &'static
 }
 
 /// Every scenario, in the order a run executes them (baselines first).
-pub const ALL: &[Scenario] = &[
+pub(crate) const ALL: &[Scenario] = &[
     scenario("direct", Direct, false, "straight to the mock upstream"),
     scenario(
         "nginx",
@@ -176,7 +176,7 @@ pub const ALL: &[Scenario] = &[
 /// (`64k-*`, `*/redis`), `default` (everything but `fill-1m`) or `all`. With `baselines`, the
 /// nginx and pass-through rows of the same body size are added to any new-key or replay
 /// scenario, so its ratios can be computed.
-pub fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenario>, String> {
+pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenario>, String> {
     let patterns: Vec<&str> = list
         .split(',')
         .map(str::trim)
@@ -243,7 +243,7 @@ fn glob(pattern: &str, text: &str) -> bool {
 }
 
 /// The `--help` text listing the scenarios.
-pub fn listing() -> String {
+pub(crate) fn listing() -> String {
     let mut out = String::from("Scenarios (in run order; * = not in the default run):\n");
     for s in ALL {
         let mark = if s.in_default_run() { ' ' } else { '*' };

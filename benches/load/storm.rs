@@ -22,7 +22,7 @@ use crate::procs::IDEMPOTENT_PATH;
 /// Connections opened at the same time while preparing the burst.
 const CONNECT_CONCURRENCY: usize = 128;
 
-pub struct StormPlan {
+pub(crate) struct StormPlan {
     pub proxy: SocketAddr,
     pub mock: SocketAddr,
     pub keys: usize,
@@ -33,7 +33,7 @@ pub struct StormPlan {
     pub nonce: u64,
 }
 
-pub struct StormReport {
+pub(crate) struct StormReport {
     pub keys: usize,
     pub sent: usize,
     pub conflicts: u64,
@@ -54,12 +54,12 @@ pub struct StormReport {
 }
 
 impl StormReport {
-    pub fn passed(&self) -> bool {
+    pub(crate) fn passed(&self) -> bool {
         self.failures.is_empty()
     }
 
     /// For the notes column.
-    pub fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         format!(
             "{} dups of {} keys in {:.0?}: 409 x{}, replay x{}, other x{}, dup fwd {} => {}",
             self.sent,
@@ -74,7 +74,7 @@ impl StormReport {
     }
 }
 
-pub async fn run(plan: &StormPlan) -> Result<StormReport, String> {
+pub(crate) async fn run(plan: &StormPlan) -> Result<StormReport, String> {
     reset_mock(plan.mock).await?;
     let total = plan.keys * plan.duplicates;
     let keys: Vec<String> = (0..plan.keys)
@@ -272,7 +272,7 @@ async fn wait_for_calls(mock: SocketAddr, want: u64, within: Duration) -> Result
     }
 }
 
-pub async fn reset_mock(mock: SocketAddr) -> Result<(), String> {
+pub(crate) async fn reset_mock(mock: SocketAddr) -> Result<(), String> {
     let answer =
         client::request_once(mock, Method::POST, "/_mock/reset", &[], Bytes::new()).await?;
     if answer.status != StatusCode::OK {
@@ -282,7 +282,7 @@ pub async fn reset_mock(mock: SocketAddr) -> Result<(), String> {
 }
 
 /// `GET /_mock/stats`: `{"total":N,"bookings":N,"by_key":{...}}`.
-pub async fn mock_stats(mock: SocketAddr) -> Result<Value, String> {
+pub(crate) async fn mock_stats(mock: SocketAddr) -> Result<Value, String> {
     let answer = client::request_once(mock, Method::GET, "/_mock/stats", &[], Bytes::new()).await?;
     if answer.status != StatusCode::OK {
         return Err(format!("GET /_mock/stats: {}", answer.status));

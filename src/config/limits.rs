@@ -10,7 +10,7 @@ use super::units::{at_most, bounds, byte_size, count_at_most, duration};
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "limits: a mapping of bounds")]
-pub struct RawLimits {
+pub(crate) struct RawLimits {
     /// Open client connections at most; past it, new connections wait in the accept queue.
     /// Default 10000.
     #[serde(default = "defaults::max_connections")]

@@ -29,9 +29,8 @@ use std::time::Duration;
 use http::uri::Scheme;
 use serde::Deserialize;
 
-pub use crate::route::{
-    FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, RouteSettings,
-};
+pub use crate::route::{FingerprintPart, RouteSettings};
+pub use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::tls::{ServerTls, TlsFile};
 
 mod limits;
@@ -42,14 +41,17 @@ mod store;
 mod units;
 mod upstream;
 
-pub use limits::{Limits, RawLimits};
-pub use routes::{RawIdempotency, RawRoute};
+pub use limits::Limits;
+pub(crate) use limits::RawLimits;
+pub(crate) use routes::RawRoute;
 pub use secret::Secret;
 use secret::secret;
-pub use store::{Backend, BackendSettings, RawStore, RedisAccess, StoreSettings};
+pub(crate) use store::RawStore;
+pub use store::{BackendSettings, RedisAccess, StoreSettings};
 use units::{at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
-pub use upstream::{RawUpstream, UpstreamSettings};
+pub(crate) use upstream::RawUpstream;
+pub use upstream::UpstreamSettings;
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.
@@ -100,7 +102,7 @@ impl ConfigErrors {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "the configuration: a mapping with listen, upstreams and routes")]
-pub struct RawConfig {
+pub(crate) struct RawConfig {
     /// Address the proxy listens on. Required.
     pub listen: String,
     /// TLS on that listener. Default: none (plain HTTP, for a terminating load balancer).
@@ -143,7 +145,7 @@ pub struct RawConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "tls: a mapping with cert_file and key_file")]
-pub struct RawTls {
+pub(crate) struct RawTls {
     /// The certificate chain, leaf first. Required.
     pub cert_file: String,
     /// The leaf's private key (PKCS#8, PKCS#1 or SEC1), unencrypted. Required.
@@ -224,22 +226,8 @@ impl Config {
 }
 
 impl RawConfig {
-    /// Parses YAML text. Errors carry the field path and, for the first one where YAML knows
-    /// it, line and column; every value that does not deserialize is reported, not only the
-    /// first.
-    pub fn from_yaml(text: &str) -> Result<RawConfig, ConfigErrors> {
-        match load::parse(text) {
-            load::Parsed {
-                raw: Some(raw),
-                errors,
-                ..
-            } if errors.is_empty() => Ok(raw),
-            parsed => Err(ConfigErrors(parsed.errors)),
-        }
-    }
-
     /// Checks everything serde cannot and compiles the routes. Collects every error.
-    pub fn validate(self) -> Result<Config, ConfigErrors> {
+    pub(crate) fn validate(self) -> Result<Config, ConfigErrors> {
         let mut errs = Vec::new();
         let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
 

@@ -21,7 +21,7 @@ use crate::route::{
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "a route: a mapping with name, path and upstream")]
-pub struct RawRoute {
+pub(crate) struct RawRoute {
     /// Unique name; appears in logs, metrics and store keys. Required.
     pub name: String,
     /// Methods this route matches. Default: every method.
@@ -51,7 +51,7 @@ fn present_means_idempotent<'de, D: Deserializer<'de>>(
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "idempotency settings: a mapping such as {ttl: 24h}")]
-pub struct RawIdempotency {
+pub(crate) struct RawIdempotency {
     /// Request header carrying the key. Default `Idempotency-Key`.
     #[serde(default = "defaults::header")]
     pub header: String,

@@ -16,7 +16,7 @@ use super::units::{at_most, bounds, count_at_most, duration};
 /// Which store keeps the idempotency records.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Backend {
+pub(crate) enum Backend {
     /// The embedded in-memory store: one instance only, nothing survives a restart.
     #[default]
     Memory,
@@ -30,7 +30,7 @@ pub enum Backend {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "store: a mapping with backend and its settings")]
-pub struct RawStore {
+pub(crate) struct RawStore {
     /// `memory` (default), `redis` or `redis-cluster`.
     #[serde(default)]
     pub backend: Backend,
@@ -147,7 +147,7 @@ pub struct RedisAccess {
 impl RedisAccess {
     /// The CA certificates to trust instead of the public web roots, if `store.ca_file` names
     /// any, in the form the redis crate takes them.
-    pub fn certificates(&self) -> Option<redis::TlsCertificates> {
+    pub(crate) fn certificates(&self) -> Option<redis::TlsCertificates> {
         self.ca_pem.as_ref().map(|pem| redis::TlsCertificates {
             client_tls: None,
             root_cert: Some(pem.clone()),

@@ -107,11 +107,11 @@ pub mod bounds {
     /// `store.timeout`.
     pub const STORE_TIMEOUT: Duration = Duration::from_secs(60);
     /// `store.max_entries`.
-    pub const MAX_ENTRIES: u64 = 100_000_000;
+    pub(crate) const MAX_ENTRIES: u64 = 100_000_000;
     /// `store.wait_replicas`.
-    pub const WAIT_REPLICAS: u32 = 16;
+    pub(crate) const WAIT_REPLICAS: u32 = 16;
     /// `store.nodes`.
-    pub const NODES: usize = 1000;
+    pub(crate) const NODES: usize = 1000;
     /// `upstreams.*.connect_timeout`.
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
     /// `upstreams.*.timeout`.
@@ -133,9 +133,9 @@ pub mod bounds {
     /// `limits.body_read_timeout`.
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(3600);
     /// `limits.send_timeout`.
-    pub const SEND_TIMEOUT: Duration = Duration::from_secs(3600);
+    pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(3600);
     /// `drain_delay`.
-    pub const DRAIN_DELAY: Duration = Duration::from_secs(3600);
+    pub(crate) const DRAIN_DELAY: Duration = Duration::from_secs(3600);
     /// `limits.max_pending_save_bytes`.
     pub const PENDING_SAVE_BYTES: u64 = 16 * 1024 * MIB;
 }

@@ -14,7 +14,7 @@ use crate::tls::ClientTls;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "an upstream: a mapping with url")]
-pub struct RawUpstream {
+pub(crate) struct RawUpstream {
     /// `http://` or `https://` base URL. Required.
     pub url: String,
     /// TCP (and TLS) connect deadline. Default 2s.

@@ -19,7 +19,7 @@ pub(super) struct Completion {
 }
 
 impl Completion {
-    pub fn whole(done: Record, encoded: Bytes) -> Completion {
+    pub(crate) fn whole(done: Record, encoded: Bytes) -> Completion {
         Completion {
             done,
             encoded,
@@ -27,13 +27,13 @@ impl Completion {
         }
     }
 
-    pub fn is_downgraded(&self) -> bool {
+    pub(crate) fn is_downgraded(&self) -> bool {
         self.whole_digest.is_some()
     }
 
     /// Lets go of the result, keeping the record that says it was not kept. The status the
     /// first client got goes into the record: it tells the caller the operation ran.
-    pub fn downgrade(&mut self) {
+    pub(crate) fn downgrade(&mut self) {
         let small = Record::Done {
             fingerprint: *self.done.fingerprint(),
             saved: Saved::Response(
@@ -50,14 +50,14 @@ impl Completion {
 
     /// Whether `current`, read back from the store, is what this completion (or an earlier attempt
     /// of it) wrote.
-    pub fn wrote(&self, current: &Record) -> bool {
+    pub(crate) fn wrote(&self, current: &Record) -> bool {
         *current == self.done
             || self
                 .whole_digest
                 .is_some_and(|d| <[u8; 32]>::from(Sha256::digest(current.encode())) == d)
     }
 
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match &self.done {
             Record::Done {
                 saved: Saved::Response(r),

@@ -33,7 +33,7 @@ pub(super) struct Detachable<F: Future<Output: Send + 'static> + Send + 'static>
 pub(super) struct Panicked(pub String);
 
 impl<F: Future<Output: Send + 'static> + Send + 'static> Detachable<F> {
-    pub fn new(exchange: F) -> Self {
+    pub(crate) fn new(exchange: F) -> Self {
         Detachable {
             exchange: Some(Box::pin(exchange)),
         }
@@ -103,7 +103,7 @@ impl Attachment {
     }
 
     /// Whether the client has left.
-    pub fn is_gone(&self) -> bool {
+    pub(crate) fn is_gone(&self) -> bool {
         self.0.load(Ordering::Acquire) == GONE
     }
 }

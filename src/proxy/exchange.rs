@@ -55,7 +55,7 @@ pub(super) struct Exchange {
 }
 
 impl Exchange {
-    pub fn new(
+    pub(crate) fn new(
         shared: Arc<Shared>,
         route: Arc<Route>,
         idem: Arc<IdempotencySettings>,
@@ -80,7 +80,7 @@ impl Exchange {
 
     /// Claims the key — or replays, refuses, or waits, per what the claim finds — and runs the
     /// exchange when the claim is ours.
-    pub async fn claim_and_run(self) -> Answer {
+    pub(crate) async fn claim_and_run(self) -> Answer {
         let idem = self.idem.clone();
         let store = self.shared.store.clone();
         let wait_until = Instant::now() + idem.wait_timeout;

@@ -92,7 +92,7 @@ impl KeyResolver {
     }
 
     /// The `ttl` of the route a store key belongs to.
-    pub fn ttl_of(&self, key: &StoreKey) -> Option<Duration> {
+    pub(crate) fn ttl_of(&self, key: &StoreKey) -> Option<Duration> {
         let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
         r.idempotency.as_ref().map(|i| i.ttl)
     }

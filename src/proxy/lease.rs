@@ -39,7 +39,7 @@ pub(super) struct Lease {
 
 impl Lease {
     /// The lease of a claim sent at `claimed_at`.
-    pub fn new(
+    pub(crate) fn new(
         store: StoreHandle,
         metrics: RouteMetrics,
         route: Arc<str>,
@@ -64,7 +64,7 @@ impl Lease {
     /// flight never holds the call back: both are polled together. A failed renewal is retried
     /// at the next tick (two more chances before the lease can expire); once the key is known
     /// to hold another claim, renewing stops.
-    pub async fn renewing<F: Future>(&mut self, call: F) -> F::Output {
+    pub(crate) async fn renewing<F: Future>(&mut self, call: F) -> F::Output {
         let period = self.lock_ttl / 3;
         tokio::pin!(call);
         let mut next = Instant::now() + period;
@@ -101,7 +101,7 @@ impl Lease {
     }
 
     /// Frees the key (holder only).
-    pub async fn release(mut self) {
+    pub(crate) async fn release(mut self) {
         match self.store.release(&self.key, &self.held).await {
             Ok(true) => {}
             Ok(false) => self.mark_lost("another request holds the key now"),
@@ -119,7 +119,7 @@ impl Lease {
     /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
     /// `pending`: past its bounds it saves `result-not-kept` instead) while the lease may still
     /// be valid; the caller answers the client at once either way.
-    pub async fn complete(
+    pub(crate) async fn complete(
         mut self,
         done: Record,
         ttl: Duration,

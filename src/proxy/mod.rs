@@ -64,7 +64,6 @@ use self::pending::PendingCompletions;
 use self::resolved::{Answer, Route, forward_plain, refuse};
 
 pub use keys::{KeyResolver, Lookup, LookupError};
-pub use replay::REPLAYED;
 
 /// The proxy: routes, upstream clients, the store, metrics, and the tracker of background
 /// tasks (upstream calls and completions) that shutdown waits for.
@@ -108,12 +107,12 @@ impl Proxy {
     }
 
     /// Marks the start of the drain (readiness answers 503 from then on).
-    pub fn start_draining(&self) {
+    pub(crate) fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
     }
 
     /// Whether the drain has started.
-    pub fn is_draining(&self) -> bool {
+    pub(crate) fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 
@@ -137,12 +136,12 @@ impl Proxy {
 
     /// The background tasks (upstream calls, completions) that must finish before the process
     /// exits.
-    pub fn tasks(&self) -> &TaskTracker {
+    pub(crate) fn tasks(&self) -> &TaskTracker {
         &self.shared.tasks
     }
 
     /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
-    pub fn log_pending_saves(&self) {
+    pub(crate) fn log_pending_saves(&self) {
         self.shared.pending.log_pending();
     }
 
@@ -157,12 +156,12 @@ impl Proxy {
     }
 
     /// The configuration in force.
-    pub fn config(&self) -> &Config {
+    pub(crate) fn config(&self) -> &Config {
         &self.config
     }
 
     /// Handles one request. Never fails: every failure is an HTTP answer.
-    pub async fn handle(
+    pub(crate) async fn handle(
         self: &Arc<Self>,
         req: Request<Incoming>,
         client: SocketAddr,

@@ -63,7 +63,12 @@ pub(super) struct Ticket {
 }
 
 impl PendingCompletions {
-    pub fn new(max: u32, max_bytes: u64, count: Gauge, held_bytes: Gauge) -> PendingCompletions {
+    pub(crate) fn new(
+        max: u32,
+        max_bytes: u64,
+        count: Gauge,
+        held_bytes: Gauge,
+    ) -> PendingCompletions {
         PendingCompletions {
             inner: Mutex::default(),
             max: u64::from(max),
@@ -81,7 +86,7 @@ impl PendingCompletions {
     /// Starts tracking a completion of a `bytes` long result for the key whose hash is `key`;
     /// downgrades the oldest whole ones — this one too, if it alone is over the byte bound —
     /// while the bounds are exceeded.
-    pub fn begin(&self, route: Arc<str>, key: String, bytes: u64) -> Ticket {
+    pub(crate) fn begin(&self, route: Arc<str>, key: String, bytes: u64) -> Ticket {
         let downgrade = CancellationToken::new();
         let mut inner = self.lock();
         let id = inner.next;
@@ -109,12 +114,12 @@ impl PendingCompletions {
     }
 
     /// Whether as many downgraded saves are pending as the bound allows: new claims must wait.
-    pub fn is_saturated(&self) -> bool {
+    pub(crate) fn is_saturated(&self) -> bool {
         self.lock().downgraded.len() as u64 >= self.max
     }
 
     /// The save ended (saved, or its lease lost).
-    pub fn finish(&self, ticket: &Ticket) {
+    pub(crate) fn finish(&self, ticket: &Ticket) {
         let mut inner = self.lock();
         if let Some(p) = inner.whole.remove(&ticket.id) {
             inner.bytes -= p.bytes;
@@ -131,7 +136,7 @@ impl PendingCompletions {
     }
 
     /// Logs every save still pending (at shutdown), with its key's hash.
-    pub fn log_pending(&self) {
+    pub(crate) fn log_pending(&self) {
         let inner = self.lock();
         let count = inner.whole.len() + inner.downgraded.len();
         if count == 0 {
@@ -151,7 +156,7 @@ impl PendingCompletions {
 
     /// How many saves are pending, whole and downgraded.
     #[cfg(test)]
-    pub fn len(&self) -> (usize, usize) {
+    pub(crate) fn len(&self) -> (usize, usize) {
         let inner = self.lock();
         (inner.whole.len(), inner.downgraded.len())
     }

@@ -12,7 +12,7 @@ use crate::record::{Saved, SavedResponse};
 use crate::route::IdempotencySettings;
 
 /// The header added to every replayed response.
-pub const REPLAYED: &str = "idempotent-replayed";
+pub(crate) const REPLAYED: &str = "idempotent-replayed";
 
 /// The answer to a repeat of a finished operation.
 pub(super) fn replay(saved: Saved) -> Answer {

@@ -37,7 +37,7 @@ pub(super) struct Route {
 impl Route {
     /// Resolves every route of `config`, in file order: its upstream's client, its policy and
     /// its metric series.
-    pub fn resolve_all(config: &Config, metrics: &Metrics) -> Vec<Arc<Route>> {
+    pub(crate) fn resolve_all(config: &Config, metrics: &Metrics) -> Vec<Arc<Route>> {
         let upstreams: BTreeMap<&str, Arc<Upstream>> = config
             .upstreams
             .iter()
@@ -69,7 +69,7 @@ impl Route {
     }
 
     /// The store key of the key whose hash is `id`, on this route.
-    pub fn store_key(&self, id: KeyId) -> StoreKey {
+    pub(crate) fn store_key(&self, id: KeyId) -> StoreKey {
         StoreKey::new(self.namespace.clone(), self.number, id)
     }
 }

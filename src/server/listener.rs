@@ -107,7 +107,7 @@ impl Peer {
     }
 
     /// The client's address.
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
     }
 
@@ -159,7 +159,7 @@ impl Listener {
     }
 
     /// Serves TLS (HTTP/1.1 and h2 by ALPN) instead of cleartext.
-    pub fn tls(mut self, acceptor: Option<TlsAcceptor>) -> Listener {
+    pub(crate) fn tls(mut self, acceptor: Option<TlsAcceptor>) -> Listener {
         self.tls = acceptor;
         self
     }
@@ -250,14 +250,14 @@ pub struct Drain {
 impl Drain {
     /// Tells every connection to finish the requests it is serving and close (HTTP/1.1: no
     /// keep-alive; HTTP/2: GOAWAY), and waits until all have.
-    pub async fn close(&self) {
+    pub(crate) async fn close(&self) {
         self.stop.graceful.cancel();
         self.connections.close();
         self.connections.wait().await;
     }
 
     /// Closes every connection still open at once.
-    pub fn abort(&self) {
+    pub(crate) fn abort(&self) {
         self.stop.now.cancel();
     }
 

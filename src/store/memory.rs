@@ -341,18 +341,14 @@ impl MemoryStore {
     }
 
     /// How many records are held now, expired ones not yet swept included.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         usize::try_from(self.inner.held.load(Ordering::Acquire)).unwrap_or(usize::MAX)
     }
 
     /// Whether no record is held.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    /// The bound on records held (`store.max_entries`).
-    pub fn max_entries(&self) -> u64 {
-        self.inner.max_entries
     }
 }
 

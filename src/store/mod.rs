@@ -174,7 +174,7 @@ pub enum Forgotten {
 
 impl Forgotten {
     /// Classifies encoded bytes: a finished record may be forgotten, nothing else.
-    pub fn of(bytes: &[u8]) -> Forgotten {
+    pub(crate) fn of(bytes: &[u8]) -> Forgotten {
         if crate::record::is_finished(bytes) {
             Forgotten::Forgotten
         } else if crate::record::is_in_flight(bytes) {
@@ -201,11 +201,6 @@ impl StoreHandle {
             timeout,
             metrics,
         }
-    }
-
-    /// The per-operation deadline.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
     }
 
     async fn timed<T>(
@@ -285,7 +280,7 @@ impl StoreHandle {
     }
 
     /// See [`Store::wait_change`].
-    pub async fn wait_change(&self, key: &StoreKey, max: Duration) {
+    pub(crate) async fn wait_change(&self, key: &StoreKey, max: Duration) {
         self.inner.wait_change(key, max).await;
     }
 
@@ -295,7 +290,10 @@ impl StoreHandle {
     }
 
     /// See [`Store::inspect`]; decodes the record.
-    pub async fn inspect(&self, key: &StoreKey) -> Result<Option<(Record, Duration)>, StoreError> {
+    pub(crate) async fn inspect(
+        &self,
+        key: &StoreKey,
+    ) -> Result<Option<(Record, Duration)>, StoreError> {
         let found = self.timed(StoreOp::Get, self.inner.inspect(key)).await?;
         match found {
             None => Ok(None),
@@ -304,12 +302,12 @@ impl StoreHandle {
     }
 
     /// See [`Store::fill`].
-    pub fn fill(&self) -> Option<(u64, u64)> {
+    pub(crate) fn fill(&self) -> Option<(u64, u64)> {
         self.inner.fill()
     }
 
     /// See [`Store::forget`].
-    pub async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+    pub(crate) async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
         self.timed(StoreOp::Forget, self.inner.forget(key)).await
     }
 }

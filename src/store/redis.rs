@@ -42,8 +42,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{AsyncCommands, RedisResult, Script, Value};
 
-pub use self::connect::{client, cluster_client};
-pub use self::replicas::MAX_DEDICATED;
+pub(crate) use self::connect::{client, cluster_client};
 use self::replicas::Replicas;
 use self::scripts::{COMPLETE, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
@@ -253,7 +252,7 @@ impl<C: RedisConnection> RedisStore<C> {
     /// a forgotten operation), is too old for `SET NX GET`, or (with `store.wait_replicas`)
     /// has fewer replicas than it waits for. Failures to check are logged, not fatal: the
     /// proxy must start while Redis is down.
-    pub async fn check_server(&self, timeout: Duration) {
+    pub(crate) async fn check_server(&self, timeout: Duration) {
         check::check_servers(&self.conn, &self.server, timeout).await;
         if let Some(replicas) = &self.replicas {
             check::check_replicas(&self.conn, &self.server, timeout, replicas.wanted()).await;

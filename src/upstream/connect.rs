@@ -23,10 +23,10 @@ use tower_service::Service;
 /// When a connection was made; found in the extensions of every response it carried, and in
 /// the connect info of a request that failed on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Born(pub Instant);
+pub(crate) struct Born(pub Instant);
 
 /// A connection with its [`Born`] stamp.
-pub struct Stamped<T> {
+pub(crate) struct Stamped<T> {
     inner: T,
     born: Instant,
 }
@@ -81,13 +81,13 @@ type Inner = HttpsConnector<HttpConnector>;
 
 /// The connector: [`HttpsConnector`] whose connections are [`Stamped`].
 #[derive(Clone)]
-pub struct Connector {
+pub(crate) struct Connector {
     inner: Inner,
 }
 
 impl Connector {
     /// Wraps a connector.
-    pub fn new(inner: Inner) -> Connector {
+    pub(crate) fn new(inner: Inner) -> Connector {
         Connector { inner }
     }
 }
@@ -115,7 +115,7 @@ impl Service<Uri> for Connector {
 
 /// Whether a failed request got no response on a connection made before `sent`: the
 /// keep-alive race, where the upstream closed the connection as the request was written.
-pub fn unanswered_on_reused(e: &hyper_util::client::legacy::Error, sent: Instant) -> bool {
+pub(crate) fn unanswered_on_reused(e: &hyper_util::client::legacy::Error, sent: Instant) -> bool {
     if e.is_connect() {
         return false;
     }

@@ -32,7 +32,7 @@ use tokio::time::Instant;
 use self::connect::Connector;
 use self::gathered::Gathered;
 use self::refusal::says_close;
-pub use self::refusal::{ClosedByUpstream, refuses_head};
+pub(crate) use self::refusal::{ClosedByUpstream, refuses_head};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -44,7 +44,7 @@ const UPSTREAM_BODY: &str = "the upstream response (upstreams.*.timeout)";
 
 /// How an upstream call failed.
 #[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
+pub(crate) enum UpstreamError {
     /// The connection could not be made: the request was not sent.
     #[error("connect failed: {0}")]
     Connect(String),
@@ -67,7 +67,7 @@ pub enum UpstreamError {
 }
 
 /// A response whose body was read up to a bound.
-pub enum Bounded {
+pub(crate) enum Bounded {
     /// The whole body fit.
     Complete(Bytes),
     /// The body is larger than the bound: what was read, and the rest still to stream.
@@ -80,7 +80,7 @@ pub enum Bounded {
 }
 
 /// One upstream and its connection pool.
-pub struct Upstream {
+pub(crate) struct Upstream {
     name: String,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
@@ -116,7 +116,7 @@ const HOP_BY_HOP: &[&str] = &[
 ];
 
 /// Removes hop-by-hop headers, including every header that `Connection` names.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names is cheaper than a lookup of each.
     let any = headers.keys().any(|name| {
         let name = name.as_str();
@@ -151,7 +151,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 impl Upstream {
     /// Builds the client. An https upstream trusts what its settings say: the certificates of
     /// `ca_file`, or else the Mozilla roots (webpki-roots).
-    pub fn new(settings: &UpstreamSettings, duration: Histogram) -> Upstream {
+    pub(crate) fn new(settings: &UpstreamSettings, duration: Histogram) -> Upstream {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(settings.connect_timeout));
@@ -195,18 +195,13 @@ impl Upstream {
     }
 
     /// The upstream's name.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
-    }
-
-    /// The deadline for a whole response.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
     }
 
     /// Builds the upstream request from the client's: the URL rebased on the upstream,
     /// hop-by-hop headers removed, `X-Forwarded-*` set, the key header kept or dropped.
-    pub fn request<B>(
+    pub(crate) fn request<B>(
         &self,
         parts: Parts,
         body: B,
@@ -284,7 +279,7 @@ impl Upstream {
     /// Sends a request; the response head must arrive within the upstream's timeout, and its
     /// body, streamed, fails if it has not ended by then either. Hop-by-hop headers are
     /// removed from the response.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
+    pub(crate) async fn send(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
         let start = Instant::now();
         let deadline = start + self.timeout;
         let resp = self.head(req, deadline).await;
@@ -357,7 +352,7 @@ impl Upstream {
     ///
     /// With `resend`, a request that got no response on a reused connection is sent once more
     /// on a fresh one (see [`Upstream::head_resending`]).
-    pub async fn call_bounded(
+    pub(crate) async fn call_bounded(
         &self,
         req: Request<Bytes>,
         limit: u64,
@@ -442,7 +437,7 @@ fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
 }
 
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
-pub fn chain(prefix: Bytes, rest: Body) -> Body {
+pub(crate) fn chain(prefix: Bytes, rest: Body) -> Body {
     let head =
         futures_util::stream::once(async move { Ok::<_, body::BoxError>(Frame::data(prefix)) });
     body::boxed(StreamBody::new(head.chain(BodyStream::new(rest))))
@@ -450,7 +445,7 @@ pub fn chain(prefix: Bytes, rest: Body) -> Body {
 
 /// An error with its sources, joined: hyper's top-level messages alone ("client error
 /// (Connect)") do not say what happened.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

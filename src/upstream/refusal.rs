@@ -7,13 +7,13 @@ use http::header::{self, HeaderMap};
 /// Set in a response's extensions when the upstream sent `Connection: close` on it: the header
 /// itself is hop-by-hop, removed before anyone else sees the response.
 #[derive(Debug, Clone, Copy)]
-pub struct ClosedByUpstream;
+pub(crate) struct ClosedByUpstream;
 
 /// Whether an upstream's answer refuses the request's head rather than answering the operation
 /// (SPEC §4.3), so it must never be saved as the key's result: `431` and `414` always; `400`
 /// only when it closes the connection, which is what HTTP parsers do when they give up on a
 /// head (nginx, Node, Go, gunicorn), while an application's `400` leaves it open.
-pub fn refuses_head(parts: &http::response::Parts) -> bool {
+pub(crate) fn refuses_head(parts: &http::response::Parts) -> bool {
     match parts.status {
         StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE | StatusCode::URI_TOO_LONG => true,
         StatusCode::BAD_REQUEST => parts.extensions.get::<ClosedByUpstream>().is_some(),

@@ -15,7 +15,7 @@ fn cli_binary() -> String {
 }
 
 /// `n` distinct ports that were free a moment ago.
-pub fn free_ports(n: usize) -> Vec<u16> {
+pub(crate) fn free_ports(n: usize) -> Vec<u16> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     while out.len() < n {
@@ -28,7 +28,7 @@ pub fn free_ports(n: usize) -> Vec<u16> {
 }
 
 /// Polls `cond` every 20ms until it holds or `within` passes; panics with `what` otherwise.
-pub fn wait_for(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_for(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
@@ -37,7 +37,7 @@ pub fn wait_for(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 /// One node of the cluster.
-pub struct ClusterNode {
+pub(crate) struct ClusterNode {
     /// Its client port.
     pub port: u16,
     bus: u16,
@@ -45,7 +45,7 @@ pub struct ClusterNode {
 }
 
 /// A Redis Cluster on loopback.
-pub struct RedisCluster {
+pub(crate) struct RedisCluster {
     /// Every node, primaries and replicas.
     pub nodes: Vec<ClusterNode>,
     dir: tempfile::TempDir,
@@ -53,7 +53,7 @@ pub struct RedisCluster {
 
 /// One line of `CLUSTER NODES`, as far as the tests need it.
 #[derive(Debug, Clone)]
-pub struct NodeLine {
+pub(crate) struct NodeLine {
     /// The node's id.
     pub id: String,
     /// Its client port.
@@ -69,7 +69,7 @@ pub struct NodeLine {
 impl RedisCluster {
     /// Starts `masters` primaries with `replicas` replicas each, and waits until every node
     /// says `cluster_state:ok` and every replica is in sync.
-    pub fn start(masters: usize, replicas: usize) -> RedisCluster {
+    pub(crate) fn start(masters: usize, replicas: usize) -> RedisCluster {
         let count = masters * (1 + replicas);
         let ports = free_ports(count * 2);
         let dir = tempfile::tempdir().expect("temp dir for the cluster");
@@ -112,7 +112,7 @@ impl RedisCluster {
 
     /// Waits until every node says `cluster_state:ok`, knows every other, agrees on who serves
     /// every slot, and every replica's link to its primary is up.
-    pub fn wait_converged(&self) {
+    pub(crate) fn wait_converged(&self) {
         wait_for(Duration::from_secs(20), "the cluster to converge", || {
             self.converged()
         });
@@ -161,7 +161,7 @@ impl RedisCluster {
     }
 
     /// `redis://127.0.0.1:PORT` of every primary (the seed nodes a proxy is given).
-    pub fn seeds(&self) -> Vec<String> {
+    pub(crate) fn seeds(&self) -> Vec<String> {
         self.masters()
             .iter()
             .map(|n| format!("redis://127.0.0.1:{}", n.port))
@@ -170,7 +170,7 @@ impl RedisCluster {
 
     /// The `store:` lines of a proxy on this cluster (for [`super::Env::config_with`]-style
     /// configurations).
-    pub fn store_lines(&self) -> String {
+    pub(crate) fn store_lines(&self) -> String {
         format!(
             "backend: redis-cluster\nnodes: [{}]\n",
             self.seeds().join(", ")
@@ -178,12 +178,12 @@ impl RedisCluster {
     }
 
     /// A connection to one node.
-    pub fn conn(&self, port: u16) -> redis::Connection {
+    pub(crate) fn conn(&self, port: u16) -> redis::Connection {
         try_conn(port).unwrap_or_else(|e| panic!("connect to cluster node {port}: {e}"))
     }
 
     /// `CLUSTER NODES` as one live node sees it.
-    pub fn view(&self) -> Vec<NodeLine> {
+    pub(crate) fn view(&self) -> Vec<NodeLine> {
         for node in &self.nodes {
             if let Ok(mut c) = try_conn(node.port) {
                 if let Ok(text) = redis::cmd("CLUSTER").arg("NODES").query::<String>(&mut c) {
@@ -195,12 +195,12 @@ impl RedisCluster {
     }
 
     /// The primaries, as the cluster sees them now.
-    pub fn masters(&self) -> Vec<NodeLine> {
+    pub(crate) fn masters(&self) -> Vec<NodeLine> {
         self.view().into_iter().filter(|n| n.master).collect()
     }
 
     /// The slot of `key`.
-    pub fn slot_of(&self, key: &str) -> u16 {
+    pub(crate) fn slot_of(&self, key: &str) -> u16 {
         let port = self.nodes[0].port;
         redis::cmd("CLUSTER")
             .arg("KEYSLOT")
@@ -210,7 +210,7 @@ impl RedisCluster {
     }
 
     /// The primary serving `slot` now.
-    pub fn owner_of(&self, slot: u16) -> NodeLine {
+    pub(crate) fn owner_of(&self, slot: u16) -> NodeLine {
         self.masters()
             .into_iter()
             .find(|n| n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
@@ -218,7 +218,7 @@ impl RedisCluster {
     }
 
     /// A replica of the primary `master`.
-    pub fn replica_of(&self, master: &NodeLine) -> NodeLine {
+    pub(crate) fn replica_of(&self, master: &NodeLine) -> NodeLine {
         self.view()
             .into_iter()
             .find(|n| n.master_id.as_deref() == Some(master.id.as_str()))
@@ -230,7 +230,7 @@ impl RedisCluster {
     /// `SETSLOT … NODE` on the target, the source and every other primary. `between` runs after
     /// each step (1: importing/migrating set, 2: keys moved, 3: owner set everywhere), so a
     /// test can let traffic meet each state.
-    pub fn migrate_slot(
+    pub(crate) fn migrate_slot(
         &self,
         slot: u16,
         from: &NodeLine,
@@ -295,7 +295,7 @@ impl RedisCluster {
     /// `CLUSTER FAILOVER` (coordinated: the replica catches up with its primary, which stops
     /// taking writes meanwhile, then takes over) sent to `replica`; waits until it serves as a
     /// primary and the cluster agrees.
-    pub fn failover(&self, replica: &NodeLine) {
+    pub(crate) fn failover(&self, replica: &NodeLine) {
         let _: () = redis::cmd("CLUSTER")
             .arg("FAILOVER")
             .query(&mut self.conn(replica.port))
@@ -320,17 +320,17 @@ impl RedisCluster {
     }
 
     /// SIGSTOP on every node: the cluster hangs, connections stay open.
-    pub fn pause_all(&self) {
+    pub(crate) fn pause_all(&self) {
         self.signal_all("-STOP");
     }
 
     /// SIGCONT on every node.
-    pub fn resume_all(&self) {
+    pub(crate) fn resume_all(&self) {
         self.signal_all("-CONT");
     }
 
     /// SIGKILL on every node: the cluster is gone, connections are refused.
-    pub fn kill_all(&mut self) {
+    pub(crate) fn kill_all(&mut self) {
         for node in &mut self.nodes {
             if let Some(mut c) = node.child.take() {
                 let _ = c.kill();
@@ -341,7 +341,7 @@ impl RedisCluster {
 
     /// Starts every node again on its port, with its `nodes-PORT.conf` (so the cluster forms
     /// again as it was, minus the data), and waits until it has converged.
-    pub fn restart_all(&mut self) {
+    pub(crate) fn restart_all(&mut self) {
         self.kill_all();
         for node in &mut self.nodes {
             node.child = Some(spawn_node(self.dir.path(), node.port, node.bus));
@@ -350,7 +350,7 @@ impl RedisCluster {
     }
 
     /// The directory the nodes keep their `nodes-PORT.conf` in.
-    pub fn dir(&self) -> &std::path::Path {
+    pub(crate) fn dir(&self) -> &std::path::Path {
         self.dir.path()
     }
 }
@@ -402,7 +402,7 @@ fn ping(port: u16) -> bool {
 }
 
 /// Parses `CLUSTER NODES`.
-pub fn parse_nodes(text: &str) -> Vec<NodeLine> {
+pub(crate) fn parse_nodes(text: &str) -> Vec<NodeLine> {
     text.lines()
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();

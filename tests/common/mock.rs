@@ -18,7 +18,7 @@ pub(crate) use serve::serve;
 
 /// Binds `127.0.0.1:0`, serves a fresh [`MockUpstream`] there on the current Tokio runtime and
 /// returns its handle.
-pub async fn start() -> io::Result<MockHandle> {
+pub(crate) async fn start() -> io::Result<MockHandle> {
     let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
     let addr = listener.local_addr()?;
     let state = MockUpstream::new();
@@ -37,7 +37,7 @@ pub async fn start() -> io::Result<MockHandle> {
 
 /// A running mock started by [`start`]: its address and its counters. Stops the server when
 /// dropped (requests in flight get a few seconds to finish).
-pub struct MockHandle {
+pub(crate) struct MockHandle {
     addr: SocketAddr,
     state: MockUpstream,
     stop: Option<oneshot::Sender<()>>,
@@ -45,52 +45,52 @@ pub struct MockHandle {
 }
 
 impl MockHandle {
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// The base URL, e.g. `http://127.0.0.1:40123` (no trailing slash).
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
     /// The shared state, to hand to code that wants a [`MockUpstream`].
-    pub fn state(&self) -> &MockUpstream {
+    pub(crate) fn state(&self) -> &MockUpstream {
         &self.state
     }
 
     /// See [`MockUpstream::calls`].
-    pub fn calls(&self, key: &str) -> u64 {
+    pub(crate) fn calls(&self, key: &str) -> u64 {
         self.state.calls(key)
     }
 
     /// See [`MockUpstream::total`].
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.state.total()
     }
 
     /// See [`MockUpstream::bookings`].
-    pub fn bookings(&self) -> u64 {
+    pub(crate) fn bookings(&self) -> u64 {
         self.state.bookings()
     }
 
     /// See [`MockUpstream::stats`].
-    pub fn stats(&self) -> MockStats {
+    pub(crate) fn stats(&self) -> MockStats {
         self.state.stats()
     }
 
     /// See [`MockUpstream::last_request`].
-    pub fn last_request(&self) -> Option<RecordedRequest> {
+    pub(crate) fn last_request(&self) -> Option<RecordedRequest> {
         self.state.last_request()
     }
 
     /// See [`MockUpstream::reset`].
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         self.state.reset();
     }
 
     /// Stops the server and waits until it has stopped.
-    pub async fn shutdown(mut self) -> io::Result<()> {
+    pub(crate) async fn shutdown(mut self) -> io::Result<()> {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

@@ -19,13 +19,13 @@
 //! Every behaviour test is written once and run against both stores with [`both_stores!`].
 #![allow(dead_code)]
 
-pub mod cluster;
-pub mod mock;
-pub mod pki;
-pub mod prometheus;
-pub mod relay;
-pub mod secured;
-pub mod store_checks;
+pub(crate) mod cluster;
+pub(crate) mod mock;
+pub(crate) mod pki;
+pub(crate) mod prometheus;
+pub(crate) mod relay;
+pub(crate) mod secured;
+pub(crate) mod store_checks;
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -42,11 +42,11 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub use prometheus::metric_value;
+pub(crate) use prometheus::metric_value;
 
 /// Which store a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub(crate) enum Backend {
     Memory,
     Redis,
 }
@@ -77,7 +77,7 @@ macro_rules! both_stores {
 
 /// The `redis-server` flags of every test server: loopback only, nothing persisted, in the
 /// foreground, quiet.
-pub const REDIS_EPHEMERAL: [&str; 10] = [
+pub(crate) const REDIS_EPHEMERAL: [&str; 10] = [
     "--bind",
     "127.0.0.1",
     "--save",
@@ -91,7 +91,7 @@ pub const REDIS_EPHEMERAL: [&str; 10] = [
 ];
 
 /// A port that was free a moment ago.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     let l = StdListener::bind("127.0.0.1:0").expect("bind a free port");
     l.local_addr().expect("local addr").port()
 }
@@ -102,7 +102,7 @@ fn redis_binary() -> String {
 }
 
 /// A `redis-server` of this test's own.
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     port: u16,
     child: Option<Child>,
     extra: Vec<String>,
@@ -113,12 +113,12 @@ pub struct RedisServer {
 
 impl RedisServer {
     /// Starts one on a free loopback port, with no persistence.
-    pub fn start() -> RedisServer {
+    pub(crate) fn start() -> RedisServer {
         RedisServer::start_with(&[])
     }
 
     /// Starts one with extra `--option value` arguments.
-    pub fn start_with(extra: &[&str]) -> RedisServer {
+    pub(crate) fn start_with(extra: &[&str]) -> RedisServer {
         let mut s = RedisServer {
             port: free_port(),
             child: None,
@@ -164,22 +164,22 @@ impl RedisServer {
     }
 
     /// `redis://127.0.0.1:PORT/0`.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
     /// The port.
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.port
     }
 
     /// `127.0.0.1:PORT`, for a relay in front of it.
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
     /// The process id.
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child
             .as_ref()
             .map(|c| c.id())
@@ -195,17 +195,17 @@ impl RedisServer {
     }
 
     /// SIGSTOP: Redis hangs, connections stay open.
-    pub fn pause(&self) {
+    pub(crate) fn pause(&self) {
         self.signal("-STOP");
     }
 
     /// SIGCONT.
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.signal("-CONT");
     }
 
     /// SIGKILL, and reap.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -213,13 +213,13 @@ impl RedisServer {
     }
 
     /// Starts again on the same port (after [`RedisServer::kill`]). Empty: no persistence.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.kill();
         self.spawn();
     }
 
     /// A synchronous connection, for inspecting or corrupting what the proxy stored.
-    pub fn conn(&self) -> redis::Connection {
+    pub(crate) fn conn(&self) -> redis::Connection {
         redis::Client::open(self.url())
             .expect("redis url")
             .get_connection_with_timeout(Duration::from_secs(2))
@@ -241,7 +241,7 @@ impl Drop for RedisServer {
 }
 
 /// One test's world: an upstream and, for Redis, a Redis.
-pub struct Env {
+pub(crate) struct Env {
     pub backend: Backend,
     pub mock: MockHandle,
     pub redis: Option<RedisServer>,
@@ -249,7 +249,7 @@ pub struct Env {
 
 impl Env {
     /// A fresh mock upstream and, with `Backend::Redis`, a fresh Redis.
-    pub async fn new(backend: Backend) -> Env {
+    pub(crate) async fn new(backend: Backend) -> Env {
         let mock = mock::start().await.expect("start the mock upstream");
         let redis = (backend == Backend::Redis).then(RedisServer::start);
         Env {
@@ -260,17 +260,17 @@ impl Env {
     }
 
     /// The Redis of a Redis test.
-    pub fn redis(&self) -> &RedisServer {
+    pub(crate) fn redis(&self) -> &RedisServer {
         self.redis.as_ref().expect("a Redis test")
     }
 
     /// Mutable access to the Redis of a Redis test.
-    pub fn redis_mut(&mut self) -> &mut RedisServer {
+    pub(crate) fn redis_mut(&mut self) -> &mut RedisServer {
         self.redis.as_mut().expect("a Redis test")
     }
 
     /// The `store:` section for this backend (store timeout 300ms unless `extra` sets it).
-    pub fn store_yaml(&self, extra: &str) -> String {
+    pub(crate) fn store_yaml(&self, extra: &str) -> String {
         let mut s = match &self.redis {
             Some(r) => format!("store:\n  backend: redis\n  url: {}\n", r.url()),
             None => "store:\n  backend: memory\n".to_owned(),
@@ -289,12 +289,12 @@ impl Env {
     /// A whole configuration: `POST /bookings` (route `create-booking`) idempotent with the
     /// `idempotency:` lines in `idem` (indented freely; one setting a line), `/pay/*` (route
     /// `pay`) idempotent with defaults, and every other path (route `rest`) passed through.
-    pub fn config(&self, idem: &str) -> String {
+    pub(crate) fn config(&self, idem: &str) -> String {
         self.config_with(idem, "")
     }
 
     /// [`Env::config`] with extra `store:` lines.
-    pub fn config_with(&self, idem: &str, store: &str) -> String {
+    pub(crate) fn config_with(&self, idem: &str, store: &str) -> String {
         let mut idem_lines = String::new();
         for line in idem.lines().filter(|l| !l.trim().is_empty()) {
             idem_lines.push_str("      ");
@@ -312,13 +312,13 @@ impl Env {
     }
 
     /// Starts a proxy in this process with this configuration.
-    pub async fn proxy(&self, yaml: &str) -> TestProxy {
+    pub(crate) async fn proxy(&self, yaml: &str) -> TestProxy {
         TestProxy::start(yaml).await
     }
 }
 
 /// The proxy served in this process.
-pub struct TestProxy {
+pub(crate) struct TestProxy {
     pub addr: SocketAddr,
     pub proxy: Arc<Proxy>,
     stop: Option<oneshot::Sender<()>>,
@@ -327,7 +327,7 @@ pub struct TestProxy {
 
 impl TestProxy {
     /// Parses `yaml`, binds 127.0.0.1:0 (the file's `listen` is ignored) and serves.
-    pub async fn start(yaml: &str) -> TestProxy {
+    pub(crate) async fn start(yaml: &str) -> TestProxy {
         let config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}\n{yaml}"));
         let metrics = Arc::new(Metrics::new());
         let store = idemproxy::server::build_store(&config, metrics.clone()).expect("store");
@@ -360,33 +360,33 @@ impl TestProxy {
     }
 
     /// `http://ADDR{path}`.
-    pub fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
 
     /// The proxy's metrics.
-    pub fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &Metrics {
         self.proxy.metrics()
     }
 
     /// [`metric_value`] in this proxy's `/metrics` text.
-    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+    pub(crate) fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         metric_value(&self.proxy.encode_metrics(), name, labels)
     }
 
     /// The requests on `route` counted with `outcome`.
-    pub fn requests(&self, route: &str, outcome: Outcome) -> u64 {
+    pub(crate) fn requests(&self, route: &str, outcome: Outcome) -> u64 {
         let labels = [("route", route), ("outcome", outcome.as_str())];
         self.metric("idemproxy_requests_total", &labels) as u64
     }
 
     /// The lost leases counted, every route together.
-    pub fn lost_leases(&self) -> u64 {
+    pub(crate) fn lost_leases(&self) -> u64 {
         self.metric("idemproxy_lost_leases_total", &[]) as u64
     }
 
     /// Graceful stop: waits for requests in flight and background saves.
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -405,7 +405,7 @@ impl Drop for TestProxy {
 }
 
 /// A client that does not reuse connections across tests and never follows redirects.
-pub fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(Duration::from_secs(30))
@@ -415,7 +415,7 @@ pub fn client() -> reqwest::Client {
 
 /// A response read whole: status, headers, body bytes.
 #[derive(Debug, Clone)]
-pub struct Reply {
+pub(crate) struct Reply {
     pub status: u16,
     pub headers: reqwest::header::HeaderMap,
     pub body: bytes::Bytes,
@@ -424,7 +424,7 @@ pub struct Reply {
 impl Reply {
     /// Every header as `name: value` lines, sorted, without `Idempotent-Replayed`: what a replay
     /// must repeat of the first response.
-    pub fn header_lines(&self) -> Vec<String> {
+    pub(crate) fn header_lines(&self) -> Vec<String> {
         let mut lines: Vec<String> = self
             .headers
             .iter()
@@ -436,7 +436,7 @@ impl Reply {
     }
 
     /// A header's value as text ("" when absent).
-    pub fn header(&self, name: &str) -> String {
+    pub(crate) fn header(&self, name: &str) -> String {
         self.headers
             .get(name)
             .and_then(|v| v.to_str().ok())
@@ -445,13 +445,13 @@ impl Reply {
     }
 
     /// The body parsed as JSON.
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
     }
 
     /// Asserts this is a problem+json of `slug` with `status`, and returns the document.
-    pub fn assert_problem(&self, status: u16, slug: &str) -> serde_json::Value {
+    pub(crate) fn assert_problem(&self, status: u16, slug: &str) -> serde_json::Value {
         assert_eq!(self.status, status, "status; body: {:?}", self.body);
         assert_eq!(
             self.header("content-type"),
@@ -478,7 +478,7 @@ impl Reply {
 }
 
 /// Sends a request built by `req` and reads the whole reply.
-pub async fn send(req: reqwest::RequestBuilder) -> Reply {
+pub(crate) async fn send(req: reqwest::RequestBuilder) -> Reply {
     let resp = req.send().await.expect("request failed");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
@@ -491,12 +491,12 @@ pub async fn send(req: reqwest::RequestBuilder) -> Reply {
 }
 
 /// `POST {proxy}/bookings` with a key and a JSON body.
-pub async fn book(proxy: &TestProxy, key: &str, body: &str) -> Reply {
+pub(crate) async fn book(proxy: &TestProxy, key: &str, body: &str) -> Reply {
     book_with(&proxy.url(""), key, body, &[]).await
 }
 
 /// `POST {base}/bookings` with a key, a JSON body and extra headers (the mock's `X-Mock-*`).
-pub async fn book_with(base: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Reply {
+pub(crate) async fn book_with(base: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Reply {
     let mut req = client()
         .post(format!("{base}/bookings"))
         .header("Idempotency-Key", key)
@@ -510,7 +510,7 @@ pub async fn book_with(base: &str, key: &str, body: &str, extra: &[(&str, &str)]
 
 /// Starts `POST {base}/bookings` (as [`book_with`]) with the mock's `X-Mock-Delay: delay`, in
 /// a task of its own: a first request that holds its claim while the test goes on.
-pub fn spawn_booking(
+pub(crate) fn spawn_booking(
     base: String,
     key: &str,
     body: &str,
@@ -522,7 +522,7 @@ pub fn spawn_booking(
 
 /// The store key SPEC §4.1 gives `key` on the route named `route`, as text: `key_prefix` + the
 /// route's name + `:` + the hex SHA-256 of the scope values and the key (`key::key_id`).
-pub fn store_key(
+pub(crate) fn store_key(
     prefix: &str,
     route: &str,
     scope: &[http::HeaderName],
@@ -535,7 +535,7 @@ pub fn store_key(
 
 /// The store key of `key` on the harness's route `create-booking` (default prefix, default
 /// `Authorization` scope) for a caller without `Authorization`.
-pub fn booking_store_key(key: &str) -> String {
+pub(crate) fn booking_store_key(key: &str) -> String {
     store_key(
         "idemproxy:",
         "create-booking",
@@ -546,12 +546,12 @@ pub fn booking_store_key(key: &str) -> String {
 }
 
 /// The `idemproxy` binary built by cargo for the integration tests.
-pub fn binary() -> PathBuf {
+pub(crate) fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_idemproxy"))
 }
 
 /// The `idemproxy` binary as a child process.
-pub struct ProxyProcess {
+pub(crate) struct ProxyProcess {
     pub addr: SocketAddr,
     child: Option<Child>,
     pub stderr: Arc<Mutex<String>>,
@@ -561,13 +561,13 @@ pub struct ProxyProcess {
 impl ProxyProcess {
     /// Writes `yaml` (its `listen:` line replaced by a free port) to a file and runs
     /// `idemproxy --config FILE`; returns once the proxy accepts connections.
-    pub fn spawn(yaml: &str) -> ProxyProcess {
+    pub(crate) fn spawn(yaml: &str) -> ProxyProcess {
         ProxyProcess::spawn_on(yaml, free_port())
     }
 
     /// [`ProxyProcess::spawn`] on a given port: a proxy killed with SIGKILL can be started again
     /// where its clients expect it.
-    pub fn spawn_on(yaml: &str, port: u16) -> ProxyProcess {
+    pub(crate) fn spawn_on(yaml: &str, port: u16) -> ProxyProcess {
         let yaml = yaml.replace("listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}"));
         let file = write_config(&yaml);
         let mut child = Command::new(binary())
@@ -614,22 +614,22 @@ impl ProxyProcess {
     }
 
     /// `http://ADDR{path}`.
-    pub fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
 
     /// Everything the process logged so far.
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
     /// The process id.
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).expect("running")
     }
 
     /// Sends a signal (`-TERM`, `-KILL`, …).
-    pub fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         let status = Command::new("kill")
             .args([sig, &self.pid().to_string()])
             .status()
@@ -638,7 +638,7 @@ impl ProxyProcess {
     }
 
     /// Waits for the process to exit (at most `within`), returning its exit code.
-    pub fn wait(&mut self, within: Duration) -> Option<i32> {
+    pub(crate) fn wait(&mut self, within: Duration) -> Option<i32> {
         let deadline = Instant::now() + within;
         let child = self.child.as_mut().expect("running");
         loop {
@@ -664,7 +664,7 @@ impl Drop for ProxyProcess {
 }
 
 /// Writes a configuration to a temporary file.
-pub fn write_config(yaml: &str) -> tempfile::NamedTempFile {
+pub(crate) fn write_config(yaml: &str) -> tempfile::NamedTempFile {
     use std::io::Write;
     let mut f = tempfile::Builder::new()
         .suffix(".yaml")
@@ -675,7 +675,7 @@ pub fn write_config(yaml: &str) -> tempfile::NamedTempFile {
 }
 
 /// Polls `cond` every 10ms until it holds or `within` passes; returns whether it held.
-pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+pub(crate) async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
     loop {
         if cond() {

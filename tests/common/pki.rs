@@ -8,7 +8,7 @@ use rcgen::{
 };
 
 /// A test CA and a server certificate it signed, as PEM files in a directory of their own.
-pub struct Pki {
+pub(crate) struct Pki {
     dir: tempfile::TempDir,
     /// The CA certificate.
     pub ca: PathBuf,
@@ -19,7 +19,7 @@ pub struct Pki {
 }
 
 impl Pki {
-    pub fn new() -> Pki {
+    pub(crate) fn new() -> Pki {
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params
@@ -47,7 +47,7 @@ impl Pki {
     }
 
     /// Writes `text` to a file of this directory and returns its path.
-    pub fn file(&self, name: &str, text: &str) -> PathBuf {
+    pub(crate) fn file(&self, name: &str, text: &str) -> PathBuf {
         let path = self.dir.path().join(name);
         std::fs::write(&path, text).expect("write a test file");
         path

@@ -5,7 +5,7 @@
 /// text `text`, summed over every series whose labels include all of `labels` (none given:
 /// every series of `name`). Panics when no series matches, so that a misspelt name or label
 /// never reads as a zero.
-pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+pub(crate) fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     let mut matched = false;
     let mut sum = 0.0;
     for line in text.lines().filter(|l| !l.starts_with('#')) {

@@ -42,7 +42,7 @@ use tokio::time::Instant;
 
 /// A direction of traffic through the relay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Direction {
+pub(crate) enum Direction {
     /// From the connecting client (e.g. the proxy) to the target.
     Up,
     /// From the target back to the client.
@@ -51,7 +51,7 @@ pub enum Direction {
 
 /// What the relay does with connections and bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// Relays normally.
     Pass,
     /// Reads and forwards nothing; new connections never reach the target.
@@ -61,7 +61,7 @@ pub enum Mode {
 }
 
 /// Sees every chunk of bytes once it has been written to the other side.
-pub trait Tap: Send + Sync + 'static {
+pub(crate) trait Tap: Send + Sync + 'static {
     /// `bytes` were forwarded on connection `conn` (numbered from 1 in accept order).
     fn forwarded(&self, conn: u64, dir: Direction, bytes: &[u8]);
     /// Connection `conn` is gone.
@@ -70,7 +70,7 @@ pub trait Tap: Send + Sync + 'static {
 
 /// A snapshot of the relay's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RelayStats {
+pub(crate) struct RelayStats {
     /// Connections accepted since start.
     pub accepted: u64,
     /// Connections open now.
@@ -114,7 +114,7 @@ struct Shared {
 }
 
 /// A running relay. Cheap to share behind an `Arc`; every switch takes `&self`.
-pub struct Relay {
+pub(crate) struct Relay {
     addr: SocketAddr,
     target: SocketAddr,
     control: watch::Sender<Control>,
@@ -124,12 +124,12 @@ pub struct Relay {
 
 impl Relay {
     /// Starts a relay on `127.0.0.1:0` in front of `target`, passing normally.
-    pub async fn start(target: SocketAddr) -> Relay {
+    pub(crate) async fn start(target: SocketAddr) -> Relay {
         Relay::start_inner(target, None).await
     }
 
     /// [`Relay::start`], with a tap that sees every forwarded byte.
-    pub async fn start_with_tap(target: SocketAddr, tap: Arc<dyn Tap>) -> Relay {
+    pub(crate) async fn start_with_tap(target: SocketAddr, tap: Arc<dyn Tap>) -> Relay {
         Relay::start_inner(target, Some(tap)).await
     }
 
@@ -185,17 +185,17 @@ impl Relay {
     }
 
     /// Where clients connect.
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// What the relay forwards to.
-    pub fn target(&self) -> SocketAddr {
+    pub(crate) fn target(&self) -> SocketAddr {
         self.target
     }
 
     /// The counters now.
-    pub fn stats(&self) -> RelayStats {
+    pub(crate) fn stats(&self) -> RelayStats {
         let c = &self.shared.counters;
         RelayStats {
             accepted: c.accepted.load(Ordering::Relaxed),
@@ -208,12 +208,12 @@ impl Relay {
     }
 
     /// The current mode.
-    pub fn mode(&self) -> Mode {
+    pub(crate) fn mode(&self) -> Mode {
         self.control.borrow().mode
     }
 
     /// Delays every chunk by `up` (client → target) and `down` (target → client), from now on.
-    pub fn set_latency(&self, up: Duration, down: Duration) {
+    pub(crate) fn set_latency(&self, up: Duration, down: Duration) {
         self.control.send_modify(|c| {
             c.latency_up = up;
             c.latency_down = down;
@@ -221,7 +221,7 @@ impl Relay {
     }
 
     /// Resets a connection once it has forwarded `n` bytes in `dir` (`None`: never).
-    pub fn cut_after(&self, dir: Direction, n: Option<u64>) {
+    pub(crate) fn cut_after(&self, dir: Direction, n: Option<u64>) {
         self.control.send_modify(|c| match dir {
             Direction::Up => c.cut_up = n,
             Direction::Down => c.cut_down = n,
@@ -229,12 +229,12 @@ impl Relay {
     }
 
     /// Stops forwarding anything, on open and new connections, until [`Relay::pass`].
-    pub fn blackhole(&self) {
+    pub(crate) fn blackhole(&self) {
         self.control.send_modify(|c| c.mode = Mode::Blackhole);
     }
 
     /// Resets every open connection now, and every new one until [`Relay::pass`].
-    pub fn refuse(&self) {
+    pub(crate) fn refuse(&self) {
         self.control.send_modify(|c| {
             c.mode = Mode::Refuse;
             c.reset_generation += 1;
@@ -242,13 +242,13 @@ impl Relay {
     }
 
     /// Resets every open connection now; new ones relay as the mode says.
-    pub fn reset_all(&self) {
+    pub(crate) fn reset_all(&self) {
         self.control.send_modify(|c| c.reset_generation += 1);
     }
 
     /// Relays normally again. Ending a blackhole resets every connection that was open during
     /// it: bytes were thrown away in the middle of its streams, so nothing sane can follow.
-    pub fn pass(&self) {
+    pub(crate) fn pass(&self) {
         self.control.send_modify(|c| {
             if c.mode == Mode::Blackhole {
                 c.reset_generation += 1;
@@ -259,7 +259,7 @@ impl Relay {
 
     /// Back to a plain relay: passing, no latency, no cuts (open connections are kept, unless
     /// a blackhole ends).
-    pub fn heal(&self) {
+    pub(crate) fn heal(&self) {
         self.pass();
         self.control.send_modify(|c| {
             c.latency_up = Duration::ZERO;

@@ -9,7 +9,7 @@ use super::free_port;
 use super::pki::Pki;
 
 /// A `redis-server` with TLS only (`--port 0`), a password, or both. Killed on drop.
-pub struct SecuredRedis {
+pub(crate) struct SecuredRedis {
     /// Its port (the TLS port with TLS).
     pub port: u16,
     /// The CA that signed its certificate, with TLS.
@@ -21,7 +21,7 @@ pub struct SecuredRedis {
 
 impl SecuredRedis {
     /// Starts one on a free port: with TLS when `tls`, wanting `password` when given.
-    pub fn start(tls: bool, password: Option<&str>) -> SecuredRedis {
+    pub(crate) fn start(tls: bool, password: Option<&str>) -> SecuredRedis {
         let port = free_port();
         let pki = tls.then(Pki::new);
         let mut cmd = Command::new(super::redis_binary());
@@ -61,7 +61,7 @@ impl SecuredRedis {
     }
 
     /// `redis://` or `rediss://127.0.0.1:PORT/0`, without the password.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let scheme = if self.pki.is_some() {
             "rediss"
         } else {
@@ -98,7 +98,7 @@ impl SecuredRedis {
     }
 
     /// An authenticated connection, for inspecting what the proxy stored.
-    pub fn conn(&self) -> redis::Connection {
+    pub(crate) fn conn(&self) -> redis::Connection {
         self.try_conn().expect("connect to the secured redis")
     }
 }

@@ -8,7 +8,7 @@ use idemproxy::record::{Record, Saved, SavedResponse};
 use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
 
 /// A finished record: a 201 JSON response with `body`.
-pub fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
+pub(crate) fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
     Record::Done {
         fingerprint,
         saved: Saved::Response(SavedResponse {
@@ -24,7 +24,7 @@ pub fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
 
 /// The compare-and-set on the token (SPEC §4.4): A's lease expires, B claims the key; from then
 /// on nothing A does (complete, renew, release) touches the key, and B's record stands.
-pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
+pub(crate) async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
     let key = &StoreKey::new(
         idemproxy::key::namespace("idemproxy:", "create-booking"),
         0,

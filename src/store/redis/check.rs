@@ -38,7 +38,7 @@ async fn every_node<C: RedisConnection>(
 
 /// Warns loudly about every node that may evict keys (an evicted record is a forgotten
 /// operation: a retry would run it twice), and about a Redis too old for `SET NX GET`.
-pub async fn check_servers<C: RedisConnection>(conn: &C, server: &str, timeout: Duration) {
+pub(crate) async fn check_servers<C: RedisConnection>(conn: &C, server: &str, timeout: Duration) {
     let mut cmd = redis::cmd("CONFIG");
     cmd.arg("GET").arg("maxmemory-policy");
     match every_node(conn, server, timeout, cmd).await {
@@ -104,7 +104,7 @@ pub async fn check_servers<C: RedisConnection>(conn: &C, server: &str, timeout: 
 
 /// With `store.wait_replicas`, warns when the primary has fewer replicas connected than that:
 /// every claim would then be refused with a 503 until enough replicas are back.
-pub async fn check_replicas<C: RedisConnection>(
+pub(crate) async fn check_replicas<C: RedisConnection>(
     conn: &C,
     server: &str,
     timeout: Duration,

@@ -36,7 +36,7 @@ fn connection_info(url: &str, access: &RedisAccess) -> RedisResult<ConnectionInf
 }
 
 /// A client for one Redis server: `url`, plus the password and CA of `access`.
-pub fn client(url: &str, access: &RedisAccess) -> RedisResult<redis::Client> {
+pub(crate) fn client(url: &str, access: &RedisAccess) -> RedisResult<redis::Client> {
     let info = connection_info(url, access)?;
     match certificates(access) {
         // Parses the PEM now: a CA file that is not one fails here, at start.
@@ -48,7 +48,7 @@ pub fn client(url: &str, access: &RedisAccess) -> RedisResult<redis::Client> {
 /// A client for a Redis Cluster reached through `nodes`, plus the password and CA of `access`.
 /// Every attempt, response and retry is kept short: a redirect or a retry must fit in one
 /// store operation's deadline (`timeout`), which the store applies on top.
-pub fn cluster_client(
+pub(crate) fn cluster_client(
     nodes: &[String],
     access: &RedisAccess,
     timeout: Duration,
@@ -76,7 +76,7 @@ pub fn cluster_client(
 
 /// A cluster connection that connects in the background and keeps following the cluster's
 /// topology (MOVED, ASK, failovers) by itself.
-pub fn cluster_connection(client: &ClusterClient, timeout: Duration) -> ClusterConnection {
+pub(crate) fn cluster_connection(client: &ClusterClient, timeout: Duration) -> ClusterConnection {
     client.get_pending_async_connection_with_config(
         ClusterConfig::new()
             .set_connection_timeout(timeout)

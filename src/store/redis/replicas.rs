@@ -32,10 +32,10 @@ use crate::store::StoreError;
 /// Dedicated connections open at most. Each is busy for one write and its `WAIT` (a round trip
 /// or two while replicas keep up, `store.timeout` at worst); past the bound, claims wait for
 /// one to come back, within their deadline.
-pub const MAX_DEDICATED: usize = 32;
+pub(crate) const MAX_DEDICATED: usize = 32;
 
 /// The replica acknowledgement policy of one Redis store.
-pub struct Replicas {
+pub(crate) struct Replicas {
     /// `store.wait_replicas`.
     wanted: u32,
     /// `store.timeout`: how long `WAIT` waits, and each step's deadline.
@@ -47,7 +47,7 @@ pub struct Replicas {
 }
 
 /// A connection used by one write and its `WAIT`, and by nothing else meanwhile.
-pub struct Dedicated<'a> {
+pub(crate) struct Dedicated<'a> {
     conn: MultiplexedConnection,
     owner: &'a Replicas,
     _slot: OwnedSemaphorePermit,
@@ -55,13 +55,13 @@ pub struct Dedicated<'a> {
 
 impl Dedicated<'_> {
     /// The connection.
-    pub fn conn(&mut self) -> &mut MultiplexedConnection {
+    pub(crate) fn conn(&mut self) -> &mut MultiplexedConnection {
         &mut self.conn
     }
 
     /// Returns the connection to the pool: only after a clean use, when no command of ours is
     /// still pending on it. Dropping a `Dedicated` instead closes the connection.
-    pub fn give_back(self) {
+    pub(crate) fn give_back(self) {
         let mut idle = self
             .owner
             .idle
@@ -73,7 +73,7 @@ impl Dedicated<'_> {
 
 /// How many replicas acknowledged a write in time, when fewer than wanted.
 #[derive(Debug)]
-pub struct Short {
+pub(crate) struct Short {
     /// Replicas that acknowledged (0 when `WAIT` itself failed).
     pub acked: u32,
     /// Why, in words, for the log.
@@ -83,7 +83,7 @@ pub struct Short {
 impl Replicas {
     /// Waits for `wanted` replicas on connections made by `client`, each `WAIT` bounded by
     /// `timeout`; short acknowledgements are counted in `metrics`.
-    pub fn new(
+    pub(crate) fn new(
         client: redis::Client,
         wanted: u32,
         timeout: Duration,
@@ -100,7 +100,7 @@ impl Replicas {
     }
 
     /// `store.wait_replicas`.
-    pub fn wanted(&self) -> u32 {
+    pub(crate) fn wanted(&self) -> u32 {
         self.wanted
     }
 
@@ -112,7 +112,7 @@ impl Replicas {
     /// connections go too (they date from the same server), and the write runs once more on a
     /// new connection ([`resend`] says why that is safe). The checkout is bounded by
     /// `timeout`, and so are the write and its second try together.
-    pub async fn write<T, Fut>(
+    pub(crate) async fn write<T, Fut>(
         &self,
         op: &'static str,
         mut attempt: impl FnMut(MultiplexedConnection) -> Fut,
@@ -190,7 +190,7 @@ impl Replicas {
     /// `WAIT wanted timeout` on the connection that made the write: `Ok` when enough replicas
     /// acknowledged it, and the connection goes back to the pool; otherwise the shortfall, and
     /// the connection is closed unless `WAIT` answered.
-    pub async fn acknowledged(
+    pub(crate) async fn acknowledged(
         &self,
         mut dedicated: Dedicated<'_>,
         op: StoreOp,

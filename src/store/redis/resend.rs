@@ -26,13 +26,16 @@ use redis::{RedisError, RedisResult};
 /// Whether `e` says the connection had broken, as opposed to Redis refusing connections (it is
 /// down: a second try would only wait for the reconnection to fail too), a timeout (it may be
 /// hung) or an answer of Redis's.
-pub fn dropped(e: &RedisError) -> bool {
+pub(crate) fn dropped(e: &RedisError) -> bool {
     e.is_connection_dropped() && !e.is_connection_refusal()
 }
 
 /// Runs `attempt`, and once more if its connection had dropped. `op` names the operation for
 /// the log.
-pub async fn once_more<T, Fut>(op: &'static str, mut attempt: impl FnMut() -> Fut) -> RedisResult<T>
+pub(crate) async fn once_more<T, Fut>(
+    op: &'static str,
+    mut attempt: impl FnMut() -> Fut,
+) -> RedisResult<T>
 where
     Fut: Future<Output = RedisResult<T>>,
 {

@@ -4,7 +4,7 @@
 
 /// Extends the holder's claim (ARGV[1]) by ARGV[2] milliseconds. 1: extended; 0: the key holds
 /// something else (or nothing), left alone.
-pub const RENEW: &str = r"
+pub(crate) const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
@@ -13,7 +13,7 @@ return 0";
 /// Replaces the holder's claim (ARGV[1]) by the finished record (ARGV[2]). A key that already
 /// holds that very record counts as done too: the client library may send a command again
 /// after a connection error (the cluster client does), and the first attempt may have landed.
-pub const COMPLETE: &str = r"
+pub(crate) const COMPLETE: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -29,7 +29,7 @@ return 0";
 /// release is sent again after a connection error (by the cluster client's own `retries`, and
 /// by the store, see [`super::resend`]): the second attempt finds the key the first one
 /// deleted, and that is no lost lease.
-pub const RELEASE: &str = r"
+pub(crate) const RELEASE: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -40,12 +40,12 @@ end
 return 0";
 
 /// The key's value and its remaining time to live (milliseconds), read in one step.
-pub const INSPECT: &str = r"
+pub(crate) const INSPECT: &str = r"
 return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
 
 /// Deletes a finished record only: its value starts with the finished-record prefix
 /// (ARGV[1]). 0: absent; 1: forgotten; 2: anything else, left alone.
-pub const FORGET: &str = r"
+pub(crate) const FORGET: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
 if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
