@@ -349,7 +349,6 @@ pub mod client {
         /// The connection or the exchange failed.
         #[error("cannot reach the admin listener at {url}: {why}")]
         Io {
-            /// The URL.
             url: String,
             /// What failed.
             why: String,

@@ -85,10 +85,7 @@ pub enum Problem {
     },
     /// A header the proxy reads for idempotency is named in `Connection`, which would strip it
     /// before the upstream (400).
-    HopByHopConflict {
-        /// The header.
-        header: HeaderName,
-    },
+    HopByHopConflict { header: HeaderName },
     /// The client did not send the whole body within `limits.body_read_timeout` (408).
     BodyTimeout {
         /// The deadline.
@@ -162,7 +159,6 @@ impl Problem {
         }
     }
 
-    /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
             Problem::NoRoute => StatusCode::NOT_FOUND,
@@ -288,7 +284,6 @@ impl Problem {
         h
     }
 
-    /// The response to send.
     pub fn response(&self) -> Response<Body> {
         respond(self.status(), self.body(), self.headers())
     }
@@ -353,7 +348,6 @@ impl AdminProblem {
         }
     }
 
-    /// The HTTP status.
     pub(crate) fn status(&self) -> StatusCode {
         match self {
             AdminProblem::NoEndpoint
@@ -400,7 +394,6 @@ impl AdminProblem {
         }
     }
 
-    /// The response to send.
     pub(crate) fn response(&self) -> Response<Body> {
         let body = document(self.slug(), self.title(), self.status(), &self.detail());
         respond(self.status(), body, vec![content_type()])

@@ -38,7 +38,6 @@ pub struct SavedResponse {
     pub status: StatusCode,
     /// End-to-end headers, in the upstream's order (hop-by-hop ones already removed).
     pub headers: Vec<(HeaderName, HeaderValue)>,
-    /// The whole body.
     pub body: Bytes,
 }
 

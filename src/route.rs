@@ -151,13 +151,10 @@ impl RouteSettings {
 /// One part of the request fingerprint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FingerprintPart {
-    /// The request method.
     Method,
-    /// The request path.
     Path,
     /// The query string.
     Query,
-    /// The request body.
     Body,
     /// The request body as canonical JSON (key order, whitespace and number spelling do not
     /// count); the raw bytes when it is not JSON.
@@ -242,7 +239,6 @@ fn check_pointer(p: &str) -> Result<(), String> {
 /// Idempotency settings of one route, compiled.
 #[derive(Debug, Clone)]
 pub struct IdempotencySettings {
-    /// The key header.
     pub header: HeaderName,
     /// Missing key → 400 when true.
     pub required: bool,

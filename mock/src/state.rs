@@ -56,7 +56,6 @@ pub struct RecordedRequest {
     pub uri: Uri,
     /// Every request header, including the `X-Mock-*` ones.
     pub headers: HeaderMap,
-    /// The whole request body.
     pub body: Bytes,
 }
 

@@ -145,12 +145,10 @@ impl Proxy {
         self.shared.pending.log_pending();
     }
 
-    /// The metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
 
-    /// The store.
     pub fn store(&self) -> &StoreHandle {
         &self.shared.store
     }

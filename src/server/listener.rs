@@ -79,7 +79,6 @@ pub struct ListenerLimits {
 
 /// What a listener serves: one call per request. `peer` is the connection's client.
 pub trait Handler: Send + Sync + 'static {
-    /// The response body.
     type Body: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static;
     /// A failure that hyper answers by closing the connection (a handler with an HTTP answer
     /// for everything uses `Infallible`).

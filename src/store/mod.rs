@@ -33,7 +33,6 @@ pub enum StoreError {
     /// The operation did not finish within `store.timeout`. Its effect is unknown.
     #[error("store operation {op} timed out after {after:?}")]
     Timeout {
-        /// The operation.
         op: &'static str,
         /// The deadline.
         after: Duration,
@@ -41,7 +40,6 @@ pub enum StoreError {
     /// The backend answered with an error or could not be reached.
     #[error("store operation {op} failed: {source}")]
     Backend {
-        /// The operation.
         op: &'static str,
         /// The backend's error.
         #[source]
@@ -61,7 +59,6 @@ pub enum StoreError {
         "store operation {op}: {acked} of {wanted} replicas acknowledged the write in time (store.wait_replicas)"
     )]
     ReplicasMissing {
-        /// The operation.
         op: &'static str,
         /// `store.wait_replicas`.
         wanted: u32,

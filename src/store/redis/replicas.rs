@@ -54,7 +54,6 @@ pub(crate) struct Dedicated<'a> {
 }
 
 impl Dedicated<'_> {
-    /// The connection.
     pub(crate) fn conn(&mut self) -> &mut MultiplexedConnection {
         &mut self.conn
     }
