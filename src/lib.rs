@@ -2,7 +2,8 @@
 //!
 //! A client sends an operation with an `Idempotency-Key`; idemproxy claims the key atomically in
 //! a store, forwards only the first request upstream, saves its response, and replays it for
-//! every repeat. See `SPEC.md` and the README for the contract.
+//! every repeat. The README and `docs/` are the user's reference; comments that cite "SPEC §n"
+//! name the section of the product contract a rule comes from.
 //!
 //! # Layout
 //! - [`config`]: the YAML file — serde structs with defaults, then validation and compilation.
