@@ -15,66 +15,19 @@
 //! Every refusal is problem+json ([`AdminProblem`]), with `type`s of its own, listed in the
 //! README.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use serde_json::json;
-use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
 use crate::proxy::{Lookup, Proxy};
 use crate::record::{Record, Saved};
-use crate::server::listener::{Handler, Listener, Peer};
 use crate::store::{Forgotten, StoreError};
-
-/// How long admin requests in flight (a scrape, a key lookup) may run once the admin listener
-/// stops, after the proxy's own drain.
-const ADMIN_DRAIN: Duration = Duration::from_secs(2);
-
-/// Serves the admin endpoints on `listener` until `shutdown` completes. The admin listener
-/// keeps the main one's header and idle deadlines and send timeout, with a connection bound of
-/// its own (`limits.max_admin_connections`): a flood of admin sockets must not starve the
-/// main listener of file descriptors.
-pub async fn serve(
-    listener: TcpListener,
-    proxy: Arc<Proxy>,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()> {
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "admin listening on http://{addr} (/healthz, /readyz, /metrics)");
-    let config = &proxy.config().limits;
-    let limits = crate::server::client_limits(config, config.max_admin_connections);
-    let drain = Listener::new(listener, "admin", limits)
-        .run(AdminService(proxy), shutdown)
-        .await;
-    if !drain.close_within(ADMIN_DRAIN).await {
-        tracing::debug!("admin requests still in flight after the drain: closed");
-    }
-    Ok(())
-}
-
-/// The admin listener's handler.
-struct AdminService(Arc<Proxy>);
-
-impl Handler for AdminService {
-    type Body = Body;
-    type Error = Infallible;
-
-    async fn call(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-        peer: Peer,
-    ) -> Result<Response<Body>, Infallible> {
-        Ok(handle(&self.0, req, peer.addr()).await)
-    }
-}
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     let mut resp = Response::new(body::full(Bytes::from_static(body.as_bytes())));
@@ -96,7 +49,12 @@ fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> 
     resp
 }
 
-async fn handle(proxy: &Proxy, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+/// Answers one admin request (the server serves it on its own listener).
+pub(crate) async fn handle(
+    proxy: &Proxy,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Body> {
     let path = req.uri().path().to_owned();
     match (req.method(), path.as_str()) {
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),

@@ -394,7 +394,7 @@ async fn derived_keys_are_looked_up_by_their_parts(backend: Backend) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (_stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(idemproxy::admin::serve(
+    tokio::spawn(idemproxy::server::serve_admin(
         listener,
         proxy.proxy.clone(),
         async move {

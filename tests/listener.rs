@@ -181,7 +181,7 @@ async fn admin_of(proxy: &TestProxy) -> SocketAddr {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(idemproxy::admin::serve(
+    tokio::spawn(idemproxy::server::serve_admin(
         listener,
         proxy.proxy.clone(),
         std::future::pending(),

@@ -27,7 +27,7 @@ async fn admin(proxy: &TestProxy) -> Admin {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(idemproxy::admin::serve(
+    tokio::spawn(idemproxy::server::serve_admin(
         listener,
         proxy.proxy.clone(),
         async move {

@@ -14,8 +14,8 @@ use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 use super::activity::{Activity, InProgress, Next, Tracked};
+use super::handler::{Handler, Peer, Shared};
 use super::io::{ConnIo, Stream};
-use super::listener::{Handler, Peer, Shared};
 
 /// How the listener tells its connections to stop.
 #[derive(Debug, Clone, Default)]

@@ -35,14 +35,9 @@
 //! ```
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Request, Response};
-use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
@@ -52,71 +47,11 @@ use tokio_util::task::TaskTracker;
 
 use super::accept::Backoff;
 use super::connection::{self, Stop};
-use crate::body::BoxError;
+use super::handler::Shared;
+pub use super::handler::{Handler, ListenerLimits, Peer};
 
 /// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
 const MIN_HEAD_BYTES: usize = 8192;
-
-/// What one listener lets each client hold.
-#[derive(Debug, Clone, Copy)]
-pub struct ListenerLimits {
-    /// Connections open at once. Past it, accepting pauses and new connections wait in the
-    /// kernel's queue: a flood of idle sockets cannot exhaust memory or file descriptors.
-    pub max_connections: usize,
-    /// From the accept, the deadline of the TLS handshake and the first request; then of each
-    /// HTTP/1.1 request head, and of an idle connection (either protocol, no request in
-    /// progress) since its last response.
-    pub header_read_timeout: Duration,
-    /// How long a response may make no write progress before it is abandoned and its
-    /// connection closed.
-    pub send_timeout: Duration,
-    /// HTTP/1.1 request headers at most (HTTP/2 has no such setting: a handler that cares
-    /// counts them itself).
-    pub max_headers: usize,
-    /// Bytes of request head at most: the HTTP/1.1 read buffer, the HTTP/2 header list.
-    pub max_head_bytes: usize,
-}
-
-/// What a listener serves: one call per request. `peer` is the connection's client.
-pub trait Handler: Send + Sync + 'static {
-    type Body: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static;
-    /// A failure that hyper answers by closing the connection (a handler with an HTTP answer
-    /// for everything uses `Infallible`).
-    type Error: Into<BoxError>;
-
-    /// Answers one request. Everything is passed owned, so that the answer borrows nothing and
-    /// hyper can run it on its own.
-    fn call(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-        peer: Peer,
-    ) -> impl Future<Output = Result<Response<Self::Body>, Self::Error>> + Send + 'static;
-}
-
-/// The client of a connection, as a [`Handler`] sees it.
-#[derive(Debug, Clone)]
-pub struct Peer {
-    addr: SocketAddr,
-    reset: Arc<AtomicBool>,
-}
-
-impl Peer {
-    pub(super) fn new(addr: SocketAddr, reset: Arc<AtomicBool>) -> Peer {
-        Peer { addr, reset }
-    }
-
-    /// The client's address.
-    pub(crate) fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Ends the connection abruptly: from now on nothing more is written (not even a FIN),
-    /// and the socket closes with a TCP reset. The mock upstream plays a crashing server with
-    /// it.
-    pub fn reset(&self) {
-        self.reset.store(true, Ordering::SeqCst);
-    }
-}
 
 /// A bound socket, ready to serve.
 pub struct Listener {
@@ -135,15 +70,6 @@ impl std::fmt::Debug for Listener {
             .field("tls", &self.tls.is_some())
             .finish()
     }
-}
-
-/// What every connection task of one listener shares.
-pub(super) struct Shared<H> {
-    pub(super) handler: Arc<H>,
-    pub(super) builder: auto::Builder<TokioExecutor>,
-    pub(super) tls: Option<TlsAcceptor>,
-    pub(super) limits: ListenerLimits,
-    pub(super) name: &'static str,
 }
 
 impl Listener {

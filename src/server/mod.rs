@@ -15,6 +15,7 @@
 mod accept;
 mod activity;
 mod connection;
+mod handler;
 mod io;
 pub mod listener;
 
@@ -105,6 +106,48 @@ pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle
     Ok(StoreHandle::new(backend, s.timeout, metrics))
 }
 
+/// How long admin requests in flight (a scrape, a key lookup) may run once the admin listener
+/// stops, after the proxy's own drain.
+const ADMIN_DRAIN: Duration = Duration::from_secs(2);
+
+/// Serves the admin endpoints on `listener` until `shutdown` completes. The admin listener
+/// keeps the main one's header and idle deadlines and send timeout, with a connection bound of
+/// its own (`limits.max_admin_connections`): a flood of admin sockets must not starve the
+/// main listener of file descriptors.
+pub async fn serve_admin(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "admin listening on http://{addr} (/healthz, /readyz, /metrics)");
+    let config = &proxy.config().limits;
+    let limits = client_limits(config, config.max_admin_connections);
+    let drain = Listener::new(listener, "admin", limits)
+        .run(AdminService(proxy), shutdown)
+        .await;
+    if !drain.close_within(ADMIN_DRAIN).await {
+        tracing::debug!("admin requests still in flight after the drain: closed");
+    }
+    Ok(())
+}
+
+/// The admin listener's handler.
+struct AdminService(Arc<Proxy>);
+
+impl Handler for AdminService {
+    type Body = Body;
+    type Error = Infallible;
+
+    async fn call(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: Peer,
+    ) -> Result<Response<Body>, Infallible> {
+        Ok(crate::admin::handle(&self.0, req, peer.addr()).await)
+    }
+}
+
 /// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
 pub async fn run(
     listener: TcpListener,
@@ -121,7 +164,7 @@ pub async fn run(
     // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
     let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
     let admin = admin.map(|listener| {
-        tokio::spawn(crate::admin::serve(listener, proxy.clone(), async move {
+        tokio::spawn(serve_admin(listener, proxy.clone(), async move {
             let _ = admin_stopped.await;
         }))
     });
