@@ -285,10 +285,7 @@ async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Res
 }
 
 fn store_unavailable(e: &StoreError) -> Response<Body> {
-    AdminProblem::StoreUnavailable {
-        detail: e.to_string(),
-    }
-    .response()
+    AdminProblem::of_store(e).response()
 }
 
 /// A client of a running proxy's admin listener, for `idemproxy health` and `idemproxy keys`.

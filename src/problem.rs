@@ -11,6 +11,7 @@ use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 
 use crate::body::{self, Body};
 use crate::record::SavedResponse;
+use crate::store::StoreError;
 use crate::upstream::UpstreamError;
 
 /// The prefix of every problem `type`.
@@ -110,6 +111,14 @@ pub enum Problem {
 }
 
 impl Problem {
+    /// The answer to a store failure before anything was forwarded (503): whatever the
+    /// backend, the same kind, with the error in the detail.
+    pub(crate) fn of_store(e: &StoreError) -> Problem {
+        Problem::StoreUnavailable {
+            detail: e.to_string(),
+        }
+    }
+
     /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
     /// result), or to the client's body failing on its way upstream.
     pub(crate) fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
@@ -332,6 +341,13 @@ pub(crate) enum AdminProblem {
 }
 
 impl AdminProblem {
+    /// The admin's answer to a store failure (503, no `Retry-After`).
+    pub(crate) fn of_store(e: &StoreError) -> AdminProblem {
+        AdminProblem::StoreUnavailable {
+            detail: e.to_string(),
+        }
+    }
+
     /// The stable slug of this kind (the last part of its `type`).
     pub(crate) fn slug(&self) -> &'static str {
         match self {

@@ -158,12 +158,7 @@ impl Exchange {
         match policy {
             OnStoreError::Reject => {
                 tracing::warn!(route = %route.settings.name, key = %self.request.key.id_hex(), error = %e, "store error: 503");
-                refuse(
-                    Problem::StoreUnavailable {
-                        detail: e.to_string(),
-                    },
-                    Outcome::StoreError,
-                )
+                refuse(Problem::of_store(&e), Outcome::StoreError)
             }
             OnStoreError::Forward => {
                 tracing::warn!(
