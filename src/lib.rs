@@ -6,7 +6,9 @@
 //! name the section of the product contract a rule comes from.
 //!
 //! # Layout
-//! - [`config`]: the YAML file — serde structs with defaults, then validation and compilation.
+//! - [`config`]: the YAML file, one file a section (`limits`, `store`, `upstream`, `routes`,
+//!   with `units`, `secret` and the YAML pass `load`) — serde structs with defaults, then
+//!   validation and compilation; reads only `route` and `tls`.
 //! - [`route`]: compiled routes — path patterns (exact, `{param}`, trailing `/*`) and each
 //!   route's upstream and idempotency policy.
 //! - [`key`]: parsing the key header; namespacing it into a hashed, fixed-size store key.
@@ -15,16 +17,20 @@
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
-//! - [`proxy`]: the per-request flow — match, then admission (key, body, fingerprint), the
-//!   exchange (claim, forward, decide), the lease (renew, complete, release) and replay; and
+//! - [`proxy`]: the per-request flow — match (`resolved`: a route resolved once), then
+//!   admission (key, body, fingerprint), the exchange (claim, forward, decide), the lease
+//!   (renew, complete, release), pending completions, replay, `detach`; and
 //!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
 //! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as
 //!   problem+json, in one place.
-//! - [`admin`]: the admin listener — health, readiness, metrics, key tooling.
+//! - [`admin`]: what the admin listener answers — health, readiness, metrics, key tooling
+//!   (served by [`server::serve_admin`]).
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
-//! - [`server`]: the proxy's listener and graceful shutdown ([`server::run`] is what `main`
-//!   calls), on [`server::listener`], the one listener type the proxy, admin and mock share.
+//! - [`server`]: wiring and graceful shutdown ([`server::run`] is what `main` calls) on
+//!   [`server::listener`], the one listener type the proxy, admin and mock share: `accept`
+//!   (backoff), `connection` (TLS handshake, deadlines), `activity` and `io` (idle and
+//!   send timeouts), `handler` (what a listener serves).
 //! - [`tls`]: certificates and keys read at load — the listener's, and each upstream's roots.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.

@@ -8,17 +8,9 @@ use std::time::Duration;
 
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult, TlsCertificates};
+use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 
 use crate::config::RedisAccess;
-
-/// The CA certificates to trust instead of the public web roots, if `store.ca_file` names any.
-fn certificates(access: &RedisAccess) -> Option<TlsCertificates> {
-    access.ca_pem.as_ref().map(|pem| TlsCertificates {
-        client_tls: None,
-        root_cert: Some(pem.clone()),
-    })
-}
 
 /// `url` with the password from outside it, if any.
 fn connection_info(url: &str, access: &RedisAccess) -> RedisResult<ConnectionInfo> {
@@ -38,7 +30,7 @@ fn connection_info(url: &str, access: &RedisAccess) -> RedisResult<ConnectionInf
 /// A client for one Redis server: `url`, plus the password and CA of `access`.
 pub(crate) fn client(url: &str, access: &RedisAccess) -> RedisResult<redis::Client> {
     let info = connection_info(url, access)?;
-    match certificates(access) {
+    match access.certificates() {
         // Parses the PEM now: a CA file that is not one fails here, at start.
         Some(certs) => redis::Client::build_with_tls(info, certs),
         None => redis::Client::open(info),
@@ -68,7 +60,7 @@ pub(crate) fn cluster_client(
     if let Some(password) = &access.password {
         builder = builder.password(password.expose());
     }
-    if let Some(certs) = certificates(access) {
+    if let Some(certs) = access.certificates() {
         builder = builder.certs(certs);
     }
     builder.build()
