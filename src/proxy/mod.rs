@@ -141,7 +141,7 @@ impl Proxy {
     }
 
     /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
-    pub(crate) fn log_pending_saves(&self) {
+    pub(crate) fn log_pending_completions(&self) {
         self.shared.pending.log_pending();
     }
 

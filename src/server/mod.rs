@@ -237,7 +237,7 @@ pub async fn serve(
             tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway")
         }
     }
-    proxy.log_pending_saves();
+    proxy.log_pending_completions();
     Ok(())
 }
 
