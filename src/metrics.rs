@@ -196,6 +196,18 @@ pub struct Metrics {
     pub memory_records: Gauge,
     /// Memory store: its bound (`max_entries`).
     pub memory_max_entries: Gauge,
+    /// SQLite and PostgreSQL: expired records deleted by the sweep.
+    pub store_swept: Counter,
+    /// SQLite: operations committed per transaction of the writer (group commit).
+    pub sqlite_batch_size: Histogram,
+    /// SQLite: how long each of the writer's commits took.
+    pub sqlite_commit_duration: Histogram,
+    /// PostgreSQL: connections the pool holds open.
+    pub postgres_pool_connections: Gauge,
+    /// PostgreSQL: connections lent out to an operation.
+    pub postgres_pool_in_use: Gauge,
+    /// PostgreSQL: operations waiting for a connection.
+    pub postgres_pool_waiting: Gauge,
 }
 
 /// The families labelled by route, from which [`Metrics::route`] hands out a route's series.
@@ -404,6 +416,42 @@ impl Metrics {
                 r,
                 "idemproxy_memory_store_max_entries",
                 "The memory store's bound (store.max_entries): at it, new claims fail",
+                Gauge::default(),
+            ),
+            store_swept: register(
+                r,
+                "idemproxy_store_swept",
+                "Expired records deleted by the background sweep (sqlite, postgres)",
+                Counter::default(),
+            ),
+            sqlite_batch_size: register(
+                r,
+                "idemproxy_sqlite_batch_size",
+                "Store operations committed together in one SQLite transaction (group commit)",
+                Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+            ),
+            sqlite_commit_duration: register(
+                r,
+                "idemproxy_sqlite_commit_duration_seconds",
+                "Duration of each SQLite commit of the writer thread",
+                latency(),
+            ),
+            postgres_pool_connections: register(
+                r,
+                "idemproxy_postgres_pool_connections",
+                "PostgreSQL connections the pool holds open (at most store.pool_size)",
+                Gauge::default(),
+            ),
+            postgres_pool_in_use: register(
+                r,
+                "idemproxy_postgres_pool_in_use",
+                "PostgreSQL connections lent out to a store operation",
+                Gauge::default(),
+            ),
+            postgres_pool_waiting: register(
+                r,
+                "idemproxy_postgres_pool_waiting",
+                "Store operations waiting for a PostgreSQL connection",
                 Gauge::default(),
             ),
             routes,

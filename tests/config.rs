@@ -207,7 +207,7 @@ fn table() -> Vec<Row> {
         row("on_store_error bogus", idem("on_store_error: ignore"), "routes[0].idempotency.on_store_error", &["unknown variant", "ignore", "forward"]),
         row("on_unknown_outcome bogus", idem("on_unknown_outcome: guess"), "routes[0].idempotency.on_unknown_outcome", &["unknown variant", "guess", "keep", "release"]),
         row("log_format bogus", top("log_format: xml"), "log_format", &["unknown variant", "xml", "text", "json"]),
-        row("backend bogus", store("backend: postgres"), "store.backend", &["unknown variant", "postgres", "memory", "redis"]),
+        row("backend bogus", store("backend: mysql"), "store.backend", &["unknown variant", "mysql", "memory", "sqlite", "postgres", "redis"]),
         row("required not a bool", idem("required: sometimes"), "routes[0].idempotency.required", &["invalid type"]),
         // Not supported yet.
         row("admin_listen not an address", top("admin_listen: nine-oh-nine-oh"), "admin_listen", &["invalid socket address"]),
@@ -232,7 +232,7 @@ fn table() -> Vec<Row> {
         row("redis password from a file and env", store("backend: redis\npassword_file: /etc/hostname\npassword_env: HOME"), "store.password_file", &["not both"]),
         row("redis password in the url and a file", store("backend: redis\nurl: redis://:inline@127.0.0.1:6379/0\npassword_file: /etc/hostname"), "store.password_file", &["already carries a password"]),
         row("redis password inline", store("backend: redis\npassword: s3cret"), "store.password", &["unknown field"]),
-        row("redis password file on memory", store("password_file: /etc/hostname"), "store.password_file", &["Redis setting"]),
+        row("redis password file on memory", store("password_file: /etc/hostname"), "store.password_file", &["Redis and PostgreSQL setting", "not read by backend memory"]),
         row("redis ca_file unreadable", store("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["cannot read", "/nonexistent/redis-ca.pem"]),
         row("redis ca_file not PEM", store(concat!("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: ", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")), "store.ca_file", &["no PEM certificate", "Cargo.toml"]),
         row("redis ca_file without rediss", store("backend: redis\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["rediss://"]),

@@ -47,7 +47,7 @@ pub(crate) use routes::RawRoute;
 pub use secret::Secret;
 use secret::secret;
 pub(crate) use store::RawStore;
-pub use store::{BackendSettings, RedisAccess, StoreSettings};
+pub use store::{BackendSettings, PostgresSettings, RedisAccess, SqliteSync, StoreSettings};
 use units::{at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
 pub(crate) use upstream::RawUpstream;

@@ -6,6 +6,7 @@
 //! builders, which connect nothing.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -20,6 +21,10 @@ pub(crate) enum Backend {
     /// The embedded in-memory store: one instance only, nothing survives a restart.
     #[default]
     Memory,
+    /// An SQLite file: one proxy process per file; records survive a restart of the proxy.
+    Sqlite,
+    /// A PostgreSQL database shared by every instance.
+    Postgres,
     /// One Redis server (or a primary with replicas), shared by every instance.
     Redis,
     /// A Redis Cluster, reached through its seed nodes (`store.nodes`).
@@ -31,29 +36,48 @@ pub(crate) enum Backend {
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "store: a mapping with backend and its settings")]
 pub(crate) struct RawStore {
-    /// `memory` (default), `redis` or `redis-cluster`.
+    /// `memory` (default), `sqlite`, `postgres`, `redis` or `redis-cluster`.
     #[serde(default)]
     pub backend: Backend,
     /// Memory: the most records kept at once. Default 1,000,000.
     #[serde(default = "defaults::max_entries")]
     pub max_entries: u64,
+    /// SQLite: the database file, created if missing (with its directory). Default
+    /// `/var/lib/idemproxy/records.db`.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// SQLite: `normal` (default: survives a crash of the proxy) or `full` (also a power loss).
+    #[serde(default)]
+    pub sync: SqliteSync,
+    /// PostgreSQL: the schema the proxy creates (if missing) and keeps its table in. Default
+    /// `idemproxy`.
+    #[serde(default)]
+    pub schema: Option<String>,
+    /// PostgreSQL: the most connections one instance opens. Default 16.
+    #[serde(default)]
+    pub pool_size: Option<u32>,
+    /// SQLite and PostgreSQL: how often expired records are deleted. Default 30s.
+    #[serde(default, with = "duration::option")]
+    pub sweep_interval: Option<Duration>,
     /// Redis: `redis://` or `rediss://` URL. Default `redis://127.0.0.1:6379/0`.
+    /// PostgreSQL: `postgres://` or `postgresql://` URL (required).
     #[serde(default)]
     pub url: Option<String>,
     /// Redis Cluster: seed nodes, `redis://` or `rediss://` URLs (the rest of the cluster is
     /// discovered from them). Required with `redis-cluster`.
     #[serde(default)]
     pub nodes: Vec<String>,
-    /// Redis and Redis Cluster: a file holding the password (`AUTH`), so it need not sit in
-    /// the URL. Default: none.
+    /// Redis, Redis Cluster and PostgreSQL: a file holding the password, so it need not sit
+    /// in the URL. Default: none.
     #[serde(default)]
     pub password_file: Option<String>,
-    /// Redis and Redis Cluster: an environment variable holding the password (instead of a
-    /// file). Default: none.
+    /// Redis, Redis Cluster and PostgreSQL: an environment variable holding the password
+    /// (instead of a file). Default: none.
     #[serde(default)]
     pub password_env: Option<String>,
-    /// Redis and Redis Cluster over TLS (`rediss://`): a PEM file of the CA certificates that
-    /// sign the server's certificate, for a private CA. Default: none (the public web roots).
+    /// Redis and Redis Cluster over TLS (`rediss://`), PostgreSQL over TLS (`sslmode` in the
+    /// URL): a PEM file of the CA certificates that sign the server's certificate, for a
+    /// private CA. Default: none (the public web roots).
     #[serde(default)]
     pub ca_file: Option<String>,
     /// Every store key starts with it. Default `idemproxy:`.
@@ -73,6 +97,11 @@ impl Default for RawStore {
         RawStore {
             backend: Backend::default(),
             max_entries: defaults::max_entries(),
+            path: None,
+            sync: SqliteSync::default(),
+            schema: None,
+            pool_size: None,
+            sweep_interval: None,
             url: None,
             nodes: Vec::new(),
             password_file: None,
@@ -100,6 +129,26 @@ mod defaults {
     }
     /// The Redis URL used when `store.url` is absent.
     pub(super) const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+    /// The SQLite file used when `store.path` is absent.
+    pub(super) const SQLITE_PATH: &str = "/var/lib/idemproxy/records.db";
+    /// The PostgreSQL schema used when `store.schema` is absent.
+    pub(super) const SCHEMA: &str = "idemproxy";
+    /// PostgreSQL connections per instance when `store.pool_size` is absent.
+    pub(super) const POOL_SIZE: u32 = 16;
+    /// How often expired rows are deleted when `store.sweep_interval` is absent.
+    pub(super) const SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+}
+
+/// `store.sync` (SQLite): how hard a commit pushes to disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SqliteSync {
+    /// `PRAGMA synchronous = NORMAL` in WAL mode: a commit survives a crash or SIGKILL of the
+    /// proxy (the WAL is in the OS's page cache); a power loss may lose the last commits.
+    #[default]
+    Normal,
+    /// `PRAGMA synchronous = FULL`: every commit is fsynced, so it also survives a power loss.
+    Full,
 }
 
 /// Which store, and how to reach it.
@@ -133,6 +182,49 @@ pub enum BackendSettings {
         /// Password and CA, from outside the URLs.
         access: RedisAccess,
     },
+    /// An SQLite file, one proxy process per file.
+    Sqlite {
+        /// The database file (created if missing, with its directory).
+        path: PathBuf,
+        /// How hard a commit pushes to disk.
+        sync: SqliteSync,
+        /// How often expired rows are deleted.
+        sweep_interval: Duration,
+    },
+    /// A PostgreSQL database shared by every instance.
+    Postgres(PostgresSettings),
+}
+
+/// How to reach PostgreSQL and where the proxy keeps its table.
+#[derive(Clone)]
+pub struct PostgresSettings {
+    /// The connection settings parsed from `store.url` (a `sslmode=verify-ca` or `verify-full`
+    /// reads as `require`: the proxy always verifies the server's certificate over TLS).
+    pub config: tokio_postgres::Config,
+    /// The password (`store.password_file` / `store.password_env`), if not in the URL.
+    pub password: Option<Secret>,
+    /// PEM CA certificates (`store.ca_file`) that replace the public web roots over TLS.
+    pub ca_pem: Option<Vec<u8>>,
+    /// The schema of the proxy's tables (a plain lower-case identifier, never quoted).
+    pub schema: String,
+    /// The most connections one instance opens.
+    pub pool_size: u32,
+    /// How often expired rows are deleted.
+    pub sweep_interval: Duration,
+}
+
+impl fmt::Debug for PostgresSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // tokio_postgres::Config's Debug redacts the password.
+        f.debug_struct("PostgresSettings")
+            .field("config", &self.config)
+            .field("password", &self.password)
+            .field("ca_pem", &self.ca_pem.as_ref().map(|pem| pem.len()))
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .field("sweep_interval", &self.sweep_interval)
+            .finish()
+    }
 }
 
 /// How to authenticate to Redis and trust its certificate, beyond what the URL says.
@@ -170,6 +262,19 @@ impl fmt::Debug for RedisAccess {
     }
 }
 
+impl Backend {
+    /// The name as written in `store.backend`.
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+            Backend::Redis => "redis",
+            Backend::RedisCluster => "redis-cluster",
+        }
+    }
+}
+
 impl RawStore {
     /// Checks the section and builds the settings of its backend. `None`: an error was
     /// reported.
@@ -177,9 +282,12 @@ impl RawStore {
         let common = self.check_common(err);
         let backend = match self.backend {
             Backend::Memory => self.memory(err),
+            Backend::Sqlite => self.sqlite(err),
+            Backend::Postgres => self.postgres(err),
             Backend::Redis => self.redis(err),
             Backend::RedisCluster => self.redis_cluster(err),
         };
+        let common = self.fields_fit_backend(err) && common;
         match backend {
             Some(backend) if common => Some(StoreSettings {
                 backend,
@@ -221,31 +329,204 @@ impl RawStore {
     }
 
     fn memory(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
-        let mut ok = true;
         if self.max_entries == 0 {
             err("store.max_entries".into(), "must be at least 1".into());
+            return None;
+        }
+        Some(BackendSettings::Memory {
+            max_entries: self.max_entries,
+        })
+    }
+
+    /// Refuses every field set that the chosen backend does not read: a setting that would be
+    /// silently ignored is a mistake the operator wants to hear about. False: an error was
+    /// reported.
+    fn fields_fit_backend(&self, err: &mut impl FnMut(String, String)) -> bool {
+        use Backend::{Memory, Postgres, Redis, RedisCluster, Sqlite};
+        let set: [(&str, bool, &[Backend]); 11] = [
+            (
+                "store.max_entries",
+                self.max_entries != defaults::max_entries(),
+                &[Memory],
+            ),
+            ("store.path", self.path.is_some(), &[Sqlite]),
+            ("store.sync", self.sync != SqliteSync::default(), &[Sqlite]),
+            ("store.schema", self.schema.is_some(), &[Postgres]),
+            ("store.pool_size", self.pool_size.is_some(), &[Postgres]),
+            (
+                "store.sweep_interval",
+                self.sweep_interval.is_some(),
+                &[Sqlite, Postgres],
+            ),
+            ("store.url", self.url.is_some(), &[Redis, Postgres]),
+            ("store.nodes", !self.nodes.is_empty(), &[RedisCluster]),
+            (
+                "store.password_file",
+                self.password_file.is_some(),
+                &[Redis, RedisCluster, Postgres],
+            ),
+            (
+                "store.password_env",
+                self.password_env.is_some(),
+                &[Redis, RedisCluster, Postgres],
+            ),
+            (
+                "store.ca_file",
+                self.ca_file.is_some(),
+                &[Redis, RedisCluster, Postgres],
+            ),
+        ];
+        let mut ok = true;
+        for (field, is_set, backends) in set {
+            if is_set && !backends.contains(&self.backend) {
+                // redis / redis-cluster give more precise advice about url and nodes below.
+                let redis_pair = matches!(
+                    (field, self.backend),
+                    ("store.url", RedisCluster) | ("store.nodes", Redis)
+                );
+                if !redis_pair {
+                    err(
+                        field.into(),
+                        format!(
+                            "is {}, not read by backend {}: remove it or change store.backend",
+                            owners(backends),
+                            self.backend.name()
+                        ),
+                    );
+                }
+                ok = false;
+            }
+        }
+        if self.wait_replicas != 0 && !matches!(self.backend, Redis | RedisCluster) {
+            err(
+                "store.wait_replicas".into(),
+                format!(
+                    "is a Redis setting, not read by backend {}{}",
+                    self.backend.name(),
+                    if self.backend == Postgres {
+                        " (PostgreSQL's analogue is synchronous replication: synchronous_standby_names on the server)"
+                    } else {
+                        ""
+                    }
+                ),
+            );
             ok = false;
         }
-        let redis_only = [
-            ("store.url", self.url.is_some()),
-            ("store.nodes", !self.nodes.is_empty()),
-            ("store.password_file", self.password_file.is_some()),
-            ("store.password_env", self.password_env.is_some()),
-            ("store.ca_file", self.ca_file.is_some()),
-            ("store.wait_replicas", self.wait_replicas != 0),
-        ];
-        for (field, set) in redis_only {
-            if set {
+        ok
+    }
+
+    fn sweep_interval(&self, err: &mut impl FnMut(String, String)) -> Option<Duration> {
+        let every = self.sweep_interval.unwrap_or(defaults::SWEEP_INTERVAL);
+        if every.is_zero() {
+            err(
+                "store.sweep_interval".into(),
+                "must be greater than zero".into(),
+            );
+            return None;
+        }
+        at_most(
+            err,
+            "store.sweep_interval",
+            every,
+            bounds::SWEEP_INTERVAL,
+        );
+        (every <= bounds::SWEEP_INTERVAL).then_some(every)
+    }
+
+    fn sqlite(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
+        let sweep_interval = self.sweep_interval(err);
+        let path = self.path.as_deref().unwrap_or(defaults::SQLITE_PATH);
+        if path.is_empty() {
+            err("store.path".into(), "must not be empty".into());
+            return None;
+        }
+        if path == ":memory:" || path.starts_with("file:") {
+            err(
+                "store.path".into(),
+                "must be the path of a file (an in-memory SQLite database keeps nothing across a restart: use backend memory)".into(),
+            );
+            return None;
+        }
+        Some(BackendSettings::Sqlite {
+            path: PathBuf::from(path),
+            sync: self.sync,
+            sweep_interval: sweep_interval?,
+        })
+    }
+
+    fn postgres(&self, err: &mut impl FnMut(String, String)) -> Option<BackendSettings> {
+        let sweep_interval = self.sweep_interval(err);
+        let schema = self.schema.as_deref().unwrap_or(defaults::SCHEMA);
+        let schema_ok = is_plain_identifier(schema);
+        if !schema_ok {
+            err(
+                "store.schema".into(),
+                format!(
+                    "{schema:?} is not a plain identifier: 1 to 63 of a-z, 0-9 and _, not starting with a digit"
+                ),
+            );
+        }
+        let pool_size = self.pool_size.unwrap_or(defaults::POOL_SIZE);
+        let pool_ok = (1..=bounds::POOL_SIZE).contains(&pool_size);
+        if !pool_ok {
+            err(
+                "store.pool_size".into(),
+                format!("{pool_size}: must be from 1 to {}", bounds::POOL_SIZE),
+            );
+        }
+        let Some(url) = &self.url else {
+            err(
+                "store.url".into(),
+                "backend postgres needs store.url (postgres://USER@HOST:PORT/DATABASE)".into(),
+            );
+            return None;
+        };
+        let config = postgres_config(url, err);
+        let password = secret(
+            "store.password",
+            self.password_file.as_deref(),
+            self.password_env.as_deref(),
+            err,
+        );
+        let mut ok = !((self.password_file.is_some() || self.password_env.is_some())
+            && password.is_none());
+        let ca_pem = match &self.ca_file {
+            None => Some(None),
+            Some(path) => read_ca(path, err).map(Some),
+        };
+        if let Some(config) = &config {
+            if password.is_some() && config.get_password().is_some() {
+                let field = if self.password_file.is_some() {
+                    "store.password_file"
+                } else {
+                    "store.password_env"
+                };
                 err(
                     field.into(),
-                    "is a Redis setting: set store.backend to redis or redis-cluster, or remove it"
-                        .into(),
+                    "store.url already carries a password; keep one of the two".into(),
+                );
+                ok = false;
+            }
+            if self.ca_file.is_some()
+                && config.get_ssl_mode() == tokio_postgres::config::SslMode::Disable
+            {
+                err(
+                    "store.ca_file".into(),
+                    "is only used over TLS: add sslmode=require to store.url".into(),
                 );
                 ok = false;
             }
         }
-        ok.then_some(BackendSettings::Memory {
-            max_entries: self.max_entries,
+        let (config, ca_pem, sweep_interval) = (config?, ca_pem?, sweep_interval?);
+        (ok && schema_ok && pool_ok).then(|| {
+            BackendSettings::Postgres(PostgresSettings {
+                config,
+                password,
+                ca_pem,
+                schema: schema.to_owned(),
+                pool_size,
+                sweep_interval,
+            })
         })
     }
 
@@ -434,21 +715,112 @@ impl RawStore {
             );
             ok = false;
         }
-        let pem = match std::fs::read(path) {
-            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => pem,
-            Ok(_) => {
-                err(
-                    "store.ca_file".into(),
-                    format!("{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"),
-                );
-                return None;
-            }
-            Err(e) => {
-                err("store.ca_file".into(), format!("cannot read {path}: {e}"));
-                return None;
-            }
-        };
+        let pem = read_ca(path, err)?;
         ok.then_some(Some(pem))
+    }
+}
+
+/// Who reads a setting, as an error message names them: "a Redis setting".
+fn owners(backends: &[Backend]) -> &'static str {
+    use Backend::{Memory, Postgres, Redis, RedisCluster, Sqlite};
+    match backends {
+        [Memory] => "a memory-store setting",
+        [Sqlite] => "an SQLite setting",
+        [Postgres] => "a PostgreSQL setting",
+        [Sqlite, Postgres] => "an SQLite and PostgreSQL setting",
+        [Redis] | [RedisCluster] | [Redis, RedisCluster] => "a Redis setting",
+        [Redis, Postgres] => "a Redis and PostgreSQL setting",
+        _ => "a Redis and PostgreSQL setting",
+    }
+}
+
+/// Reads a PEM file of CA certificates (`store.ca_file`). `None`: an error was reported.
+fn read_ca(path: &str, err: &mut impl FnMut(String, String)) -> Option<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {
+            Some(pem)
+        }
+        Ok(_) => {
+            err(
+                "store.ca_file".into(),
+                format!("{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"),
+            );
+            None
+        }
+        Err(e) => {
+            err("store.ca_file".into(), format!("cannot read {path}: {e}"));
+            None
+        }
+    }
+}
+
+/// 1 to 63 of `a-z`, `0-9`, `_`, not starting with a digit: a name PostgreSQL takes as it is,
+/// unquoted, so it can be put into the proxy's statements without quoting rules.
+fn is_plain_identifier(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// Parses a PostgreSQL URL with tokio-postgres's own parser. libpq's `sslmode=verify-ca` and
+/// `verify-full` read as `require`: over TLS the proxy always verifies the server's certificate
+/// (against `store.ca_file`, or the public web roots). `None`: an error was reported.
+fn postgres_config(url: &str, err: &mut impl FnMut(String, String)) -> Option<tokio_postgres::Config> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        err(
+            "store.url".into(),
+            format!(
+                "invalid PostgreSQL URL {:?}: it must start with postgres:// or postgresql://",
+                redact_url(url)
+            ),
+        );
+        return None;
+    }
+    let normalized = url
+        .replace("sslmode=verify-full", "sslmode=require")
+        .replace("sslmode=verify-ca", "sslmode=require");
+    match normalized.parse::<tokio_postgres::Config>() {
+        Ok(config) if config.get_hosts().is_empty() => {
+            err(
+                "store.url".into(),
+                "names no host (postgres://USER@HOST:PORT/DATABASE)".into(),
+            );
+            None
+        }
+        Ok(config) if config.get_user().is_none() => {
+            err(
+                "store.url".into(),
+                "names no user (postgres://USER@HOST:PORT/DATABASE)".into(),
+            );
+            None
+        }
+        Ok(config) => Some(config),
+        Err(e) => {
+            err("store.url".into(), format!("invalid PostgreSQL URL: {e}"));
+            None
+        }
+    }
+}
+
+/// The URL with any password replaced by `***`, for an error message.
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme + 3],
+                    &userinfo[..colon],
+                    &url[at..]
+                ),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
     }
 }
 

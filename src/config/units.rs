@@ -18,6 +18,19 @@ pub(super) mod duration {
         let text = super::StringOrNumber::deserialize(d)?.0;
         super::parse_duration(&text).map_err(D::Error::custom)
     }
+
+    /// An optional duration: absent is `None` (with `#[serde(default)]`).
+    pub(in crate::config) mod option {
+        use std::time::Duration;
+
+        use serde::Deserializer;
+
+        pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<Duration>, D::Error> {
+            super::deserialize(d).map(Some)
+        }
+    }
 }
 
 /// Sizes written as bytes (`1048576`) or strings (`64KiB`, `8MiB`, `1MB`).
@@ -112,6 +125,10 @@ pub mod bounds {
     pub(crate) const WAIT_REPLICAS: u32 = 16;
     /// `store.nodes`.
     pub(crate) const NODES: usize = 1000;
+    /// `store.pool_size`.
+    pub(crate) const POOL_SIZE: u32 = 1000;
+    /// `store.sweep_interval`.
+    pub const SWEEP_INTERVAL: Duration = Duration::from_secs(DAY);
     /// `upstreams.*.connect_timeout`.
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
     /// `upstreams.*.timeout`.

@@ -33,7 +33,9 @@ use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::proxy::Proxy;
 use crate::store::memory::MemoryStore;
+use crate::store::postgres::PostgresStore;
 use crate::store::redis::RedisStore;
+use crate::store::sqlite::SqliteStore;
 use crate::store::{Store, StoreError, StoreHandle};
 use listener::{Handler, Listener, ListenerLimits, Peer};
 
@@ -75,7 +77,10 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Builds the store the configuration names. With Redis, checks every server's eviction policy
 /// in the background (it must not delay start, and Redis may be down).
-pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
+pub async fn build_store(
+    config: &Config,
+    metrics: Arc<Metrics>,
+) -> Result<StoreHandle, RunError> {
     let s = &config.store;
     let check_timeout = s.timeout.max(Duration::from_secs(2));
     let backend: Arc<dyn Store> = match &s.backend {
@@ -95,6 +100,19 @@ pub fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle
             let check = redis.clone();
             tokio::spawn(async move { check.check_server(check_timeout).await });
             redis
+        }
+        BackendSettings::Sqlite {
+            path,
+            sync,
+            sweep_interval,
+        } => Arc::new(SqliteStore::open(
+            path,
+            *sync,
+            *sweep_interval,
+            metrics.clone(),
+        )?),
+        BackendSettings::Postgres(settings) => {
+            Arc::new(PostgresStore::connect(settings, s.timeout, metrics.clone()).await?)
         }
         BackendSettings::RedisCluster { nodes, access } => {
             let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
@@ -159,7 +177,7 @@ pub async fn run(
         Some(addr) => Some(bind(addr)?),
         None => None,
     };
-    let store = build_store(&config, metrics.clone())?;
+    let store = build_store(&config, metrics.clone()).await?;
     let proxy = Arc::new(Proxy::new(config, store, metrics));
     // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
     let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();

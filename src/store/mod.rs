@@ -14,7 +14,9 @@
 //! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request.
 
 pub mod memory;
+pub mod postgres;
 pub mod redis;
+pub mod sqlite;
 
 use std::sync::Arc;
 use std::time::Duration;

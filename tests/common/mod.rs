@@ -330,7 +330,9 @@ impl TestProxy {
     pub(crate) async fn start(yaml: &str) -> TestProxy {
         let config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}\n{yaml}"));
         let metrics = Arc::new(Metrics::new());
-        let store = idemproxy::server::build_store(&config, metrics.clone()).expect("store");
+        let store = idemproxy::server::build_store(&config, metrics.clone())
+            .await
+            .expect("store");
         let proxy = Arc::new(Proxy::new(config, store, metrics));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
