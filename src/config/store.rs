@@ -424,12 +424,7 @@ impl RawStore {
             );
             return None;
         }
-        at_most(
-            err,
-            "store.sweep_interval",
-            every,
-            bounds::SWEEP_INTERVAL,
-        );
+        at_most(err, "store.sweep_interval", every, bounds::SWEEP_INTERVAL);
         (every <= bounds::SWEEP_INTERVAL).then_some(every)
     }
 
@@ -488,8 +483,8 @@ impl RawStore {
             self.password_env.as_deref(),
             err,
         );
-        let mut ok = !((self.password_file.is_some() || self.password_env.is_some())
-            && password.is_none());
+        let mut ok =
+            !((self.password_file.is_some() || self.password_env.is_some()) && password.is_none());
         let ca_pem = match &self.ca_file {
             None => Some(None),
             Some(path) => read_ca(path, err).map(Some),
@@ -768,7 +763,10 @@ fn is_plain_identifier(name: &str) -> bool {
 /// Parses a PostgreSQL URL with tokio-postgres's own parser. libpq's `sslmode=verify-ca` and
 /// `verify-full` read as `require`: over TLS the proxy always verifies the server's certificate
 /// (against `store.ca_file`, or the public web roots). `None`: an error was reported.
-fn postgres_config(url: &str, err: &mut impl FnMut(String, String)) -> Option<tokio_postgres::Config> {
+fn postgres_config(
+    url: &str,
+    err: &mut impl FnMut(String, String),
+) -> Option<tokio_postgres::Config> {
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         err(
             "store.url".into(),

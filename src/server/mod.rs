@@ -77,10 +77,7 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Builds the store the configuration names. With Redis, checks every server's eviction policy
 /// in the background (it must not delay start, and Redis may be down).
-pub async fn build_store(
-    config: &Config,
-    metrics: Arc<Metrics>,
-) -> Result<StoreHandle, RunError> {
+pub async fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
     let s = &config.store;
     let check_timeout = s.timeout.max(Duration::from_secs(2));
     let backend: Arc<dyn Store> = match &s.backend {

@@ -22,6 +22,7 @@
 pub(crate) mod cluster;
 pub(crate) mod mock;
 pub(crate) mod pki;
+pub(crate) mod postgres;
 pub(crate) mod prometheus;
 pub(crate) mod relay;
 pub(crate) mod secured;

@@ -1,0 +1,372 @@
+//! A PostgreSQL server of this test's own: `initdb` into a temp dir and `postgres` on a free
+//! loopback port, with its unix socket in that dir, run as an unprivileged user (initdb refuses
+//! root) in a process group of its own, so that a SIGSTOP reaches the postmaster and every
+//! backend it forked. Never the server on 5432.
+//!
+//! - [`PgServer::start`]: a fresh cluster (fsync off unless asked: the tests kill the server, not
+//!   the machine's power).
+//! - [`PgServer::shared`]: one server per test binary, for the behaviour tests; each test takes a
+//!   schema of its own ([`PgServer::fresh_schema`]), so tests never see each other's records.
+//! - [`PgServer::pause`] / [`PgServer::resume`] (SIGSTOP/SIGCONT to the group),
+//!   [`PgServer::crash`] (`pg_ctl stop -m immediate`: no checkpoint, WAL replay at the next
+//!   start), [`PgServer::start_again`], [`PgServer::sql`] (psql, for inspecting what the proxy
+//!   stored).
+//!
+//! The binaries are found in `PG_BIN`, else the newest `/usr/lib/postgresql/*/bin`, else PATH.
+//! The user is `PG_TEST_USER`, else `postgres`, else `nobody`.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::free_port;
+
+/// The directory of `initdb`, `postgres` and `pg_ctl`.
+fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("postgres").exists().then_some((v, bin))
+        })
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|(_, bin)| bin)
+        .unwrap_or_else(|| PathBuf::from(""))
+}
+
+fn bin(name: &str) -> PathBuf {
+    let dir = bin_dir();
+    if dir.as_os_str().is_empty() {
+        PathBuf::from(name)
+    } else {
+        dir.join(name)
+    }
+}
+
+/// The unprivileged user the server runs as: its uid and gid.
+fn server_user() -> (u32, u32) {
+    let wanted: Vec<String> = match std::env::var("PG_TEST_USER") {
+        Ok(u) => vec![u],
+        Err(_) => vec!["postgres".into(), "nobody".into()],
+    };
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    for name in &wanted {
+        for line in passwd.lines() {
+            let f: Vec<&str> = line.split(':').collect();
+            if f.len() > 3 && f[0] == name {
+                if let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse()) {
+                    return (uid, gid);
+                }
+            }
+        }
+    }
+    panic!("no unprivileged user for PostgreSQL (tried {wanted:?}; set PG_TEST_USER)");
+}
+
+/// Whether this process runs as root (then the server must run as another user).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1).map(|u| u == "0"))
+        })
+        .unwrap_or(false)
+}
+
+/// A command that runs as the server's user when this process is root.
+fn as_server_user(program: PathBuf) -> Command {
+    let mut cmd = Command::new(program);
+    if is_root() {
+        let (uid, gid) = server_user();
+        cmd.uid(uid).gid(gid);
+    }
+    cmd
+}
+
+/// Makes `path` owned by the server's user (when root) and private to it.
+fn hand_over(path: &Path) {
+    if is_root() {
+        let (uid, gid) = server_user();
+        std::os::unix::fs::chown(path, Some(uid), Some(gid)).expect("chown the postgres dir");
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+        .expect("chmod the postgres dir");
+}
+
+/// A PostgreSQL server on a free loopback port.
+pub(crate) struct PgServer {
+    port: u16,
+    /// Holds `data/` (the cluster) and the unix socket.
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    /// Extra `-c name=value` settings.
+    settings: Vec<String>,
+}
+
+/// The database the proxy's tests use (initdb makes `postgres`).
+pub(crate) const DATABASE: &str = "postgres";
+/// The role: initdb names the superuser after the user running it.
+fn role() -> String {
+    if is_root() {
+        let (uid, _) = server_user();
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        for line in passwd.lines() {
+            let f: Vec<&str> = line.split(':').collect();
+            if f.len() > 2 && f[2].parse::<u32>().ok() == Some(uid) {
+                return f[0].to_owned();
+            }
+        }
+        panic!("no name for uid {uid}");
+    }
+    std::env::var("USER").unwrap_or_else(|_| "postgres".into())
+}
+
+impl PgServer {
+    /// Initializes a cluster in a temp dir and starts it, with `settings` as extra
+    /// `name=value` server settings.
+    pub(crate) fn start_with(settings: &[&str]) -> PgServer {
+        let dir = tempfile::Builder::new()
+            .prefix("idemproxy-pg-")
+            .tempdir()
+            .expect("a temp dir for postgres");
+        hand_over(dir.path());
+        let data = dir.path().join("data");
+        let out = as_server_user(bin("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-A", "trust", "-E", "UTF8", "--no-sync", "--locale=C"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .expect("run initdb (install it: apt-get install postgresql)");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut s = PgServer {
+            port: free_port(),
+            dir,
+            child: None,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// A fresh cluster with fsync off (the tests kill processes, never the power).
+    pub(crate) fn start() -> PgServer {
+        PgServer::start_with(&["fsync=off"])
+    }
+
+    /// One server for the whole test binary, started on first use and never stopped (the
+    /// process group dies with the test binary: see [`Drop`]). Tests that stop, pause or
+    /// crash the database start their own with [`PgServer::start`].
+    pub(crate) fn shared() -> &'static PgServer {
+        static SHARED: OnceLock<PgServer> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let s = PgServer::start_with(&["fsync=off", "max_connections=400"]);
+            reap_on_exit(s.pid(), s.dir.path());
+            s
+        })
+    }
+
+    /// A schema name no other test of this binary has had.
+    pub(crate) fn fresh_schema() -> String {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        format!(
+            "t{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = as_server_user(bin("postgres"));
+        cmd.arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-p", &self.port.to_string()])
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            .arg("-c")
+            .arg(format!(
+                "unix_socket_directories={}",
+                self.dir.path().display()
+            ))
+            .args([
+                "-c",
+                "logging_collector=off",
+                "-c",
+                "log_min_messages=fatal",
+            ]);
+        for s in &self.settings {
+            cmd.args(["-c", s]);
+        }
+        // Its own process group: SIGSTOP/SIGCONT/SIGKILL to -pgid reach every backend.
+        cmd.process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(cmd.spawn().expect("spawn postgres"));
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && self.try_sql("SELECT 1").is_ok()
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "postgres did not start on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The port.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:PORT`, for a relay in front of it.
+    pub(crate) fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// `postgres://ROLE@127.0.0.1:PORT/postgres`.
+    pub(crate) fn url(&self) -> String {
+        self.url_via(self.port)
+    }
+
+    /// The same URL through another port (a relay in front of this server).
+    pub(crate) fn url_via(&self, port: u16) -> String {
+        format!("postgres://{}@127.0.0.1:{port}/{DATABASE}", role())
+    }
+
+    /// The postmaster's pid (also its process group).
+    pub(crate) fn pid(&self) -> u32 {
+        self.child
+            .as_ref()
+            .map(Child::id)
+            .expect("postgres is running")
+    }
+
+    fn signal_group(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, "--", &format!("-{}", self.pid())])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} postgres");
+    }
+
+    /// SIGSTOP to the postmaster and every backend: the database hangs, connections stay open.
+    pub(crate) fn pause(&self) {
+        self.signal_group("-STOP");
+    }
+
+    /// SIGCONT to the group.
+    pub(crate) fn resume(&self) {
+        self.signal_group("-CONT");
+    }
+
+    /// A crash: `pg_ctl stop -m immediate` (every process quits at once, no checkpoint; the next
+    /// start replays the WAL). Waits for the postmaster to be gone.
+    pub(crate) fn crash(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-CONT", "--", &format!("-{}", child.id())])
+            .status();
+        let status = as_server_user(bin("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["stop", "-m", "immediate", "-w"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !status.is_ok_and(|s| s.success()) {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+        }
+        let _ = child.wait();
+    }
+
+    /// Starts the server again on the same port and data (after [`PgServer::crash`]).
+    pub(crate) fn start_again(&mut self) {
+        self.crash();
+        self.spawn();
+    }
+
+    /// Runs `sql` with psql (over the unix socket) and returns its unaligned output.
+    pub(crate) fn try_sql(&self, sql: &str) -> Result<String, String> {
+        let out = Command::new("psql")
+            .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+            .arg("-h")
+            .arg(self.dir.path())
+            .args(["-p", &self.port.to_string(), "-U", &role(), "-d", DATABASE])
+            .args(["-c", sql])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("run psql: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    /// [`PgServer::try_sql`], panicking on an error.
+    pub(crate) fn sql(&self, sql: &str) -> String {
+        self.try_sql(sql)
+            .unwrap_or_else(|e| panic!("psql {sql:?}: {e}"))
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let group = format!("-{}", child.id());
+            let _ = Command::new("kill").args(["-CONT", "--", &group]).status();
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The shared server lives in a `static`, which is never dropped: a watchdog process kills its
+/// process group and removes its directory once this test binary has exited.
+fn reap_on_exit(pgid: u32, dir: &Path) {
+    let me = std::process::id();
+    let dir = dir.display();
+    let script = format!(
+        "while kill -0 {me} 2>/dev/null; do sleep 0.2; done; kill -CONT -- -{pgid} 2>/dev/null; kill -KILL -- -{pgid} 2>/dev/null; sleep 0.5; rm -rf '{dir}'"
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn();
+}
