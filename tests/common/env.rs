@@ -159,6 +159,8 @@ enum TestStore {
     Postgres(PgSchema),
     Redis(RedisServer),
     RedisCluster(RedisCluster),
+    /// The test took its Redis out ([`Env::take_redis`]).
+    Taken,
 }
 
 /// One test's world: an upstream and a store of its own.
@@ -211,6 +213,19 @@ impl Env {
         }
     }
 
+    /// Takes the Redis of a Redis test out of the `Env`, so that a test can restart or kill it
+    /// while the `Env` is borrowed elsewhere. The configuration must be made before: the `Env`
+    /// has no store to name from then on.
+    pub(crate) fn take_redis(&mut self) -> RedisServer {
+        match std::mem::replace(&mut self.store, TestStore::Taken) {
+            TestStore::Redis(r) => r,
+            other => {
+                self.store = other;
+                panic!("a Redis test (this one runs on {})", self.backend.name())
+            }
+        }
+    }
+
     /// The one-node cluster of a Redis Cluster test.
     pub(crate) fn cluster(&self) -> &RedisCluster {
         match &self.store {
@@ -253,6 +268,7 @@ impl Env {
             ),
             TestStore::Redis(r) => format!("backend: redis\nurl: {}\n", r.url()),
             TestStore::RedisCluster(c) => c.store_lines(),
+            TestStore::Taken => panic!("the test took its Redis out: no store to name"),
         }
     }
 
@@ -368,6 +384,7 @@ impl Env {
                 let port = c.nodes[0].port;
                 redis_keys(&mut c.conn(port))
             }
+            TestStore::Taken => panic!("the test took its Redis out"),
         }
     }
 
@@ -390,6 +407,7 @@ impl Env {
             TestStore::Postgres(p) => p.relay.refuse(),
             TestStore::Redis(r) => r.kill(),
             TestStore::RedisCluster(c) => c.kill_all(),
+            TestStore::Taken => panic!("the test took its Redis out"),
         }
     }
 }
