@@ -15,7 +15,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::free_port;
@@ -147,16 +147,25 @@ impl RedisCluster {
     /// command by slot. Taken from this binary's spares (see the module's docs), so it is
     /// usually ready at once; waits until it says `cluster_state:ok`.
     pub(crate) fn single_node() -> RedisCluster {
-        let taken = {
-            let mut spares = SPARES.lock().unwrap_or_else(PoisonError::into_inner);
-            while spares.len() <= SPARE_NODES {
-                spares.push_back(RedisCluster::start_single_node());
-            }
-            spares.pop_front()
-        };
+        let taken = RedisCluster::spares().pop_front();
         let cluster = taken.expect("a spare single node");
         cluster.wait_converged();
         cluster
+    }
+
+    /// Starts spare single nodes until the pool is full, ahead of a first
+    /// [`RedisCluster::single_node`] (`every_store!` does it in the background).
+    pub(crate) fn start_spares() {
+        drop(RedisCluster::spares());
+    }
+
+    /// The pool of spare single nodes, full and locked: the caller may take one.
+    fn spares() -> MutexGuard<'static, VecDeque<RedisCluster>> {
+        let mut spares = SPARES.lock().unwrap_or_else(PoisonError::into_inner);
+        while spares.len() <= SPARE_NODES {
+            spares.push_back(RedisCluster::start_single_node());
+        }
+        spares
     }
 
     /// Starts a node and gives it every slot (`CLUSTER ADDSLOTSRANGE 0 16383`, no `redis-cli

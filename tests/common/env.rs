@@ -18,7 +18,7 @@
 //! their remaining time to live, read as an operator reads them (`KEYS`/`PTTL`, `sqlite3`,
 //! `psql`) — and cuts it off with [`Env::make_store_unreachable`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use idemproxy::config::{BackendSettings, Config};
@@ -77,11 +77,29 @@ macro_rules! every_store {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
+                    $crate::common::warm_up();
                     super::$name($crate::common::Backend::$backend).await
                 }
             )*
         }
     };
+}
+
+/// Starts, once per test binary and in the background, the stores that are slow to start: the
+/// shared PostgreSQL server (initdb, seconds) and the spare one-node clusters (2s each before
+/// a new primary says `cluster_state:ok`). `every_store!` calls it first thing in every test:
+/// libtest runs `memory::*` first, so by the time the first `postgres::` or `redis_cluster::`
+/// test asks for its store, it is ready, instead of both test threads waiting for it.
+pub(crate) fn warm_up() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // A failure here (PostgreSQL not installed) is left to the test that asks: it retries
+        // the start and panics with the reason.
+        std::thread::spawn(|| {
+            PgServer::shared();
+        });
+        std::thread::spawn(RedisCluster::start_spares);
+    });
 }
 
 /// A live store key, as the store keeps it.

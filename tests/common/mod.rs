@@ -53,7 +53,7 @@ use tokio::task::JoinHandle;
 
 // Not every test binary takes an `Env` (the CLI tests need none).
 #[allow(unused_imports)]
-pub(crate) use env::{Backend, Env, StoredKey};
+pub(crate) use env::{Backend, Env, StoredKey, warm_up};
 pub(crate) use prometheus::metric_value;
 pub(crate) use redis_server::{REDIS_EPHEMERAL, RedisServer, redis_binary};
 
