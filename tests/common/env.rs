@@ -85,19 +85,16 @@ macro_rules! every_store {
     };
 }
 
-/// Starts, once per test binary and in the background, the stores that are slow to start: the
-/// shared PostgreSQL server (initdb, seconds) and the spare one-node clusters (2s each before
-/// a new primary says `cluster_state:ok`). `every_store!` calls it first thing in every test:
-/// libtest runs `memory::*` first, so by the time the first `postgres::` or `redis_cluster::`
-/// test asks for its store, it is ready, instead of both test threads waiting for it.
+/// Starts, once per test binary and in the background, the spare one-node clusters (2s each
+/// before a new primary says `cluster_state:ok`). `every_store!` calls it first thing in every
+/// test: libtest runs `memory::*` first, so by the time the first `redis_cluster::` test asks
+/// for its store, one is ready, instead of both test threads waiting for it. (Each spare has
+/// its watchdog from the moment it is spawned, so a binary that exits meanwhile leaves none
+/// behind. The shared PostgreSQL server is not started ahead: between its spawn and its
+/// watchdog, an exit would leave it running.)
 pub(crate) fn warm_up() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // A failure here (PostgreSQL not installed) is left to the test that asks: it retries
-        // the start and panics with the reason.
-        std::thread::spawn(|| {
-            PgServer::shared();
-        });
         std::thread::spawn(RedisCluster::start_spares);
     });
 }
