@@ -151,8 +151,8 @@ pub enum SqliteSync {
     Full,
 }
 
-/// Which store, and how to reach it.
-#[derive(Debug, Clone)]
+/// Which store, and how to reach it. Compared whole by a reload (a store can't change in place).
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     /// The backend and its own settings.
     pub backend: BackendSettings,
@@ -163,7 +163,7 @@ pub struct StoreSettings {
 }
 
 /// Backend-specific settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum BackendSettings {
     /// The embedded store, bounded to `max_entries` records.
     Memory { max_entries: u64 },
@@ -196,7 +196,7 @@ pub enum BackendSettings {
 }
 
 /// How to reach PostgreSQL and where the proxy keeps its table.
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct PostgresSettings {
     /// The connection settings parsed from `store.url` (a `sslmode=verify-ca` or `verify-full`
     /// reads as `require`: the proxy always verifies the server's certificate over TLS).
@@ -228,7 +228,7 @@ impl fmt::Debug for PostgresSettings {
 }
 
 /// How to authenticate to Redis and trust its certificate, beyond what the URL says.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, PartialEq)]
 pub struct RedisAccess {
     /// The password (`store.password_file` / `store.password_env`), sent with `AUTH`.
     pub password: Option<Secret>,
