@@ -284,3 +284,6 @@ impl Proxy {
         Reloaded::Draining
     }
 }
+
+#[cfg(test)]
+mod tests;
