@@ -17,7 +17,8 @@
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
-//! - [`proxy`]: the per-request flow — match (`resolved`: a route resolved once), then
+//! - [`proxy`]: the configuration in force (`generation`, swapped whole by `reload`) and the
+//!   per-request flow — match (`resolved`: a route resolved once per configuration), then
 //!   admission (key, body, fingerprint), the exchange (claim, forward, decide), the lease
 //!   (renew, complete, release), pending completions, replay, `detach`; and
 //!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.

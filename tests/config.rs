@@ -207,6 +207,7 @@ fn table() -> Vec<Row> {
         row("on_store_error bogus", idem("on_store_error: ignore"), "routes[0].idempotency.on_store_error", &["unknown variant", "ignore", "forward"]),
         row("on_unknown_outcome bogus", idem("on_unknown_outcome: guess"), "routes[0].idempotency.on_unknown_outcome", &["unknown variant", "guess", "keep", "release"]),
         row("log_format bogus", top("log_format: xml"), "log_format", &["unknown variant", "xml", "text", "json"]),
+        row("pid_file empty", top("pid_file: \"  \""), "pid_file", &["file path"]),
         row("backend bogus", store("backend: mysql"), "store.backend", &["unknown variant", "mysql", "memory", "sqlite", "postgres", "redis"]),
         row("required not a bool", idem("required: sometimes"), "routes[0].idempotency.required", &["invalid type"]),
         // Not supported yet.
@@ -441,6 +442,7 @@ fn a_minimal_file_gets_the_documented_defaults() {
     let c = Config::from_yaml(MINIMAL).expect("valid");
     assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
     assert_eq!(c.log_format, LogFormat::Text);
+    assert_eq!(c.pid_file, None);
     assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
 
     // store: memory, 1,000,000 entries, "idemproxy:", 500ms.
@@ -534,11 +536,15 @@ fn values_are_read_as_written() {
     )
     .replace("methods: [POST]", "methods: [post, PUT]");
     let yaml = format!(
-        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 200ms\nlog_format: json\nshutdown_timeout: 1m\n",
+        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 200ms\nlog_format: json\npid_file: /run/idemproxy.pid\nshutdown_timeout: 1m\n",
         yaml
     );
     let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     assert_eq!(c.log_format, LogFormat::Json);
+    assert_eq!(
+        c.pid_file.as_deref(),
+        Some(std::path::Path::new("/run/idemproxy.pid"))
+    );
     assert_eq!(c.shutdown_timeout, Duration::from_secs(60));
     assert!(matches!(
         c.store.backend,
@@ -610,6 +616,7 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "listen:",
         "admin_listen:",
         "log_format:",
+        "pid_file:",
         "shutdown_timeout:",
         "store:",
         "backend:",
