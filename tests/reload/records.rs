@@ -82,6 +82,28 @@ async fn a_request_in_flight_across_a_reload_gets_its_answer_and_its_record_is_s
     assert_eq!(p.requests("create-booking", Outcome::Replayed), 1);
     assert_eq!(p.lost_leases(), 0);
     assert_eq!(reloads(&p, "applied"), 1);
+
+    // A reload that removes the route under a request in flight: it still completes and
+    // saves, and the route, back under its name, replays it.
+    let first = spawn_booking(p.url(""), "route-removed", body, "1s");
+    assert!(
+        eventually(Duration::from_secs(5), || env.mock.calls("route-removed")
+            == 1)
+        .await,
+        "the first request reached the upstream"
+    );
+    let changes = reload(&p, &yaml(&env, "", "", &[REST]));
+    assert_eq!(
+        changes.routes_removed,
+        ["pay", "create-booking"],
+        "{changes}"
+    );
+    let first = first.await.expect("the first request's task");
+    assert_forwarded(&first, 201);
+    reload(&p, &yaml(&env, "", "", &[BOOKINGS, REST]));
+    assert_replay_of(&book(&p, "route-removed", body).await, &first);
+    assert_eq!(env.mock.calls("route-removed"), 1, "the operation ran once");
+    assert_eq!(p.lost_leases(), 0);
 }
 
 async fn reordered_routes_keep_their_own_records_and_a_new_route_sees_none(backend: Backend) {
