@@ -256,7 +256,7 @@ impl Store for PostgresStore {
         Err(backend(
             "claim",
             format!(
-                "the key changed hands during each of {CLAIM_ATTEMPTS} claims in a row (other requests claiming and releasing it)"
+                "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim of the key while it was committing (requests claiming and releasing the key over and over)"
             ),
         ))
     }
