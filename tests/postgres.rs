@@ -473,8 +473,18 @@ async fn a_replayed_claim_writes_nothing() {
 async fn two_instances_under_a_duplicate_storm_execute_once_per_key() {
     let pg = PgServer::shared();
     let env = Env::new(Backend::Memory).await;
-    let block = store_block(&pg.url(), &PgServer::fresh_schema(), "timeout: 1500ms");
+    // 1,000 requests at once on two cores shared with other work: operations queue for the
+    // pool, so the deadline is generous (and the pay route's lease, which must outlast it,
+    // longer). The claim is what is tested here, not the machine's speed.
+    let block = store_block(
+        &pg.url(),
+        &PgServer::fresh_schema(),
+        "timeout: 5s\npool_size: 32",
+    );
     let yaml = on_postgres(&env.config("on_conflict: reject"), &block);
+    let longer = yaml.replace("      lock_ttl: 2s\n", "      lock_ttl: 20s\n");
+    assert_ne!(longer, yaml, "the harness's pay route moved");
+    let yaml = longer;
     let proxies = [ProxyProcess::spawn(&yaml), ProxyProcess::spawn(&yaml)];
     let bases: Vec<String> = proxies.iter().map(|p| p.url("")).collect();
 

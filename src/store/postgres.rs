@@ -13,29 +13,29 @@
 //! ```
 //!
 //! # Design
-//! - **One statement per operation, autocommitted** ([`sql`] has each one and what it does in
-//!   every interleaving). A claim is one round trip that inserts the key, takes over a lapsed
-//!   row or reads the live one: never a read followed by a write. On the replay path it only
-//!   reads, so it writes no WAL and waits for no flush. A claim that waited on another
-//!   session's uncommitted claim of the key finds no row in its snapshot and runs again, at
-//!   most [`CLAIM_ATTEMPTS`] times.
+//! - **One statement per operation, autocommitted** (`postgres/sql.rs` has each one and what it
+//!   does in every interleaving). A claim is one round trip that inserts the key, takes over a
+//!   lapsed row or reads the live one: never a read followed by a write. On the replay path it only
+//!   reads, so it writes no WAL and waits for no flush. A claim that waited on another session's
+//!   uncommitted claim of the key finds no row in its snapshot and runs again, at most
+//!   `CLAIM_ATTEMPTS` times.
 //! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
-//! - **Fencing**: renew, complete and release change a row only where `token` is the caller's
-//!   and the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
+//! - **Fencing**: renew, complete and release change a row only where `token` is the caller's and
+//!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `complete` clears the token: a finished record matches no claim.
-//! - **Connections** ([`pool`]): a deadpool pool of at most `store.pool_size`, every wait for a
-//!   connection and every connect bounded by `store.timeout`, statements prepared once per
-//!   connection. A connection whose call did not finish (it failed, or `StoreHandle` dropped
-//!   it at `store.timeout`) is closed, never reused: a SIGSTOPped database gives 503s in
-//!   bounded time, and once it runs again no request meets a connection still stuck.
-//! - **Schema** ([`schema`]): set up in one transaction under an advisory lock, before the
-//!   first operation that reaches the database: at start when it answers, else by the first
-//!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile).
-//!   A schema of a newer version refuses the start, or fails every operation if found later.
-//! - **Sweep** ([`sweep`]): expired rows deleted in small batches every `sweep_interval`, by
-//!   every instance, skipping rows that claims hold locked.
-//! - **TLS** ([`tls`]): rustls, the roots of `store.ca_file` or the Mozilla set, when the URL's
-//!   `sslmode` asks for it.
+//! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
+//!   for a connection and every connect bounded by `store.timeout`, statements prepared once per
+//!   connection. A connection whose call did not finish (it failed, or `StoreHandle` dropped it at
+//!   `store.timeout`) is closed, never reused: a SIGSTOPped database gives 503s in bounded time,
+//!   and once it runs again no request meets a connection still stuck.
+//! - **Schema** (`postgres/schema.rs`): set up in one transaction under an advisory lock, before
+//!   the first operation that reaches the database: at start when it answers, else by the first
+//!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile). A
+//!   schema of a newer version refuses the start, or fails every operation if found later.
+//! - **Sweep** (`postgres/sweep.rs`): expired rows deleted in small batches every `sweep_interval`,
+//!   by every instance, skipping rows that claims hold locked.
+//! - **TLS** (`postgres/tls.rs`): rustls, the roots of `store.ca_file` or the Mozilla set, when the
+//!   URL's `sslmode` asks for it.
 
 mod error;
 mod pool;

@@ -2,12 +2,14 @@
 //! that discards its connection unless the call on it finished.
 //!
 //! Why a call that did not finish loses its connection: `StoreHandle` drops an operation's
-//! future at `store.timeout`, and the connection it was using may then still have a query in
-//! flight whose answer (if it ever comes) would be read by the next user of that connection, or
-//! it may be to a server that hangs (SIGSTOP, a blackholed network). Handed back to the pool,
-//! it would make the next operations hang the same way, one `store.timeout` each, long after
-//! the database is back. Detached with `Object::take` and dropped, its client and socket close
-//! and the pool opens a fresh one.
+//! future at `store.timeout`, and the connection it was using is then most likely to a server
+//! that hangs (SIGSTOP, a blackholed network) with that query still in flight on it. Handed back
+//! to the pool, it would be checked out again and every later operation on it would queue
+//! behind the stuck query, one `store.timeout` each, until the server answers or the kernel
+//! gives up on the socket. Detached with `Object::take` and dropped, its client and socket
+//! close (the server rolls back whatever it had not committed) and the pool opens a fresh one.
+//! A call that failed with an error is treated the same way: cheaper than telling which errors
+//! leave a connection fit.
 
 use std::sync::Arc;
 use std::time::Duration;
