@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, free_port};
+use common::{Backend, Env, ProxyProcess, Reply, book_with, free_port};
 use idemproxy::config::SqliteSync;
 use idemproxy::metrics::Metrics;
 use idemproxy::store::StoreHandle;

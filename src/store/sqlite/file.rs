@@ -8,8 +8,9 @@
 //! dies, so a SIGKILLed proxy never leaves a stale lock behind.
 //!
 //! The lock is a `flock`, which SQLite does not use: SQLite locks byte ranges with `fcntl`, and
-//! on Linux the two never conflict, so holding it costs SQLite nothing. (An operator's `sqlite3`
-//! shell can still open the file; it just cannot start a second proxy on it.)
+//! on a local Linux file system the two never conflict, so holding it costs SQLite nothing.
+//! (WAL needs a local file system anyway: its index is shared memory.) An operator's `sqlite3`
+//! shell can still open the file; it just cannot start a second proxy on it.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
