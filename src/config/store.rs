@@ -191,8 +191,9 @@ pub enum BackendSettings {
         /// How often expired rows are deleted.
         sweep_interval: Duration,
     },
-    /// A PostgreSQL database shared by every instance.
-    Postgres(PostgresSettings),
+    /// A PostgreSQL database shared by every instance (boxed: its connection settings are
+    /// far larger than the other variants).
+    Postgres(Box<PostgresSettings>),
 }
 
 /// How to reach PostgreSQL and where the proxy keeps its table.
@@ -514,14 +515,14 @@ impl RawStore {
         }
         let (config, ca_pem, sweep_interval) = (config?, ca_pem?, sweep_interval?);
         (ok && schema_ok && pool_ok).then(|| {
-            BackendSettings::Postgres(PostgresSettings {
+            BackendSettings::Postgres(Box::new(PostgresSettings {
                 config,
                 password,
                 ca_pem,
                 schema: schema.to_owned(),
                 pool_size,
                 sweep_interval,
-            })
+            }))
         })
     }
 

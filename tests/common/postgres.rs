@@ -67,10 +67,11 @@ fn server_user() -> (u32, u32) {
     for name in &wanted {
         for line in passwd.lines() {
             let f: Vec<&str> = line.split(':').collect();
-            if f.len() > 3 && f[0] == name {
-                if let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse()) {
-                    return (uid, gid);
-                }
+            if f.len() > 3
+                && f[0] == name
+                && let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse())
+            {
+                return (uid, gid);
             }
         }
     }
