@@ -191,8 +191,9 @@ pub enum BackendSettings {
         /// How often expired rows are deleted.
         sweep_interval: Duration,
     },
-    /// A PostgreSQL database shared by every instance.
-    Postgres(PostgresSettings),
+    /// A PostgreSQL database shared by every instance (boxed: its connection settings are
+    /// far larger than the other variants).
+    Postgres(Box<PostgresSettings>),
 }
 
 /// How to reach PostgreSQL and where the proxy keeps its table.
@@ -514,14 +515,14 @@ impl RawStore {
         }
         let (config, ca_pem, sweep_interval) = (config?, ca_pem?, sweep_interval?);
         (ok && schema_ok && pool_ok).then(|| {
-            BackendSettings::Postgres(PostgresSettings {
+            BackendSettings::Postgres(Box::new(PostgresSettings {
                 config,
                 password,
                 ca_pem,
                 schema: schema.to_owned(),
                 pool_size,
                 sweep_interval,
-            })
+            }))
         })
     }
 
@@ -795,12 +796,28 @@ fn postgres_config(
             );
             None
         }
-        Ok(config) => Some(config),
+        Ok(mut config) => {
+            // tokio-postgres reads an absent sslmode as `prefer`, and the proxy's TLS always
+            // verifies the certificate: a server offering TLS with a certificate nobody signed
+            // (a distribution's snakeoil) would then be refused where plaintext was meant.
+            // Absent means no TLS, as documented; `prefer` must be asked for.
+            if !names_sslmode(&normalized) {
+                config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            }
+            Some(config)
+        }
         Err(e) => {
             err("store.url".into(), format!("invalid PostgreSQL URL: {e}"));
             None
         }
     }
+}
+
+/// Whether the URL's query names `sslmode`.
+fn names_sslmode(url: &str) -> bool {
+    url.split_once('?').is_some_and(|(_, query)| {
+        form_urlencoded::parse(query.as_bytes()).any(|(name, _)| name == "sslmode")
+    })
 }
 
 /// The URL with any password replaced by `***`, for an error message.
@@ -850,6 +867,37 @@ mod tests {
         let settings = raw.validate(&mut |path, _| paths.push(path));
         assert!(settings.is_none(), "{yaml} was accepted");
         paths
+    }
+
+    /// No `sslmode` in the URL means no TLS (tokio-postgres alone would read `prefer`).
+    #[test]
+    fn a_postgres_url_without_sslmode_means_no_tls() {
+        use tokio_postgres::config::SslMode;
+        let mode = |url: &str| {
+            let raw: RawStore = yaml_serde::from_str(&format!("backend: postgres\nurl: {url}"))
+                .expect("a store section");
+            match raw.validate(&mut |path, why| panic!("{path}: {why}")) {
+                Some(StoreSettings {
+                    backend: BackendSettings::Postgres(pg),
+                    ..
+                }) => pg.config.get_ssl_mode(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(mode("postgres://u@db/x"), SslMode::Disable);
+        assert_eq!(mode("postgres://u@db/x?sslmode=prefer"), SslMode::Prefer);
+        assert_eq!(
+            mode("postgres://u@db/x?sslmode=verify-full"),
+            SslMode::Require
+        );
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").expect("write");
+        let plain = format!(
+            "backend: postgres\nurl: postgres://u@db/x\nca_file: {}",
+            ca.display()
+        );
+        assert_eq!(refused_at(&plain), ["store.ca_file"]);
     }
 
     /// The checks the Redis clients make when they are built, made at load without the store.
