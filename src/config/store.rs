@@ -48,7 +48,7 @@ pub(crate) struct RawStore {
     pub path: Option<String>,
     /// SQLite: `normal` (default: survives a crash of the proxy) or `full` (also a power loss).
     #[serde(default)]
-    pub sync: SqliteSync,
+    pub sync: Option<SqliteSync>,
     /// PostgreSQL: the schema the proxy creates (if missing) and keeps its table in. Default
     /// `idemproxy`.
     #[serde(default)]
@@ -98,7 +98,7 @@ impl Default for RawStore {
             backend: Backend::default(),
             max_entries: defaults::max_entries(),
             path: None,
-            sync: SqliteSync::default(),
+            sync: None,
             schema: None,
             pool_size: None,
             sweep_interval: None,
@@ -351,7 +351,7 @@ impl RawStore {
                 &[Memory],
             ),
             ("store.path", self.path.is_some(), &[Sqlite]),
-            ("store.sync", self.sync != SqliteSync::default(), &[Sqlite]),
+            ("store.sync", self.sync.is_some(), &[Sqlite]),
             ("store.schema", self.schema.is_some(), &[Postgres]),
             ("store.pool_size", self.pool_size.is_some(), &[Postgres]),
             (
@@ -445,7 +445,7 @@ impl RawStore {
         }
         Some(BackendSettings::Sqlite {
             path: PathBuf::from(path),
-            sync: self.sync,
+            sync: self.sync.unwrap_or_default(),
             sweep_interval: sweep_interval?,
         })
     }
