@@ -366,6 +366,21 @@ impl ProxyProcess {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// The configuration file it runs with.
+    pub(crate) fn config_path(&self) -> &std::path::Path {
+        self._config.path()
+    }
+
+    /// Writes `yaml` over its configuration file (`listen: 127.0.0.1:0` replaced by the port it
+    /// listens on, as at spawn), for a reload to read.
+    pub(crate) fn rewrite_config(&self, yaml: &str) {
+        let yaml = yaml.replace(
+            "listen: 127.0.0.1:0",
+            &format!("listen: 127.0.0.1:{}", self.addr.port()),
+        );
+        std::fs::write(self._config.path(), yaml).expect("rewrite the configuration");
+    }
+
     /// Everything the process logged so far.
     pub(crate) fn log(&self) -> String {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
