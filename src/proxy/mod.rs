@@ -6,6 +6,8 @@
 //!   a refusal, or the request passed through.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
+//! - [`settle`]: what an upstream call's end means for its key (save or release), the one set
+//!   of rules both modes apply.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
 //! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
@@ -39,6 +41,7 @@ mod lease;
 mod pending;
 mod replay;
 mod resolved;
+mod settle;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
