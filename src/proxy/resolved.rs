@@ -12,9 +12,9 @@ use http::request::Parts;
 use crate::body::Body;
 use crate::config::Config;
 use crate::key::{self, KeyId, StoreKey};
-use crate::metrics::{Metrics, Outcome, RouteMetrics};
+use crate::metrics::{Metrics, ObservedMetrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
-use crate::route::{IdempotencySettings, RouteSettings};
+use crate::route::{IdempotencySettings, Mode, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// A route resolved once at start: everything a request on it needs, in one value.
@@ -28,6 +28,9 @@ pub(super) struct Route {
     pub upstream: Arc<Upstream>,
     /// The route's metric series, registered at start.
     pub metrics: RouteMetrics,
+    /// `Some` on an observed route (`mode: observe`): what enforce would have answered, its
+    /// series registered at start.
+    pub observed: Option<ObservedMetrics>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
     /// The route's position in the file, which namespaces its keys in the memory store.
@@ -61,6 +64,11 @@ impl Route {
                     idempotency: r.idempotency.clone().map(Arc::new),
                     upstream,
                     metrics: metrics.route(&r.name),
+                    observed: r
+                        .idempotency
+                        .as_ref()
+                        .filter(|i| i.mode == Mode::Observe)
+                        .map(|_| metrics.observed(&r.name)),
                     namespace: key::namespace(&config.store.key_prefix, &r.name),
                     number,
                 }))
