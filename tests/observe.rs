@@ -36,6 +36,7 @@ both_stores!(
     bodies_over_max_request_body_are_forwarded_whole_and_not_claimed,
     store_errors_are_counted_and_forwarded,
     retry_statuses_release_the_key_as_enforce_does,
+    a_client_that_leaves_still_gets_its_result_saved_and_the_detached_bound_holds,
     switching_to_enforce_keeps_the_records,
 );
 
@@ -485,6 +486,45 @@ async fn retry_statuses_release_the_key_as_enforce_does(backend: Backend) {
         (201, retry.body)
     );
     assert_eq!(env.mock.calls("obs-retry"), 2);
+}
+
+/// A client that leaves mid-call does not cancel the call or the save (SPEC §4.3, as in
+/// enforce); while its exchange runs detached at `limits.max_detached_exchanges`, a new
+/// observed request is forwarded without a claim, counted as `overloaded`, never refused.
+async fn a_client_that_leaves_still_gets_its_result_saved_and_the_detached_bound_holds(
+    backend: Backend,
+) {
+    let env = Env::new(backend).await;
+    let yaml = observing(&env, "").replace(
+        "upstreams:",
+        "limits:\n  max_detached_exchanges: 1\nupstreams:",
+    );
+    let proxy = env.proxy(&yaml).await;
+    let leaving = spawn_booking(proxy.url(""), "obs-left", SEAT, "1500ms");
+    until_in_flight(&proxy.proxy, "obs-left").await;
+    leaving.abort();
+    let detached = || proxy.metric("idemproxy_detached_exchanges", &[]) as u64;
+    assert!(
+        eventually(Duration::from_secs(5), || detached() == 1).await,
+        "the exchange runs on after its client left"
+    );
+
+    let meanwhile = book(&proxy, "obs-meanwhile", SEAT).await;
+    assert_forwarded(&meanwhile, 201);
+    assert_eq!(env.mock.calls("obs-meanwhile"), 1);
+    assert_eq!(unclaimed(&proxy, "overloaded"), 1);
+    assert!(
+        record(&proxy.proxy, "obs-meanwhile").await.is_none(),
+        "not claimed"
+    );
+
+    // The call the client left ends, and its result is saved.
+    let (status, body) = until_saved(&proxy.proxy, "obs-left").await;
+    assert_eq!(status, 201);
+    assert!(body.starts_with(b"{"), "the booking: {body:?}");
+    assert_eq!(env.mock.calls("obs-left"), 1);
+    assert!(eventually(Duration::from_secs(5), || detached() == 0).await);
+    until_counted(&proxy, &[(Would::Forward, 1)]).await;
 }
 
 // ---------------------------------------------------------------------------------------------
