@@ -42,7 +42,10 @@ use tokio::runtime::Runtime;
 
 use args::Args;
 use client::{Expect, Key, LoadPlan, RequestSpec};
-use procs::{CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, PASSTHROUGH_PATH, Proxy, Redis, StoreConfig};
+use procs::{
+    CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
+    StoreConfig,
+};
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
 
@@ -308,6 +311,13 @@ impl Bench {
                     key,
                     Server::Proxy(&mut proxy),
                 )
+            }
+            Target::Observe(store) => {
+                let Some(mut proxy) = self.proxy(s, store)? else {
+                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                };
+                let key = self.new_keys();
+                self.timed(s, proxy.addr, OBSERVED_PATH, key, Server::Proxy(&mut proxy))
             }
             Target::Replay(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {

@@ -291,9 +291,11 @@ pub(crate) enum StoreConfig {
     Redis { url: String },
 }
 
-/// Paths the proxy routes: the idempotent route and the pass-through route. Both are mock echo
-/// paths of the same length, so the upstream does the same work for either.
+/// Paths the proxy routes: the idempotent route, the observed route and the pass-through
+/// route. All are mock echo paths of the same length, so the upstream does the same work for
+/// each.
 pub(crate) const IDEMPOTENT_PATH: &str = "/echo/idem";
+pub(crate) const OBSERVED_PATH: &str = "/echo/obsv";
 pub(crate) const PASSTHROUGH_PATH: &str = "/echo/pass";
 
 /// An `idemproxy` process in front of the mock.
@@ -366,6 +368,15 @@ routes:
       ttl: {ttl}
       lock_ttl: 10s
       max_response_body: 1MiB
+  - name: observed
+    methods: [POST]
+    path: {OBSERVED_PATH}
+    upstream: mock
+    idempotency:
+      ttl: {ttl}
+      lock_ttl: 10s
+      max_response_body: 1MiB
+      mode: observe
   - name: pass-through
     path: /*
     upstream: mock

@@ -1,7 +1,7 @@
 //! The scenario catalogue, in run order, and choosing scenarios from a comma list of globs.
 
 use Store::{Memory, Redis};
-use Target::{Direct, Fill, NewKey, Nginx, Passthrough, Replay, Storm};
+use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Storm};
 
 /// Which store a proxy scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +21,9 @@ pub(crate) enum Target {
     Passthrough,
     /// An idempotent route, a new key on every request.
     NewKey(Store),
+    /// An observed route (`mode: observe`), a new key on every request: forwarded at once,
+    /// claimed and saved beside and after it.
+    Observe(Store),
     /// An idempotent route, one finished key on every request.
     Replay(Store),
     /// Duplicates of keys still in flight, all at once.
@@ -43,7 +46,9 @@ impl Scenario {
     /// The store the proxy runs on, if the scenario goes through an idempotent route.
     pub(crate) fn store(&self) -> Option<Store> {
         match self.target {
-            Target::NewKey(s) | Target::Replay(s) | Target::Storm(s) => Some(s),
+            Target::NewKey(s) | Target::Observe(s) | Target::Replay(s) | Target::Storm(s) => {
+                Some(s)
+            }
             Target::Fill => Some(Store::Memory),
             Target::Direct | Target::Nginx | Target::Passthrough => None,
         }
@@ -56,7 +61,10 @@ impl Scenario {
 
     /// Its throughput is compared with the nginx and pass-through rows of the same body size.
     fn wants_baselines(&self) -> bool {
-        matches!(self.target, Target::NewKey(_) | Target::Replay(_))
+        matches!(
+            self.target,
+            Target::NewKey(_) | Target::Observe(_) | Target::Replay(_)
+        )
     }
 
     /// The name without its `/store` suffix: `new-key/redis` -> `new-key`.
@@ -100,6 +108,18 @@ pub(crate) const ALL: &[Scenario] = &[
         NewKey(Redis),
         false,
         "a new Idempotency-Key per request",
+    ),
+    scenario(
+        "observe/memory",
+        Observe(Memory),
+        false,
+        "a new key per request on an observed route",
+    ),
+    scenario(
+        "observe/redis",
+        Observe(Redis),
+        false,
+        "a new key per request on an observed route",
     ),
     scenario(
         "replay/memory",
