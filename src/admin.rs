@@ -70,7 +70,9 @@ pub(crate) async fn handle(
             resp
         }
         (method, p) if p.starts_with("/keys/") => {
-            let Some(token) = proxy.config().admin_token.as_deref() else {
+            // The token in force: a reload may rotate it.
+            let config = proxy.config();
+            let Some(token) = config.admin_token.as_deref() else {
                 return AdminProblem::KeyToolingOff.response();
             };
             if !authorized(req.headers(), token) {

@@ -47,7 +47,13 @@ pub(crate) async fn run(listen: SocketAddr, upstream_listen: SocketAddr) -> Exit
         let _ = mock_stopped.await;
     }));
     println!("{}", demo_instructions(addr, up_addr));
-    let result = idemproxy::run(proxy, config, crate::stop_signal()).await;
+    let result = idemproxy::run(
+        proxy,
+        config,
+        idemproxy::reload::ReloadSource::none(),
+        crate::stop_signal(),
+    )
+    .await;
     let _ = stop_mock.send(());
     let _ = mock.await;
     match result {

@@ -17,7 +17,8 @@
 //! - [`record`]: what the store keeps under a key, and its versioned encoding.
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
-//! - [`proxy`]: the per-request flow — match (`resolved`: a route resolved once), then
+//! - [`proxy`]: the configuration in force (`generation`, swapped whole by `reload`) and the
+//!   per-request flow — match (`resolved`: a route resolved once per configuration), then
 //!   admission (key, body, fingerprint), the exchange (claim, forward, decide), the lease
 //!   (renew, complete, release), pending completions, replay, `detach`, `observe` (a route
 //!   that forwards everything and counts what enforce would have done); and
@@ -28,6 +29,9 @@
 //! - [`admin`]: what the admin listener answers — health, readiness, metrics, key tooling
 //!   (served by [`server::serve_admin`]).
 //! - [`metrics`]: counters and histograms, registered once per route, upstream and store op.
+//! - [`reload`]: what triggers a reload (SIGHUP rereads the file); what a reload changes is
+//!   [`proxy::Proxy::reload`]'s. [`pid_file`]: where the process id is written, and how
+//!   `idemproxy reload` finds the process by it and signals it.
 //! - [`server`]: wiring and graceful shutdown ([`server::run`] is what `main` calls) on
 //!   [`server::listener`], the one listener type the proxy, admin and mock share: `accept`
 //!   (backoff), `connection` (TLS handshake, deadlines), `activity` and `io` (idle and
@@ -46,9 +50,11 @@ pub mod fingerprint;
 pub mod key;
 pub mod key_from;
 pub mod metrics;
+pub mod pid_file;
 pub mod problem;
 pub mod proxy;
 pub mod record;
+pub mod reload;
 pub mod route;
 pub mod server;
 pub mod shutdown;

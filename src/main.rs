@@ -4,7 +4,7 @@ mod demo;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -33,6 +33,13 @@ enum Command {
         /// The admin listener's URL.
         #[arg(long, env = "IDEMPROXY_ADMIN", default_value = "http://127.0.0.1:9090")]
         admin: String,
+    },
+    /// Validate a configuration file (as --check does), then tell the proxy running with it to
+    /// reload it: SIGHUP to the process whose id the file's `pid_file` holds.
+    Reload {
+        /// The configuration file (YAML) the running proxy was started with.
+        #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
+        config: PathBuf,
     },
     /// Look up or forget one idempotency record through a running proxy's admin listener.
     Keys {
@@ -102,6 +109,7 @@ fn main() -> ExitCode {
     match args.command {
         Some(Command::Health { admin }) => return block_on(health(admin)),
         Some(Command::Keys { action }) => return block_on(keys(action)),
+        Some(Command::Reload { config }) => return reload(&config),
         _ => {}
     }
     if let Some(Command::Demo {
@@ -118,26 +126,54 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     };
-    let config = match Config::load(&path) {
+    let config = match load(&path) {
         Ok(c) => c,
-        Err(errors) => {
-            for e in &errors.0 {
-                eprintln!("{}: {e}", path.display());
-            }
-            eprintln!(
-                "{}: {} error(s); the configuration is not valid",
-                path.display(),
-                errors.0.len()
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     if args.check {
         println!("{}: configuration is valid", path.display());
         return ExitCode::SUCCESS;
     }
     init_logging(config.log_format);
-    block_on(serve(config))
+    block_on(serve(config, path))
+}
+
+/// Loads and validates `path`, as `--check` does: every error on stderr, exit code 2.
+fn load(path: &Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|errors| {
+        for e in &errors.0 {
+            eprintln!("{}: {e}", path.display());
+        }
+        eprintln!(
+            "{}: {} error(s); the configuration is not valid",
+            path.display(),
+            errors.0.len()
+        );
+        ExitCode::from(2)
+    })
+}
+
+/// `idemproxy reload`: validates the file first, so that a file the proxy would refuse is
+/// reported here, with every error, and nothing is signalled (exit 2); then signals the
+/// process its `pid_file` names (exit 1 when there is none to signal).
+fn reload(path: &Path) -> ExitCode {
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match idemproxy::pid_file::signal_reload(config.pid_file.as_deref()) {
+        Ok(pid) => {
+            println!(
+                "{}: valid; sent SIGHUP to idemproxy (pid {pid}), which reloads it and logs what it applied",
+                path.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn block_on(fut: impl Future<Output = ExitCode>) -> ExitCode {
@@ -238,7 +274,7 @@ async fn keys(action: KeysAction) -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> ExitCode {
+async fn serve(config: Config, path: PathBuf) -> ExitCode {
     let listener = match idemproxy::server::bind(config.listen) {
         Ok(l) => l,
         Err(e) => {
@@ -246,7 +282,8 @@ async fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match idemproxy::run(listener, config, stop_signal()).await {
+    let reloads = idemproxy::reload::ReloadSource::file(path);
+    match idemproxy::run(listener, config, reloads, stop_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "idemproxy stopped");

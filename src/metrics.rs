@@ -146,6 +146,40 @@ impl StoreOp {
     }
 }
 
+/// What became of one configuration reload, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// The new configuration is in force.
+    Applied,
+    /// The file is not valid: nothing applied.
+    Invalid,
+    /// A field that cannot change in place changed: nothing applied.
+    NeedsRestart,
+}
+
+impl ReloadResult {
+    /// Every result: each series is exposed from the start, at 0.
+    pub const ALL: [ReloadResult; 3] = [
+        ReloadResult::Applied,
+        ReloadResult::Invalid,
+        ReloadResult::NeedsRestart,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Applied => "applied",
+            ReloadResult::Invalid => "invalid",
+            ReloadResult::NeedsRestart => "needs_restart",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteOutcome {
     route: String,
@@ -192,6 +226,8 @@ pub struct Metrics {
     /// Per store operation (claim, complete): writes fewer replicas acknowledged than
     /// `store.wait_replicas` asks.
     replica_acks_missing: Family<OpLabel, Counter>,
+    /// `idemproxy_config_reloads_total{result}`.
+    config_reloads: Family<ResultLabel, Counter>,
     /// Completions being retried in the background.
     pub pending_completions: Gauge,
     /// Bytes of the results those completions hold.
@@ -384,6 +420,17 @@ impl Metrics {
         for op in [StoreOp::Claim, StoreOp::Complete] {
             let _ = replica_acks_missing.get_or_create(&OpLabel { op: op.as_str() });
         }
+        let config_reloads: Family<ResultLabel, Counter> = register(
+            r,
+            "idemproxy_config_reloads",
+            "Configuration reloads (SIGHUP) by result: applied, invalid (the file did not validate), needs_restart (a field that cannot change in place changed); nothing of a refused file is applied",
+            Family::default(),
+        );
+        for result in ReloadResult::ALL {
+            let _ = config_reloads.get_or_create(&ResultLabel {
+                result: result.as_str(),
+            });
+        }
         let store_ops = StoreOp::ALL
             .iter()
             .map(|op| {
@@ -466,6 +513,7 @@ impl Metrics {
             upstream_duration,
             store_ops,
             replica_acks_missing,
+            config_reloads,
             registry,
         }
     }
@@ -532,6 +580,15 @@ impl Metrics {
     pub(crate) fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
+            .inc();
+    }
+
+    /// Counts one reload.
+    pub(crate) fn config_reload(&self, result: ReloadResult) {
+        self.config_reloads
+            .get_or_create(&ResultLabel {
+                result: result.as_str(),
+            })
             .inc();
     }
 

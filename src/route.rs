@@ -127,7 +127,7 @@ impl PathPattern {
 }
 
 /// One route, compiled.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RouteSettings {
     /// Unique name.
     pub name: String,
@@ -237,7 +237,7 @@ fn check_pointer(p: &str) -> Result<(), String> {
 }
 
 /// Idempotency settings of one route, compiled.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct IdempotencySettings {
     pub header: HeaderName,
     /// Missing key → 400 when true.

@@ -13,6 +13,7 @@ use std::fmt;
 use std::io::Read;
 use std::sync::Arc;
 
+use sha2::{Digest, Sha256};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::crypto::{CryptoProvider, ring};
 use tokio_rustls::rustls::pki_types::pem::{self, PemObject};
@@ -44,6 +45,18 @@ fn read(path: &str) -> Result<Vec<u8>, String> {
         ));
     }
     Ok(pem)
+}
+
+/// A SHA-256 over DER items, each length-prefixed: what a configuration compares to tell
+/// whether the material its files held has changed (a reload that renews a certificate under
+/// the same file name is a change).
+fn digest<'a>(items: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for item in items {
+        h.update((item.len() as u64).to_be_bytes());
+        h.update(item);
+    }
+    h.finalize().into()
 }
 
 /// Every certificate in a PEM file, in order; at least one.
@@ -85,7 +98,18 @@ pub(crate) enum TlsFile {
 pub struct ServerTls {
     cert_file: String,
     key_file: String,
+    /// [`digest`] of the chain and the key, for [`PartialEq`].
+    material: [u8; 32],
     config: Arc<ServerConfig>,
+}
+
+/// Equal when both name the same files and read the same chain and key from them.
+impl PartialEq for ServerTls {
+    fn eq(&self, other: &ServerTls) -> bool {
+        self.cert_file == other.cert_file
+            && self.key_file == other.key_file
+            && self.material == other.material
+    }
 }
 
 impl ServerTls {
@@ -102,6 +126,7 @@ impl ServerTls {
             (Ok(chain), Ok(key)) => (chain, key),
             (chain, key) => return Err(chain.err().into_iter().chain(key.err()).collect()),
         };
+        let material = digest(chain.iter().map(|c| c.as_ref()).chain([key.secret_der()]));
         let builder = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| vec![(TlsFile::Cert, format!("cannot set up TLS: {e}"))])?;
@@ -133,6 +158,7 @@ impl ServerTls {
         Ok(ServerTls {
             cert_file: cert_file.to_owned(),
             key_file: key_file.to_owned(),
+            material,
             config: Arc::new(config),
         })
     }
@@ -158,7 +184,17 @@ impl fmt::Debug for ServerTls {
 #[derive(Clone)]
 pub struct ClientTls {
     ca_file: Option<String>,
+    /// [`digest`] of the roots `ca_file` held (`None`: the Mozilla set), for [`PartialEq`].
+    material: Option<[u8; 32]>,
     config: Arc<ClientConfig>,
+}
+
+/// Equal when both trust the same roots: the Mozilla set, or the same certificates read from
+/// the same file.
+impl PartialEq for ClientTls {
+    fn eq(&self, other: &ClientTls) -> bool {
+        self.ca_file == other.ca_file && self.material == other.material
+    }
 }
 
 impl ClientTls {
@@ -167,13 +203,15 @@ impl ClientTls {
         let roots = RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
         };
-        ClientTls::with_roots(None, roots)
+        ClientTls::with_roots(None, None, roots)
     }
 
     /// The certificates of a PEM file (one or more), instead of the Mozilla roots.
     pub(crate) fn private_roots(ca_file: &str) -> Result<ClientTls, String> {
         let mut roots = RootCertStore::empty();
-        for (i, cert) in certificates(ca_file)?.into_iter().enumerate() {
+        let certs = certificates(ca_file)?;
+        let material = digest(certs.iter().map(|c| c.as_ref()));
+        for (i, cert) in certs.into_iter().enumerate() {
             roots.add(cert).map_err(|e| {
                 format!(
                     "certificate {} in {ca_file} cannot be a trusted root: {e}",
@@ -181,10 +219,14 @@ impl ClientTls {
                 )
             })?;
         }
-        ClientTls::with_roots(Some(ca_file.to_owned()), roots)
+        ClientTls::with_roots(Some(ca_file.to_owned()), Some(material), roots)
     }
 
-    fn with_roots(ca_file: Option<String>, roots: RootCertStore) -> Result<ClientTls, String> {
+    fn with_roots(
+        ca_file: Option<String>,
+        material: Option<[u8; 32]>,
+        roots: RootCertStore,
+    ) -> Result<ClientTls, String> {
         let config = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("cannot set up TLS: {e}"))?
@@ -192,6 +234,7 @@ impl ClientTls {
             .with_no_client_auth();
         Ok(ClientTls {
             ca_file,
+            material,
             config: Arc::new(config),
         })
     }

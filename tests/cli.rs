@@ -428,6 +428,7 @@ fn help_mentions_check_config_and_demo() {
         "--config",
         "IDEMPROXY_CONFIG",
         "demo",
+        "reload",
         "--version",
     ] {
         assert!(

@@ -208,6 +208,7 @@ fn table() -> Vec<Row> {
         row("on_unknown_outcome bogus", idem("on_unknown_outcome: guess"), "routes[0].idempotency.on_unknown_outcome", &["unknown variant", "guess", "keep", "release"]),
         row("mode bogus", idem("mode: audit"), "routes[0].idempotency.mode", &["unknown variant", "audit", "enforce", "observe"]),
         row("log_format bogus", top("log_format: xml"), "log_format", &["unknown variant", "xml", "text", "json"]),
+        row("pid_file empty", top("pid_file: \"  \""), "pid_file", &["file path"]),
         row("backend bogus", store("backend: mysql"), "store.backend", &["unknown variant", "mysql", "memory", "sqlite", "postgres", "redis"]),
         row("required not a bool", idem("required: sometimes"), "routes[0].idempotency.required", &["invalid type"]),
         // Not supported yet.
@@ -237,6 +238,23 @@ fn table() -> Vec<Row> {
         row("redis ca_file unreadable", store("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["cannot read", "/nonexistent/redis-ca.pem"]),
         row("redis ca_file not PEM", store(concat!("backend: redis\nurl: rediss://127.0.0.1:6380/0\nca_file: ", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")), "store.ca_file", &["no PEM certificate", "Cargo.toml"]),
         row("redis ca_file without rediss", store("backend: redis\nca_file: /nonexistent/redis-ca.pem"), "store.ca_file", &["rediss://"]),
+        // The durable stores: each setting only on the backend that reads it, and its bounds.
+        row("path on memory", store("path: /tmp/records.db"), "store.path", &["SQLite setting", "not read by backend memory"]),
+        row("sync on redis", store("backend: redis\nsync: normal"), "store.sync", &["SQLite setting", "not read by backend redis"]),
+        row("sync bogus", store("backend: sqlite\npath: /tmp/r.db\nsync: sometimes"), "store.sync", &["unknown variant", "normal", "full"]),
+        row("sqlite in memory", store("backend: sqlite\npath: \":memory:\""), "store.path", &["path of a file"]),
+        row("schema on sqlite", store("backend: sqlite\npath: /tmp/r.db\nschema: x"), "store.schema", &["PostgreSQL setting", "not read by backend sqlite"]),
+        row("sweep_interval on redis", store("backend: redis\nsweep_interval: 1s"), "store.sweep_interval", &["SQLite and PostgreSQL setting"]),
+        row("sweep_interval zero", store("backend: sqlite\npath: /tmp/r.db\nsweep_interval: 0s"), "store.sweep_interval", &["greater than zero"]),
+        row("postgres without url", store("backend: postgres"), "store.url", &["needs store.url"]),
+        row("postgres url of another scheme", store("backend: postgres\nurl: mysql://u@127.0.0.1/db"), "store.url", &["postgres://"]),
+        row("postgres url without user", store("backend: postgres\nurl: postgres://127.0.0.1:5432/db"), "store.url", &["no user"]),
+        row("postgres bad sslmode", store("backend: postgres\nurl: postgres://u@127.0.0.1/db?sslmode=sometimes"), "store.url", &["invalid PostgreSQL URL"]),
+        row("postgres schema not plain", store("backend: postgres\nurl: postgres://u@127.0.0.1/db\nschema: Bad-Name"), "store.schema", &["plain identifier"]),
+        row("postgres pool_size zero", store("backend: postgres\nurl: postgres://u@127.0.0.1/db\npool_size: 0"), "store.pool_size", &["from 1 to 1000"]),
+        row("postgres password in url and file", store("backend: postgres\nurl: postgres://u:pw@127.0.0.1/db\npassword_file: /etc/hostname"), "store.password_file", &["already carries a password"]),
+        row("postgres ca_file without tls", store("backend: postgres\nurl: postgres://u@127.0.0.1/db\nca_file: /nonexistent/pg-ca.pem"), "store.ca_file", &["sslmode=require"]),
+        row("wait_replicas on postgres", store("backend: postgres\nurl: postgres://u@127.0.0.1/db\nwait_replicas: 1"), "store.wait_replicas", &["synchronous replication"]),
         // TLS files (tests/tls.rs has the rows that need real certificates).
         row("tls cert_file unreadable", top("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem"), "tls.cert_file", &["cannot read", "/nonexistent/cert.pem"]),
         row("tls key_file unreadable", top("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem"), "tls.key_file", &["cannot read", "/nonexistent/key.pem"]),
@@ -442,6 +460,7 @@ fn a_minimal_file_gets_the_documented_defaults() {
     let c = Config::from_yaml(MINIMAL).expect("valid");
     assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
     assert_eq!(c.log_format, LogFormat::Text);
+    assert_eq!(c.pid_file, None);
     assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
 
     // store: memory, 1,000,000 entries, "idemproxy:", 500ms.
@@ -536,11 +555,15 @@ fn values_are_read_as_written() {
     )
     .replace("methods: [POST]", "methods: [post, PUT]");
     let yaml = format!(
-        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 200ms\nlog_format: json\nshutdown_timeout: 1m\n",
+        "{}store:\n  backend: memory\n  max_entries: 10\n  key_prefix: \"idp/\"\n  timeout: 200ms\nlog_format: json\npid_file: /run/idemproxy.pid\nshutdown_timeout: 1m\n",
         yaml
     );
     let c = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     assert_eq!(c.log_format, LogFormat::Json);
+    assert_eq!(
+        c.pid_file.as_deref(),
+        Some(std::path::Path::new("/run/idemproxy.pid"))
+    );
     assert_eq!(c.shutdown_timeout, Duration::from_secs(60));
     assert!(matches!(
         c.store.backend,
@@ -613,6 +636,7 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "listen:",
         "admin_listen:",
         "log_format:",
+        "pid_file:",
         "shutdown_timeout:",
         "store:",
         "backend:",

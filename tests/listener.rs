@@ -594,11 +594,11 @@ async fn drain_delay_keeps_serving_while_readiness_says_503() {
     let readyz = format!("http://127.0.0.1:{admin_port}/readyz");
     let mut ready = false;
     for _ in 0..100 {
-        if let Ok(r) = client().get(&readyz).send().await {
-            if r.status() == 200 {
-                ready = true;
-                break;
-            }
+        if let Ok(r) = client().get(&readyz).send().await
+            && r.status() == 200
+        {
+            ready = true;
+            break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http::uri::Scheme;
@@ -120,6 +120,10 @@ pub(crate) struct RawConfig {
     /// `text` (default) or `json`.
     #[serde(default)]
     pub log_format: LogFormat,
+    /// A file the proxy writes its process id to once it listens (and removes on a clean
+    /// exit), for `idemproxy reload` to find it. Default: none.
+    #[serde(default)]
+    pub pid_file: Option<String>,
     /// How long in-flight requests may run after SIGTERM/SIGINT. Default 30s.
     #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
@@ -187,6 +191,8 @@ pub struct Config {
     /// The admin token that turns the key tooling on (read from a file or the environment).
     pub admin_token: Option<Secret>,
     pub log_format: LogFormat,
+    /// Where the proxy writes its process id, if anywhere.
+    pub pid_file: Option<PathBuf>,
     /// How long in-flight requests may run after a stop signal.
     pub shutdown_timeout: Duration,
     /// How long to keep accepting, unready, after a stop signal.
@@ -239,6 +245,7 @@ impl RawConfig {
         };
         let admin_token = self.admin_token(&mut err);
         self.check_shutdown(&mut err);
+        let pid_file = self.pid_file(&mut err);
         let limits = self.limits.validate(&mut err);
         let store = self.store.validate(&mut err);
         let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
@@ -259,6 +266,7 @@ impl RawConfig {
                 admin_listen,
                 admin_token,
                 log_format: self.log_format,
+                pid_file,
                 shutdown_timeout: self.shutdown_timeout,
                 drain_delay: self.drain_delay,
                 store,
@@ -341,6 +349,19 @@ impl RawConfig {
             );
         }
         admin_token
+    }
+
+    fn pid_file(&self, err: &mut impl FnMut(String, String)) -> Option<PathBuf> {
+        match self.pid_file.as_deref() {
+            Some(path) if path.trim().is_empty() => {
+                err(
+                    "pid_file".into(),
+                    "must be a file path (omit the field for no pid file)".into(),
+                );
+                None
+            }
+            path => path.map(PathBuf::from),
+        }
     }
 
     fn check_shutdown(&self, err: &mut impl FnMut(String, String)) {

@@ -48,7 +48,7 @@ pub(crate) struct RawStore {
     pub path: Option<String>,
     /// SQLite: `normal` (default: survives a crash of the proxy) or `full` (also a power loss).
     #[serde(default)]
-    pub sync: SqliteSync,
+    pub sync: Option<SqliteSync>,
     /// PostgreSQL: the schema the proxy creates (if missing) and keeps its table in. Default
     /// `idemproxy`.
     #[serde(default)]
@@ -98,7 +98,7 @@ impl Default for RawStore {
             backend: Backend::default(),
             max_entries: defaults::max_entries(),
             path: None,
-            sync: SqliteSync::default(),
+            sync: None,
             schema: None,
             pool_size: None,
             sweep_interval: None,
@@ -151,8 +151,8 @@ pub enum SqliteSync {
     Full,
 }
 
-/// Which store, and how to reach it.
-#[derive(Debug, Clone)]
+/// Which store, and how to reach it. Compared whole by a reload (a store can't change in place).
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     /// The backend and its own settings.
     pub backend: BackendSettings,
@@ -163,7 +163,7 @@ pub struct StoreSettings {
 }
 
 /// Backend-specific settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum BackendSettings {
     /// The embedded store, bounded to `max_entries` records.
     Memory { max_entries: u64 },
@@ -191,12 +191,13 @@ pub enum BackendSettings {
         /// How often expired rows are deleted.
         sweep_interval: Duration,
     },
-    /// A PostgreSQL database shared by every instance.
-    Postgres(PostgresSettings),
+    /// A PostgreSQL database shared by every instance (boxed: its connection settings are
+    /// far larger than the other variants).
+    Postgres(Box<PostgresSettings>),
 }
 
 /// How to reach PostgreSQL and where the proxy keeps its table.
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct PostgresSettings {
     /// The connection settings parsed from `store.url` (a `sslmode=verify-ca` or `verify-full`
     /// reads as `require`: the proxy always verifies the server's certificate over TLS).
@@ -228,7 +229,7 @@ impl fmt::Debug for PostgresSettings {
 }
 
 /// How to authenticate to Redis and trust its certificate, beyond what the URL says.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, PartialEq)]
 pub struct RedisAccess {
     /// The password (`store.password_file` / `store.password_env`), sent with `AUTH`.
     pub password: Option<Secret>,
@@ -350,7 +351,7 @@ impl RawStore {
                 &[Memory],
             ),
             ("store.path", self.path.is_some(), &[Sqlite]),
-            ("store.sync", self.sync != SqliteSync::default(), &[Sqlite]),
+            ("store.sync", self.sync.is_some(), &[Sqlite]),
             ("store.schema", self.schema.is_some(), &[Postgres]),
             ("store.pool_size", self.pool_size.is_some(), &[Postgres]),
             (
@@ -444,7 +445,7 @@ impl RawStore {
         }
         Some(BackendSettings::Sqlite {
             path: PathBuf::from(path),
-            sync: self.sync,
+            sync: self.sync.unwrap_or_default(),
             sweep_interval: sweep_interval?,
         })
     }
@@ -514,14 +515,14 @@ impl RawStore {
         }
         let (config, ca_pem, sweep_interval) = (config?, ca_pem?, sweep_interval?);
         (ok && schema_ok && pool_ok).then(|| {
-            BackendSettings::Postgres(PostgresSettings {
+            BackendSettings::Postgres(Box::new(PostgresSettings {
                 config,
                 password,
                 ca_pem,
                 schema: schema.to_owned(),
                 pool_size,
                 sweep_interval,
-            })
+            }))
         })
     }
 
@@ -795,12 +796,28 @@ fn postgres_config(
             );
             None
         }
-        Ok(config) => Some(config),
+        Ok(mut config) => {
+            // tokio-postgres reads an absent sslmode as `prefer`, and the proxy's TLS always
+            // verifies the certificate: a server offering TLS with a certificate nobody signed
+            // (a distribution's snakeoil) would then be refused where plaintext was meant.
+            // Absent means no TLS, as documented; `prefer` must be asked for.
+            if !names_sslmode(&normalized) {
+                config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            }
+            Some(config)
+        }
         Err(e) => {
             err("store.url".into(), format!("invalid PostgreSQL URL: {e}"));
             None
         }
     }
+}
+
+/// Whether the URL's query names `sslmode`.
+fn names_sslmode(url: &str) -> bool {
+    url.split_once('?').is_some_and(|(_, query)| {
+        form_urlencoded::parse(query.as_bytes()).any(|(name, _)| name == "sslmode")
+    })
 }
 
 /// The URL with any password replaced by `***`, for an error message.
@@ -850,6 +867,37 @@ mod tests {
         let settings = raw.validate(&mut |path, _| paths.push(path));
         assert!(settings.is_none(), "{yaml} was accepted");
         paths
+    }
+
+    /// No `sslmode` in the URL means no TLS (tokio-postgres alone would read `prefer`).
+    #[test]
+    fn a_postgres_url_without_sslmode_means_no_tls() {
+        use tokio_postgres::config::SslMode;
+        let mode = |url: &str| {
+            let raw: RawStore = yaml_serde::from_str(&format!("backend: postgres\nurl: {url}"))
+                .expect("a store section");
+            match raw.validate(&mut |path, why| panic!("{path}: {why}")) {
+                Some(StoreSettings {
+                    backend: BackendSettings::Postgres(pg),
+                    ..
+                }) => pg.config.get_ssl_mode(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(mode("postgres://u@db/x"), SslMode::Disable);
+        assert_eq!(mode("postgres://u@db/x?sslmode=prefer"), SslMode::Prefer);
+        assert_eq!(
+            mode("postgres://u@db/x?sslmode=verify-full"),
+            SslMode::Require
+        );
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").expect("write");
+        let plain = format!(
+            "backend: postgres\nurl: postgres://u@db/x\nca_file: {}",
+            ca.display()
+        );
+        assert_eq!(refused_at(&plain), ["store.ca_file"]);
     }
 
     /// The checks the Redis clients make when they are built, made at load without the store.

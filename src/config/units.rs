@@ -176,7 +176,7 @@ pub(super) fn at_most(
 fn whole_unit(d: Duration) -> String {
     let secs = d.as_secs();
     for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
-        if secs >= n && secs % n == 0 {
+        if secs >= n && secs.is_multiple_of(n) {
             return format!("{}{unit}", secs / n);
         }
     }

@@ -48,8 +48,9 @@ mod defaults {
     }
 }
 
-/// One upstream.
-#[derive(Debug, Clone)]
+/// One upstream. Equal settings (the files they name holding the same roots too) let a reload
+/// keep the upstream's client and its pooled connections.
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamSettings {
     /// Its name in the file.
     pub name: String,

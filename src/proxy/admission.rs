@@ -122,10 +122,10 @@ pub(super) fn with_body(
                 key_from::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
             // With forward_key, the upstream gets the derived key in the key header, as a
             // caller's key would arrive: a stable value that differs between callers.
-            if idem.forward_key {
-                if let Ok(v) = HeaderValue::from_str(&derived) {
-                    parts.headers.insert(idem.header.clone(), v);
-                }
+            if idem.forward_key
+                && let Ok(v) = HeaderValue::from_str(&derived)
+            {
+                parts.headers.insert(idem.header.clone(), v);
             }
             (key_from::derived_id(&derived), true)
         }

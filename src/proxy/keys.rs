@@ -33,9 +33,10 @@ pub enum LookupError {
     Parts(String),
 }
 
-/// The store keys of every idempotent route, built once from the resolved routes.
+/// The store keys of every idempotent route, built once per configuration from its resolved
+/// routes.
 pub struct KeyResolver {
-    /// Every route, in file order: a store key's route number is its index.
+    /// Every route, in file order.
     routes: Vec<Arc<Route>>,
 }
 
@@ -91,9 +92,10 @@ impl KeyResolver {
         Ok(route.store_key(id))
     }
 
-    /// The `ttl` of the route a store key belongs to.
+    /// The `ttl` of the route a store key belongs to (found by its number: a route's number
+    /// follows its name, not its place in the file).
     pub(crate) fn ttl_of(&self, key: &StoreKey) -> Option<Duration> {
-        let r = self.routes.get(usize::try_from(key.route()).ok()?)?;
+        let r = self.routes.iter().find(|r| r.number == key.route())?;
         r.idempotency.as_ref().map(|i| i.ttl)
     }
 }

@@ -2,8 +2,10 @@
 //! idempotency — admission, the exchange, the lease, replay — in the modules named after those
 //! steps.
 //!
-//! - [`resolved`]: each route as resolved at start, and the two answers any step can give:
-//!   a refusal, or the request passed through.
+//! - [`generation`]: the configuration in force, resolved (routes, upstream clients, key
+//!   resolver), loaded once by each request; [`reload`] swaps in a new one, or refuses it.
+//! - [`resolved`]: each route as resolved, and the two answers any step can give: a refusal,
+//!   or the request passed through.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`settle`]: what an upstream call's end means for its key (save or release), the one set
@@ -41,17 +43,21 @@ pub mod admission;
 mod completion;
 mod detach;
 mod exchange;
+mod generation;
 mod keys;
 mod lease;
 mod observe;
 mod pending;
+mod reload;
 mod replay;
 mod resolved;
 mod settle;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
 
 use http::request::Parts;
 use http::{Request, Response};
@@ -60,28 +66,31 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body};
-use crate::config::Config;
+use crate::config::{Config, Limits};
 use crate::key;
-use crate::metrics::{Metrics, Outcome, RouteMetrics};
+use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route::IdempotencySettings;
 use crate::store::StoreHandle;
 
 use self::detach::{Detachable, Panicked};
 use self::exchange::{Exchange, Shared};
+use self::generation::Generation;
 use self::pending::PendingCompletions;
-use self::resolved::{Answer, Route, forward_plain, refuse};
+use self::reload::Reloading;
+use self::resolved::{Answer, Route, RouteNumbers, forward_plain, refuse};
 
 pub use keys::{KeyResolver, Lookup, LookupError};
+pub use reload::{Changes, Reloaded};
 
-/// The proxy: routes, upstream clients, the store, metrics, and the tracker of background
-/// tasks (upstream calls and completions) that shutdown waits for.
+/// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
+/// the tracker of background tasks (upstream calls and completions) that shutdown waits for.
 pub struct Proxy {
-    config: Config,
-    routes: Vec<Arc<Route>>,
-    keys: KeyResolver,
-    /// The series of requests that match no route.
-    unrouted: RouteMetrics,
+    /// The configuration in force, resolved. Each request loads it once (one atomic load, no
+    /// lock on the hot path); a reload swaps in a whole new one.
+    current: ArcSwap<Generation>,
+    /// What reloads carry over (route numbers) and who hears of them; locked by reloads only.
+    reloading: Mutex<Reloading>,
     /// The store and the background work, shared with every exchange.
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
@@ -92,8 +101,9 @@ pub struct Proxy {
 impl Proxy {
     /// Builds the proxy over a store: resolves every route's upstream, policy and metrics.
     pub fn new(config: Config, store: StoreHandle, metrics: Arc<Metrics>) -> Proxy {
-        let routes = Route::resolve_all(&config, &metrics);
+        let mut numbers = RouteNumbers::default();
         let limits = config.limits;
+        let generation = Generation::build(config, &metrics, &mut numbers, None);
         let shared = Arc::new(Shared {
             store,
             tasks: TaskTracker::new(),
@@ -105,10 +115,8 @@ impl Proxy {
             )),
         });
         Proxy {
-            keys: KeyResolver::new(&routes),
-            unrouted: metrics.route(""),
-            config,
-            routes,
+            current: ArcSwap::from_pointee(generation),
+            reloading: Mutex::new(Reloading::new(numbers)),
             shared,
             metrics,
             draining: AtomicBool::new(false),
@@ -138,9 +146,9 @@ impl Proxy {
         self.metrics.encode()
     }
 
-    /// The store keys of the idempotent routes, as the key tooling names records.
-    pub fn keys(&self) -> &KeyResolver {
-        &self.keys
+    /// The store keys of the idempotent routes in force, as the key tooling names records.
+    pub fn keys(&self) -> Arc<KeyResolver> {
+        self.current.load().keys.clone()
     }
 
     /// The background tasks (upstream calls, completions) that must finish before the process
@@ -163,8 +171,8 @@ impl Proxy {
     }
 
     /// The configuration in force.
-    pub(crate) fn config(&self) -> &Config {
-        &self.config
+    pub(crate) fn config(&self) -> Arc<Config> {
+        self.current.load().config.clone()
     }
 
     /// Handles one request. Never fails: every failure is an HTTP answer.
@@ -174,24 +182,33 @@ impl Proxy {
         client: SocketAddr,
     ) -> Response<Body> {
         let start = Instant::now();
+        // Once per request: whatever a reload swaps in meanwhile, this request is served to
+        // its end by the configuration it arrived under.
+        let generation = self.current.load_full();
         let method = req.method().clone();
         let uri = req.uri().clone();
-        let Some(route) = self
+        let Some(route) = generation
             .routes
             .iter()
             .find(|r| r.settings.matches(&method, uri.path()))
         else {
-            self.unrouted.request(Outcome::NoRoute, start.elapsed());
+            generation
+                .unrouted
+                .request(Outcome::NoRoute, start.elapsed());
             tracing::debug!(%method, path = uri.path(), "no route");
             return Problem::NoRoute.response();
         };
         let (parts, incoming) = req.into_parts();
+        let limits = &generation.config.limits;
         let (resp, outcome) = match &route.idempotency {
             None => {
-                let body = self.body_with_deadline(incoming);
+                let body = body_with_deadline(incoming, limits);
                 forward_plain(route, parts, body, client, None).await
             }
-            Some(idem) => self.idempotent(route, idem, parts, incoming, client).await,
+            Some(idem) => {
+                self.idempotent(route, idem, parts, incoming, client, limits)
+                    .await
+            }
         };
         let took = start.elapsed();
         route.metrics.request(outcome, took);
@@ -214,14 +231,9 @@ impl Proxy {
         resp
     }
 
-    /// A client's streamed request body, cut off at `limits.body_read_timeout`, its failures
-    /// marked as the client's.
-    fn body_with_deadline(&self, incoming: Incoming) -> Body {
-        body::from_client(body::boxed(incoming), self.config.limits.body_read_timeout)
-    }
-
     /// A request on an idempotent route: admitted (or refused, or passed through without a
-    /// key), then claimed and run to its end whether or not the client stays.
+    /// key), then claimed and run to its end whether or not the client stays. `route`, `idem`
+    /// and `limits` come from the request's generation.
     async fn idempotent(
         self: &Arc<Self>,
         route: &Arc<Route>,
@@ -229,8 +241,8 @@ impl Proxy {
         parts: Parts,
         incoming: Incoming,
         client: SocketAddr,
+        limits: &Limits,
     ) -> Answer {
-        let limits = &self.config.limits;
         if let Some(observed) = &route.observed {
             return self
                 .observed(route, idem, observed, parts, incoming, client, limits)
@@ -239,7 +251,7 @@ impl Proxy {
         let admitted = match admission::admit(route, idem, parts, incoming, limits).await {
             admission::Admission::Admitted(a) => a,
             admission::Admission::NoKey(parts, incoming) => {
-                let body = self.body_with_deadline(incoming);
+                let body = body_with_deadline(incoming, limits);
                 return forward_plain(route, parts, body, client, None).await;
             }
             admission::Admission::Refused(problem, outcome) => return refuse(problem, outcome),
@@ -289,6 +301,12 @@ impl Proxy {
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
     }
+}
+
+/// A client's streamed request body, cut off at `limits.body_read_timeout`, its failures
+/// marked as the client's.
+fn body_with_deadline(incoming: Incoming, limits: &Limits) -> Body {
+    body::from_client(body::boxed(incoming), limits.body_read_timeout)
 }
 
 /// The answer of an exchange. One that ended without an answer (a panic) is the proxy's own

@@ -43,7 +43,7 @@ use super::detach::{self, Detachable};
 use super::exchange::{Shared, first_response};
 use super::resolved::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
-use super::{KeyHash, Proxy, answer_of};
+use super::{KeyHash, Proxy, answer_of, body_with_deadline};
 use crate::body::{self, Body, ClientBodyError};
 use crate::config::Limits;
 use crate::metrics::{ObservedMetrics, Outcome, Unclaimed, Would};
@@ -69,17 +69,17 @@ impl Proxy {
             // No key on a route that neither requires nor derives one: plain traffic under
             // `enforce` too, nothing for idempotency to decide, so not counted.
             Ok(KeySource::None) => {
-                let body = self.body_with_deadline(incoming);
+                let body = body_with_deadline(incoming, limits);
                 return forward_plain(route, parts, body, client, None).await;
             }
             Ok(source) => source,
             Err((problem, outcome)) => {
                 refused_head(route, observed, &problem, outcome, client);
-                let body = self.body_with_deadline(incoming);
+                let body = body_with_deadline(incoming, limits);
                 return forward_plain(route, parts, body, client, drop_key).await;
             }
         };
-        let body = self.body_with_deadline(incoming);
+        let body = body_with_deadline(incoming, limits);
         let body = match read_bounded(body, idem.max_request_body).await {
             Ok(Read::Whole(bytes)) => bytes,
             Ok(Read::Over { prefix, rest }) => {

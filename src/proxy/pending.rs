@@ -22,6 +22,7 @@
 //! pending at shutdown is logged, so an operator can reconcile those keys.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -49,8 +50,9 @@ struct Inner {
 /// The completions retried in the background, bounded.
 pub(super) struct PendingCompletions {
     inner: Mutex<Inner>,
-    max: u64,
-    max_bytes: u64,
+    /// The bounds: a reload may change them, for the saves that begin after it.
+    max: AtomicU64,
+    max_bytes: AtomicU64,
     count: Gauge,
     held_bytes: Gauge,
 }
@@ -71,11 +73,18 @@ impl PendingCompletions {
     ) -> PendingCompletions {
         PendingCompletions {
             inner: Mutex::default(),
-            max: u64::from(max),
-            max_bytes,
+            max: AtomicU64::new(u64::from(max)),
+            max_bytes: AtomicU64::new(max_bytes),
             count,
             held_bytes,
         }
+    }
+
+    /// Sets the bounds (a reload's `limits`). Saves already pending are held to them from the
+    /// next [`PendingCompletions::begin`] on, as if they had begun under them.
+    pub(crate) fn set_bounds(&self, max: u32, max_bytes: u64) {
+        self.max.store(u64::from(max), Ordering::Relaxed);
+        self.max_bytes.store(max_bytes, Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -101,7 +110,11 @@ impl PendingCompletions {
                 downgrade: downgrade.clone(),
             },
         );
-        while inner.whole.len() as u64 > self.max || inner.bytes > self.max_bytes {
+        let (max, max_bytes) = (
+            self.max.load(Ordering::Relaxed),
+            self.max_bytes.load(Ordering::Relaxed),
+        );
+        while inner.whole.len() as u64 > max || inner.bytes > max_bytes {
             let Some((oldest_id, oldest)) = inner.whole.pop_first() else {
                 break;
             };
@@ -115,7 +128,7 @@ impl PendingCompletions {
 
     /// Whether as many downgraded saves are pending as the bound allows: new claims must wait.
     pub(crate) fn is_saturated(&self) -> bool {
-        self.lock().downgraded.len() as u64 >= self.max
+        self.lock().downgraded.len() as u64 >= self.max.load(Ordering::Relaxed)
     }
 
     /// The save ended (saved, or its lease lost).

@@ -1,8 +1,8 @@
-//! A route resolved once at start — its upstream client, policy and metric series in one value —
-//! and the two answers every step of the flow can give on it: a refusal, or the request passed
+//! A route resolved once per configuration — its upstream client, policy and metric series in
+//! one value — and the two answers every step of the flow can give on it: a refusal, or the request passed
 //! through as it is.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -17,7 +17,8 @@ use crate::problem::Problem;
 use crate::route::{IdempotencySettings, Mode, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
 
-/// A route resolved once at start: everything a request on it needs, in one value.
+/// A route resolved once per configuration (at start, at each reload): everything a request on
+/// it needs, in one value.
 pub(super) struct Route {
     /// The route's name, for logs.
     pub name: Arc<str>,
@@ -33,29 +34,24 @@ pub(super) struct Route {
     pub observed: Option<ObservedMetrics>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
-    /// The route's position in the file, which namespaces its keys in the memory store.
+    /// The number its name was given when the process first saw it, which namespaces its keys
+    /// in the memory store; it follows the name across reloads (see [`RouteNumbers`]).
     pub number: u32,
 }
 
 impl Route {
-    /// Resolves every route of `config`, in file order: its upstream's client, its policy and
-    /// its metric series.
-    pub(crate) fn resolve_all(config: &Config, metrics: &Metrics) -> Vec<Arc<Route>> {
-        let upstreams: BTreeMap<&str, Arc<Upstream>> = config
-            .upstreams
-            .iter()
-            .map(|(name, s)| {
-                (
-                    name.as_str(),
-                    Arc::new(Upstream::new(s, metrics.upstream(name))),
-                )
-            })
-            .collect();
+    /// Resolves every route of `config`, in file order, over the upstream clients `upstreams`:
+    /// its policy, its metric series, and the number its name has in `numbers`.
+    pub(crate) fn resolve_all(
+        config: &Config,
+        metrics: &Metrics,
+        upstreams: &BTreeMap<String, Arc<Upstream>>,
+        numbers: &mut RouteNumbers,
+    ) -> Vec<Arc<Route>> {
         config
             .routes
             .iter()
-            .zip(0u32..)
-            .filter_map(|(r, number)| {
+            .filter_map(|r| {
                 // Validation guarantees every route's upstream exists.
                 let upstream = upstreams.get(r.upstream.as_str())?.clone();
                 Some(Arc::new(Route {
@@ -63,6 +59,7 @@ impl Route {
                     settings: r.clone(),
                     idempotency: r.idempotency.clone().map(Arc::new),
                     upstream,
+                    // The same series as before a reload, for a name the registry has seen.
                     metrics: metrics.route(&r.name),
                     observed: r
                         .idempotency
@@ -70,7 +67,7 @@ impl Route {
                         .filter(|i| i.mode == Mode::Observe)
                         .map(|_| metrics.observed(&r.name)),
                     namespace: key::namespace(&config.store.key_prefix, &r.name),
-                    number,
+                    number: numbers.of(&r.name),
                 }))
             })
             .collect()
@@ -79,6 +76,35 @@ impl Route {
     /// The store key of the key whose hash is `id`, on this route.
     pub(crate) fn store_key(&self, id: KeyId) -> StoreKey {
         StoreKey::new(self.namespace.clone(), self.number, id)
+    }
+}
+
+/// The number of every route name the process has served, for its life.
+///
+/// The memory store keys a record by its route's number, not its name (a fixed-size key, see
+/// `store::memory`). Numbered by position in the file, a reload that inserts, removes or
+/// reorders routes would hand one route's records to another: a repeat could replay another
+/// route's response, and a route could lose its own. So a number belongs to a name: a name
+/// keeps its number across reloads, and a new name gets a number no name ever had, never one
+/// freed by a removed route. A name removed and later restored gets its number back, and with
+/// it its records still in their `ttl`, as on Redis and the SQL stores, whose keys hold the name
+/// itself. At start the numbers are the file's order.
+#[derive(Debug, Default)]
+pub(crate) struct RouteNumbers {
+    by_name: HashMap<String, u32>,
+}
+
+impl RouteNumbers {
+    /// The number of `name`, given it now if it has none.
+    pub(crate) fn of(&mut self, name: &str) -> u32 {
+        if let Some(&n) = self.by_name.get(name) {
+            return n;
+        }
+        // One entry per distinct name in the process's life: four billion route names would
+        // need far more memory than the table could ever be given first.
+        let n = u32::try_from(self.by_name.len()).unwrap_or(u32::MAX);
+        self.by_name.insert(name.to_owned(), n);
+        n
     }
 }
 

@@ -14,7 +14,7 @@ use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 use super::activity::{Activity, InProgress, Next, Tracked};
-use super::handler::{Handler, Peer, Shared};
+use super::handler::{Handler, ListenerLimits, Peer, Shared};
 use super::io::{ConnIo, Stream};
 
 /// How the listener tells its connections to stop.
@@ -33,9 +33,12 @@ pub(super) async fn serve<H: Handler>(
     peer: SocketAddr,
     stop: Stop,
 ) {
-    let limits = shared.limits;
+    // Read once: a reload that changes the listener's limits applies to connections accepted
+    // after it, and this one keeps the deadlines it started with.
+    let settings = shared.settings.load_full();
+    let limits = settings.limits;
     let activity = Arc::new(Activity::new());
-    let Some(stream) = handshake(&shared, tcp, peer, &activity).await else {
+    let Some(stream) = handshake(&shared, &limits, tcp, peer, &activity).await else {
         return;
     };
     let reset = Arc::new(AtomicBool::new(false));
@@ -52,8 +55,8 @@ pub(super) async fn serve<H: Handler>(
             Ok::<_, H::Error>(response.map(|body| Tracked::new(body, request)))
         }
     });
-    let conn = shared.builder.serve_connection(TokioIo::new(io), service);
-    watch(conn, &activity, &shared, peer, &stop).await;
+    let conn = settings.builder.serve_connection(TokioIo::new(io), service);
+    watch(conn, &activity, &limits, shared.name, peer, &stop).await;
 }
 
 /// The TLS handshake, if the listener has TLS, within the first-request deadline. It runs in
@@ -61,6 +64,7 @@ pub(super) async fn serve<H: Handler>(
 /// its own connection.
 async fn handshake<H: Handler>(
     shared: &Shared<H>,
+    limits: &ListenerLimits,
     tcp: TcpStream,
     peer: SocketAddr,
     activity: &Activity,
@@ -68,7 +72,7 @@ async fn handshake<H: Handler>(
     let Some(acceptor) = &shared.tls else {
         return Some(Either::Left(tcp));
     };
-    let by = activity.first_request_by(shared.limits.header_read_timeout);
+    let by = activity.first_request_by(limits.header_read_timeout);
     match tokio::time::timeout_at(by, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => Some(Either::Right(tls)),
         Ok(Err(error)) => {
@@ -94,19 +98,17 @@ async fn handshake<H: Handler>(
 /// spoke (not even enough for hyper to tell HTTP/1 from HTTP/2) has none at all. An idle
 /// connection is asked to close gracefully (HTTP/2: GOAWAY), and dropped if it is still idle
 /// a whole deadline later (a client that never answers the GOAWAY's PING).
-async fn watch<C, H>(
+async fn watch<C>(
     conn: C,
     activity: &Activity,
-    shared: &Shared<H>,
+    limits: &ListenerLimits,
+    name: &'static str,
     peer: SocketAddr,
     stop: &Stop,
 ) where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
-    H: Handler,
 {
-    let limits = shared.limits;
-    let name = shared.name;
     tokio::pin!(conn);
     let mut closing: Option<Instant> = None;
     let mut draining = false;

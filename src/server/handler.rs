@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -81,8 +82,45 @@ impl Peer {
 /// What every connection task of one listener shares.
 pub(super) struct Shared<H> {
     pub(super) handler: Arc<H>,
-    pub(super) builder: auto::Builder<TokioExecutor>,
+    /// Read once by each connection, at its start.
+    pub(super) settings: Arc<LiveLimits>,
     pub(super) tls: Option<TlsAcceptor>,
-    pub(super) limits: ListenerLimits,
     pub(super) name: &'static str,
+}
+
+/// A listener's per-connection limits as the next connection gets them. A reload may replace
+/// them ([`LiveLimits::set`]): connections accepted after it get the new ones, connections
+/// already open keep theirs.
+pub struct LiveLimits(ArcSwap<ConnectionSettings>);
+
+/// The limits of one connection and the hyper builder that keeps them, built together once
+/// per change rather than once per connection.
+pub(super) struct ConnectionSettings {
+    pub(super) limits: ListenerLimits,
+    pub(super) builder: auto::Builder<TokioExecutor>,
+}
+
+impl LiveLimits {
+    pub(super) fn new(limits: ListenerLimits) -> LiveLimits {
+        LiveLimits(ArcSwap::from_pointee(ConnectionSettings::new(limits)))
+    }
+
+    /// The limits of the connections accepted from now on. `max_connections` is not among
+    /// them: it bounds the accept loop, which keeps the bound it started with.
+    pub fn set(&self, limits: ListenerLimits) {
+        self.0.store(Arc::new(ConnectionSettings::new(limits)));
+    }
+
+    pub(super) fn load_full(&self) -> Arc<ConnectionSettings> {
+        self.0.load_full()
+    }
+}
+
+impl ConnectionSettings {
+    fn new(limits: ListenerLimits) -> ConnectionSettings {
+        ConnectionSettings {
+            limits,
+            builder: super::listener::builder(&limits),
+        }
+    }
 }

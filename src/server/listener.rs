@@ -48,7 +48,7 @@ use tokio_util::task::TaskTracker;
 use super::accept::Backoff;
 use super::connection::{self, Stop};
 use super::handler::Shared;
-pub use super::handler::{Handler, ListenerLimits, Peer};
+pub use super::handler::{Handler, ListenerLimits, LiveLimits, Peer};
 
 /// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
 const MIN_HEAD_BYTES: usize = 8192;
@@ -57,7 +57,10 @@ const MIN_HEAD_BYTES: usize = 8192;
 pub struct Listener {
     tcp: TcpListener,
     name: &'static str,
-    limits: ListenerLimits,
+    /// The accept loop's bound, fixed for its life.
+    max_connections: usize,
+    /// Each connection's limits, which a reload may change (see [`Listener::live_limits`]).
+    limits: Arc<LiveLimits>,
     tls: Option<TlsAcceptor>,
 }
 
@@ -66,7 +69,7 @@ impl std::fmt::Debug for Listener {
         f.debug_struct("Listener")
             .field("name", &self.name)
             .field("addr", &self.tcp.local_addr().ok())
-            .field("limits", &self.limits)
+            .field("limits", &self.limits.load_full().limits)
             .field("tls", &self.tls.is_some())
             .finish()
     }
@@ -78,9 +81,16 @@ impl Listener {
         Listener {
             tcp,
             name,
-            limits,
+            max_connections: limits.max_connections,
+            limits: Arc::new(LiveLimits::new(limits)),
             tls: None,
         }
+    }
+
+    /// The limits its connections will get, for a reload to change: connections accepted
+    /// after [`LiveLimits::set`] get the new ones.
+    pub(crate) fn live_limits(&self) -> Arc<LiveLimits> {
+        self.limits.clone()
     }
 
     /// Serves TLS (HTTP/1.1 and h2 by ALPN) instead of cleartext.
@@ -94,12 +104,11 @@ impl Listener {
     pub async fn run<H: Handler>(self, handler: H, shutdown: impl Future<Output = ()>) -> Drain {
         let shared = Arc::new(Shared {
             handler: Arc::new(handler),
-            builder: builder(&self.limits),
+            settings: self.limits,
             tls: self.tls,
-            limits: self.limits,
             name: self.name,
         });
-        let slots = Arc::new(Semaphore::new(self.limits.max_connections.max(1)));
+        let slots = Arc::new(Semaphore::new(self.max_connections.max(1)));
         let connections = TaskTracker::new();
         let stop = Stop::default();
         let mut backoff = Backoff::new(self.name);
@@ -146,8 +155,8 @@ impl Listener {
     }
 }
 
-/// The builder every connection shares: hyper's own limits.
-fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
+/// The builder the connections share: hyper's own limits.
+pub(super) fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
     let head_bytes = limits.max_head_bytes.max(MIN_HEAD_BYTES);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder

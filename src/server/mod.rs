@@ -30,8 +30,10 @@ use tokio::net::TcpListener;
 use crate::body::Body;
 use crate::config::{BackendSettings, Config, Limits};
 use crate::metrics::Metrics;
+use crate::pid_file::PidFile;
 use crate::problem::Problem;
 use crate::proxy::Proxy;
+use crate::reload::ReloadSource;
 use crate::store::memory::MemoryStore;
 use crate::store::postgres::PostgresStore;
 use crate::store::redis::RedisStore;
@@ -56,6 +58,15 @@ pub enum RunError {
     /// The listener failed.
     #[error("listener: {0}")]
     Io(#[from] std::io::Error),
+    /// The reload signal could not be set up.
+    #[error("cannot listen for SIGHUP (reload): {0}")]
+    Hangup(std::io::Error),
+    /// `pid_file` could not be written.
+    #[error("cannot write pid_file {path}: {error}")]
+    PidFile {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
 }
 
 /// Pending connections the listener queues (the kernel caps it at `net.core.somaxconn`):
@@ -136,11 +147,12 @@ pub async fn serve_admin(
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "admin listening on http://{addr} (/healthz, /readyz, /metrics)");
-    let config = &proxy.config().limits;
-    let limits = client_limits(config, config.max_admin_connections);
-    let drain = Listener::new(listener, "admin", limits)
-        .run(AdminService(proxy), shutdown)
-        .await;
+    let config = proxy.config();
+    let limits = client_limits(&config.limits, config.limits.max_admin_connections);
+    let listener = Listener::new(listener, "admin", limits);
+    let live = listener.live_limits();
+    proxy.on_reload(move |c| live.set(reloaded(limits, &c.limits)));
+    let drain = listener.run(AdminService(proxy), shutdown).await;
     if !drain.close_within(ADMIN_DRAIN).await {
         tracing::debug!("admin requests still in flight after the drain: closed");
     }
@@ -164,18 +176,32 @@ impl Handler for AdminService {
 }
 
 /// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
+/// `reloads` says what a SIGHUP rereads. With `pid_file` set, the process id is written
+/// there once everything listens (and SIGHUP is handled), and removed on the way out.
 pub async fn run(
     listener: TcpListener,
     config: Config,
+    reloads: ReloadSource,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RunError> {
+    // First: SIGHUP's default action ends the process, so it is handled before anything (a
+    // pid file, a log line) could prompt an operator to send one.
+    let hangups = reloads.listen().map_err(RunError::Hangup)?;
     let metrics = Arc::new(Metrics::new());
     let admin = match config.admin_listen {
         Some(addr) => Some(bind(addr)?),
         None => None,
     };
     let store = build_store(&config, metrics.clone()).await?;
+    let pid_file = config.pid_file.clone();
     let proxy = Arc::new(Proxy::new(config, store, metrics));
+    let _pid_file = match pid_file {
+        Some(path) => {
+            Some(PidFile::write(&path).map_err(|error| RunError::PidFile { path, error })?)
+        }
+        None => None,
+    };
+    let reloader = tokio::spawn(hangups.serve(proxy.clone()));
     // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
     let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
     let admin = admin.map(|listener| {
@@ -184,6 +210,7 @@ pub async fn run(
         }))
     });
     let served = serve(listener, proxy, shutdown).await;
+    reloader.abort();
     let _ = admin_stop.send(());
     if let Some(admin) = admin {
         let _ = admin.await;
@@ -204,6 +231,16 @@ pub(crate) fn client_limits(limits: &Limits, max_connections: u32) -> ListenerLi
     }
 }
 
+/// A listener's limits after a reload to `new`: the per-connection ones as `new` says, the
+/// connection bound as the accept loop started with (it cannot change in place).
+fn reloaded(started: ListenerLimits, new: &Limits) -> ListenerLimits {
+    ListenerLimits {
+        header_read_timeout: new.header_read_timeout,
+        send_timeout: new.send_timeout,
+        ..started
+    }
+}
+
 /// Serves an already-built proxy (tests and benches use this to read its metrics).
 pub async fn serve(
     listener: TcpListener,
@@ -213,16 +250,20 @@ pub async fn serve(
     let config = proxy.config();
     let limits = client_limits(&config.limits, config.limits.max_connections);
     let tls = config.tls.as_ref().map(crate::tls::ServerTls::acceptor);
-    let (drain_delay, shutdown_timeout) = (config.drain_delay, config.shutdown_timeout);
     let scheme = if tls.is_some() { "https" } else { "http" };
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "idemproxy listening on {scheme}://{addr}");
+    let listener = Listener::new(listener, "proxy", limits).tls(tls);
+    let live = listener.live_limits();
+    proxy.on_reload(move |c| live.set(reloaded(limits, &c.limits)));
     let draining = proxy.clone();
     let stop = async move {
         shutdown.await;
         // Readiness says 503 from the signal on, while the listener still serves: a load
         // balancer polling it moves traffic away before the socket closes.
         draining.start_draining();
+        // Read now: a reload may have changed it since start.
+        let drain_delay = draining.config().drain_delay;
         if !drain_delay.is_zero() {
             tracing::info!(
                 ?drain_delay,
@@ -231,10 +272,9 @@ pub async fn serve(
             tokio::time::sleep(drain_delay).await;
         }
     };
-    let drain = Listener::new(listener, "proxy", limits)
-        .tls(tls)
-        .run(ProxyService(proxy.clone()), stop)
-        .await;
+    let drain = listener.run(ProxyService(proxy.clone()), stop).await;
+    // Draining: no reload swaps in another configuration from here on.
+    let shutdown_timeout = proxy.config().shutdown_timeout;
     tracing::info!(
         timeout = ?shutdown_timeout,
         "shutting down: no new connections; waiting for requests in flight"

@@ -397,20 +397,16 @@ impl Upstream {
                 }
                 Ok(Some(Ok(frame))) => frame,
             };
-            if let Ok(data) = frame.into_data() {
-                if buf.push(data) > limit {
-                    return Ok((
-                        parts,
-                        Bounded::Over {
-                            prefix: buf.into_bytes(),
-                            rest: body::with_deadline(
-                                body::boxed(incoming),
-                                deadline,
-                                UPSTREAM_BODY,
-                            ),
-                        },
-                    ));
-                }
+            if let Ok(data) = frame.into_data()
+                && buf.push(data) > limit
+            {
+                return Ok((
+                    parts,
+                    Bounded::Over {
+                        prefix: buf.into_bytes(),
+                        rest: body::with_deadline(body::boxed(incoming), deadline, UPSTREAM_BODY),
+                    },
+                ));
             }
         }
         Ok((parts, Bounded::Complete(buf.into_bytes())))

@@ -415,7 +415,7 @@ pub(crate) async fn redis_watchdog(
         if !matches!(answered, Ok(Ok(_))) {
             conn = None;
         }
-        let undisturbed = epoch % 2 == 0 && disturbed.load(Ordering::SeqCst) == epoch;
+        let undisturbed = epoch.is_multiple_of(2) && disturbed.load(Ordering::SeqCst) == epoch;
         if undisturbed && took >= MACHINE_STALL {
             tl.note(
                 sent,

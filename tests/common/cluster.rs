@@ -185,10 +185,10 @@ impl RedisCluster {
     /// `CLUSTER NODES` as one live node sees it.
     pub(crate) fn view(&self) -> Vec<NodeLine> {
         for node in &self.nodes {
-            if let Ok(mut c) = try_conn(node.port) {
-                if let Ok(text) = redis::cmd("CLUSTER").arg("NODES").query::<String>(&mut c) {
-                    return parse_nodes(&text);
-                }
+            if let Ok(mut c) = try_conn(node.port)
+                && let Ok(text) = redis::cmd("CLUSTER").arg("NODES").query::<String>(&mut c)
+            {
+                return parse_nodes(&text);
             }
         }
         panic!("no cluster node answers CLUSTER NODES");

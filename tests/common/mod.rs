@@ -148,12 +148,11 @@ impl RedisServer {
     fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Ok(client) = redis::Client::open(self.url()) {
-                if let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(200)) {
-                    if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                        return;
-                    }
-                }
+            if let Ok(client) = redis::Client::open(self.url())
+                && let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(200))
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return;
             }
             assert!(
                 Instant::now() < deadline,
@@ -619,6 +618,21 @@ impl ProxyProcess {
     /// `http://ADDR{path}`.
     pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// The configuration file it runs with.
+    pub(crate) fn config_path(&self) -> &std::path::Path {
+        self._config.path()
+    }
+
+    /// Writes `yaml` over its configuration file (`listen: 127.0.0.1:0` replaced by the port it
+    /// listens on, as at spawn), for a reload to read.
+    pub(crate) fn rewrite_config(&self, yaml: &str) {
+        let yaml = yaml.replace(
+            "listen: 127.0.0.1:0",
+            &format!("listen: 127.0.0.1:{}", self.addr.port()),
+        );
+        std::fs::write(self._config.path(), yaml).expect("rewrite the configuration");
     }
 
     /// Everything the process logged so far.

@@ -1,13 +1,13 @@
 //! A PostgreSQL server of this test's own: `initdb` into a temp dir and `postgres` on a free
 //! loopback port, with its unix socket in that dir, run as an unprivileged user (initdb refuses
-//! root) in a process group of its own, so that a SIGSTOP reaches the postmaster and every
-//! backend it forked. Never the server on 5432.
+//! root) in a process group of its own. Every child of the postmaster runs in a session of its
+//! own, so a pause signals the postmaster and then each child. Never the server on 5432.
 //!
 //! - [`PgServer::start`]: a fresh cluster (fsync off unless asked: the tests kill the server, not
 //!   the machine's power).
 //! - [`PgServer::shared`]: one server per test binary, for the behaviour tests; each test takes a
 //!   schema of its own ([`PgServer::fresh_schema`]), so tests never see each other's records.
-//! - [`PgServer::pause`] / [`PgServer::resume`] (SIGSTOP/SIGCONT to the group),
+//! - [`PgServer::pause`] / [`PgServer::resume`] (SIGSTOP/SIGCONT to every server process),
 //!   [`PgServer::crash`] (`pg_ctl stop -m immediate`: no checkpoint, WAL replay at the next
 //!   start), [`PgServer::start_again`], [`PgServer::sql`] (psql, for inspecting what the proxy
 //!   stored).
@@ -67,10 +67,11 @@ fn server_user() -> (u32, u32) {
     for name in &wanted {
         for line in passwd.lines() {
             let f: Vec<&str> = line.split(':').collect();
-            if f.len() > 3 && f[0] == name {
-                if let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse()) {
-                    return (uid, gid);
-                }
+            if f.len() > 3
+                && f[0] == name
+                && let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse())
+            {
+                return (uid, gid);
             }
         }
     }
@@ -141,6 +142,38 @@ impl PgServer {
     /// Initializes a cluster in a temp dir and starts it, with `settings` as extra
     /// `name=value` server settings.
     pub(crate) fn start_with(settings: &[&str]) -> PgServer {
+        let mut s = PgServer::init(settings);
+        s.spawn();
+        s
+    }
+
+    /// A fresh cluster that wants TLS: `ssl=on` with this certificate and key (copied into the
+    /// cluster's directory, owned by the server's user: the server refuses a key that others
+    /// can read).
+    pub(crate) fn start_tls(cert: &Path, key: &Path) -> PgServer {
+        let mut s = PgServer::init(&["fsync=off", "ssl=on"]);
+        for (name, from) in [("server.crt", cert), ("server.key", key)] {
+            let to = s.dir.path().join(name);
+            std::fs::copy(from, &to).expect("copy the TLS file");
+            if is_root() {
+                let (uid, gid) = server_user();
+                std::os::unix::fs::chown(&to, Some(uid), Some(gid)).expect("chown the TLS file");
+            }
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o600))
+                .expect("chmod the TLS file");
+            let setting = if name == "server.crt" {
+                "ssl_cert_file"
+            } else {
+                "ssl_key_file"
+            };
+            s.settings.push(format!("{setting}={}", to.display()));
+        }
+        s.spawn();
+        s
+    }
+
+    /// `initdb` into a fresh temp dir; not started.
+    fn init(settings: &[&str]) -> PgServer {
         let dir = tempfile::Builder::new()
             .prefix("idemproxy-pg-")
             .tempdir()
@@ -160,14 +193,12 @@ impl PgServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let mut s = PgServer {
+        PgServer {
             port: free_port(),
             dir,
             child: None,
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
-        };
-        s.spawn();
-        s
+        }
     }
 
     /// A fresh cluster with fsync off (the tests kill processes, never the power).
@@ -278,25 +309,68 @@ impl PgServer {
         assert!(status.success(), "kill {sig} postgres");
     }
 
-    /// SIGSTOP to the postmaster and every backend: the database hangs, connections stay open.
-    pub(crate) fn pause(&self) {
-        self.signal_group("-STOP");
+    /// The postmaster's children (backends, background processes). Each runs in a session of
+    /// its own (postgres calls `setsid` in every child), so a signal to the postmaster's
+    /// process group does not reach them.
+    fn children(&self) -> Vec<u32> {
+        let parent = self.pid();
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // `pid (comm) state ppid …`: the name may hold spaces and parentheses.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(parent) {
+                found.push(pid);
+            }
+        }
+        found
     }
 
-    /// SIGCONT to the group.
+    /// `sig` to the postmaster first (so it forks nobody new meanwhile), then to every child.
+    fn signal_server(&self, sig: &str) {
+        self.signal_group(sig);
+        for child in self.children() {
+            // A child may have exited since it was listed.
+            let _ = Command::new("kill")
+                .args([sig, &child.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+
+    /// SIGSTOP to the postmaster and every backend: the database hangs, connections stay open.
+    pub(crate) fn pause(&self) {
+        self.signal_server("-STOP");
+    }
+
+    /// SIGCONT to the postmaster and every backend.
     pub(crate) fn resume(&self) {
-        self.signal_group("-CONT");
+        self.signal_server("-CONT");
     }
 
     /// A crash: `pg_ctl stop -m immediate` (every process quits at once, no checkpoint; the next
     /// start replays the WAL). Waits for the postmaster to be gone.
     pub(crate) fn crash(&mut self) {
+        if self.child.is_none() {
+            return;
+        }
+        // A paused server must run to stop.
+        self.signal_server("-CONT");
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let _ = Command::new("kill")
-            .args(["-CONT", "--", &format!("-{}", child.id())])
-            .status();
         let status = as_server_user(bin("pg_ctl"))
             .arg("-D")
             .arg(self.dir.path().join("data"))
@@ -345,10 +419,21 @@ impl PgServer {
 
 impl Drop for PgServer {
     fn drop(&mut self) {
+        if self.child.is_some() {
+            // The children first, while they are still the postmaster's: a paused backend
+            // would otherwise stay stopped for ever once the postmaster is gone.
+            let children = self.children();
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.pid())])
+                .status();
+            for pid in children {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
         if let Some(mut child) = self.child.take() {
-            let group = format!("-{}", child.id());
-            let _ = Command::new("kill").args(["-CONT", "--", &group]).status();
-            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
             let _ = child.wait();
         }
     }
@@ -369,4 +454,33 @@ fn reap_on_exit(pgid: u32, dir: &Path) {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn();
+}
+
+/// The `store:` block of a PostgreSQL store on `url` and `schema`, with `extra` lines (each
+/// `name: value`; `timeout: 300ms` unless they set it).
+pub(crate) fn store_block(url: &str, schema: &str, extra: &str) -> String {
+    let mut block = format!("store:\n  backend: postgres\n  url: {url}\n  schema: {schema}\n");
+    if !extra.contains("timeout:") {
+        block.push_str("  timeout: 300ms\n");
+    }
+    for line in extra.lines().filter(|l| !l.trim().is_empty()) {
+        block.push_str("  ");
+        block.push_str(line.trim());
+        block.push('\n');
+    }
+    block
+}
+
+/// A configuration made by `Env::config` (memory store) with its `store:` block replaced.
+pub(crate) fn on_postgres(yaml: &str, block: &str) -> String {
+    let memory = "store:\n  backend: memory\n  timeout: 300ms\n";
+    assert!(yaml.contains(memory), "the harness's store block moved");
+    yaml.replace(memory, block)
+}
+
+/// A whole configuration around a `store:` block, for tests of the store alone.
+pub(crate) fn store_only(block: &str) -> String {
+    format!(
+        "listen: 127.0.0.1:0\n{block}upstreams:\n  u:\n    url: http://127.0.0.1:9\nroutes:\n  - name: r\n    path: /*\n    upstream: u\n"
+    )
 }

@@ -1,0 +1,176 @@
+//! The statements, written once at start with the schema in them (a plain identifier, checked
+//! at load, so it needs no quoting), prepared once per connection (`prepare_cached`).
+//!
+//! Every statement runs on its own, autocommitted: one statement is one transaction, and all of
+//! it reads one snapshot, taken when it starts, with one `now()` (the server's clock, the only
+//! clock leases run on: instances' clocks may disagree, the server's is one). What each
+//! statement does in every interleaving is written next to it; the words used:
+//! - *live*: `expires_at > now()`; *lapsed*: not live (an expired row counts as absent, whether
+//!   or not the sweep has deleted it yet);
+//! - *in the snapshot*: committed before the statement started. A row written by a transaction
+//!   that commits later is invisible to the statement's reads, but its writes still wait for
+//!   that transaction (a unique-index check, or an `UPDATE`/`DELETE` reaching a locked row)
+//!   and then look at the row's newest version (READ COMMITTED's re-check of the `WHERE`).
+//!
+//! Parameters: `$1` the key (`StoreKey::text`), then the token, the value and a duration in
+//! milliseconds, as each statement says. Durations are added as `$n::bigint * interval '1
+//! millisecond'`: exact, and bounded by [`super::MAX_MILLIS`] so that the sum stays a valid
+//! timestamp.
+
+/// The statements of one schema.
+pub(super) struct Statements {
+    /// `$1` key, `$2` token, `$3` the in-progress record, `$4` lease: rows `(claimed, value)`.
+    pub(super) claim: String,
+    /// `$1` key, `$2` token, `$3` lease: rows changed (0 or 1).
+    pub(super) renew: String,
+    /// `$1` key, `$2` token, `$3` the finished record, `$4` ttl: rows changed (0 or 1).
+    pub(super) complete: String,
+    /// `$1` key, `$2` the finished record: a row if the key holds exactly it.
+    pub(super) completed: String,
+    /// `$1` key, `$2` token: one row, whether the key is free of that claim.
+    pub(super) release: String,
+    /// `$1` key: the live value.
+    pub(super) get: String,
+    /// `$1` key: the live value and its remaining milliseconds.
+    pub(super) inspect: String,
+    /// `$1` key, `$2` the prefix of finished records: rows `(deleted, value)`.
+    pub(super) forget: String,
+    /// `$1` batch size: rows deleted.
+    pub(super) sweep: String,
+    /// `SELECT 1`.
+    pub(super) ping: &'static str,
+}
+
+impl Statements {
+    pub(super) fn new(schema: &str) -> Statements {
+        let t = format!("{schema}.records");
+        Statements {
+            // The claim: one statement, one round trip, on both the new-key and the replay path.
+            //
+            // Not `INSERT … ON CONFLICT DO UPDATE … WHERE expires_at <= now()`: that locks the
+            // conflicting row even when its WHERE is false, so every replay and every conflict
+            // would take a row lock, assign a transaction id and wait for a WAL flush. Here a
+            // live key is only read: the replay path writes nothing.
+            //
+            // `ins` inserts when no row has the key; `upd` takes over a lapsed row; the last
+            // branch reads a live row. Cases:
+            // - absent: `ins` inserts; `upd` and the read see no row → (true). Ours.
+            // - live: `ins`'s conflict check finds the committed row and does nothing (no
+            //   write, no lock); `upd`'s WHERE is false on it (no lock); the read returns its
+            //   value → (false, value).
+            // - live, with its holder's renew or completion committing: `ins`'s conflict check
+            //   waits for it, then conflicts; the read returns the snapshot's version, the claim
+            //   in flight (as if this claim had come just before that write).
+            // - lapsed: `ins` conflicts and does nothing; `upd` rewrites the row with our
+            //   token, value and lease → (true). Ours. The read filters the lapsed version.
+            // - another session's uncommitted insert of the key: `ins`'s conflict check waits
+            //   for it. It commits: `ins` does nothing, and `upd` and the read cannot see a row
+            //   committed after this statement's snapshot → no row at all: the caller runs the
+            //   claim again (a new snapshot, which sees that row). It rolls back: `ins` inserts
+            //   → ours.
+            // - another session's uncommitted takeover of a lapsed row: `ins` conflicts (after
+            //   waiting for it); `upd` finds the lapsed version in the snapshot, waits for the
+            //   row's lock, and re-checks its WHERE on the newest version: live now, so no
+            //   update; the read sees only the lapsed version → no row: run again. It rolls
+            //   back: `upd` takes the row over → ours.
+            // - a row deleted meanwhile (released, forgotten or swept after the snapshot):
+            //   `ins` finds no conflict and inserts → ours; the read may still return the
+            //   deleted version's value, so a `true` row wins over a value row.
+            // Two claims can never both win: both write the one row of the key (an insert
+            // under its unique index, or an update that re-checks under the row lock).
+            claim: format!(
+                "WITH ins AS (
+                    INSERT INTO {t} (key, token, value, expires_at)
+                    VALUES ($1, $2, $3, now() + $4::bigint * interval '1 millisecond')
+                    ON CONFLICT (key) DO NOTHING
+                    RETURNING 1
+                ), upd AS (
+                    UPDATE {t}
+                    SET token = $2, value = $3, expires_at = now() + $4::bigint * interval '1 millisecond'
+                    WHERE key = $1 AND expires_at <= now()
+                    RETURNING 1
+                )
+                SELECT true, NULL::bytea FROM ins
+                UNION ALL SELECT true, NULL::bytea FROM upd
+                UNION ALL SELECT false, value FROM {t} WHERE key = $1 AND expires_at > now()"
+            ),
+            // Fenced: only the holder's token, only while its lease is live. A lapsed lease can
+            // never be renewed, even if nobody has taken the key yet.
+            renew: format!(
+                "UPDATE {t} SET expires_at = now() + $3::bigint * interval '1 millisecond'
+                 WHERE key = $1 AND token = $2 AND expires_at > now()"
+            ),
+            // Fenced like renew; the finished row has no token, so no later claim's token can
+            // match it and nothing but forget or expiry removes it. If it finds nothing, the
+            // caller asks `completed` in a statement of its own: a completion sent again while
+            // the first was still committing waits here for the row's lock, finds its own
+            // finished row (token gone) and changes nothing; only a statement started after
+            // that wait has a snapshot that sees the first completion's row.
+            complete: format!(
+                "UPDATE {t}
+                 SET token = NULL, value = $3, expires_at = now() + $4::bigint * interval '1 millisecond'
+                 WHERE key = $1 AND token = $2 AND expires_at > now()"
+            ),
+            completed: format!(
+                "SELECT 1 FROM {t}
+                 WHERE key = $1 AND token IS NULL AND value = $2 AND expires_at > now()"
+            ),
+            // Deletes the claim if it is ours and live. True when the key is then free of our
+            // claim:
+            // - ours, live: deleted → true;
+            // - absent (released before, swept) or lapsed (nobody took it) → true;
+            // - another token's claim, or a finished record (no token), live → false: left
+            //   alone, the lease was lost;
+            // - ours in the snapshot but deleted meanwhile (a release sent again while the
+            //   first was committing, or the sweep after the lease lapsed on its clock):
+            //   `del` finds it gone; our own token does not count as "something else" → true.
+            release: format!(
+                "WITH del AS (
+                    DELETE FROM {t} WHERE key = $1 AND token = $2 AND expires_at > now()
+                    RETURNING 1
+                )
+                SELECT EXISTS (SELECT 1 FROM del)
+                    OR NOT EXISTS (
+                        SELECT 1 FROM {t}
+                        WHERE key = $1 AND expires_at > now() AND token IS DISTINCT FROM $2
+                    )"
+            ),
+            get: format!("SELECT value FROM {t} WHERE key = $1 AND expires_at > now()"),
+            // The remaining time on the server's clock.
+            inspect: format!(
+                "SELECT value, (extract(epoch FROM expires_at - now()) * 1000)::bigint
+                 FROM {t} WHERE key = $1 AND expires_at > now()"
+            ),
+            // Deletes only a finished record: no token, and the bytes of one (a claim in
+            // flight may have a live holder; anything else is not ours to judge). Otherwise
+            // returns what is there, for the caller to say why it was left alone.
+            forget: format!(
+                "WITH del AS (
+                    DELETE FROM {t}
+                    WHERE key = $1 AND token IS NULL AND expires_at > now()
+                      AND substring(value FROM 1 FOR octet_length($2::bytea)) = $2::bytea
+                    RETURNING 1
+                )
+                SELECT true, NULL::bytea FROM del
+                UNION ALL SELECT false, value FROM {t} WHERE key = $1 AND expires_at > now()"
+            ),
+            // One batch of the sweep, oldest first. SKIP LOCKED: a row a claim, renew or
+            // completion holds locked is left for the next sweep, so the sweep never waits on
+            // them (and several instances sweeping at once split the rows). FOR UPDATE re-checks
+            // the inner WHERE on a row's newest version; the outer re-check says it again, so a
+            // row taken over meanwhile (live again) is never deleted. A claim that meets a row
+            // this batch has locked waits for the batch's commit, then finds it gone and inserts:
+            // batches stay small so that wait stays short.
+            sweep: format!(
+                "DELETE FROM {t}
+                 WHERE key IN (
+                     SELECT key FROM {t} WHERE expires_at < now()
+                     ORDER BY expires_at LIMIT $1
+                     FOR UPDATE SKIP LOCKED
+                 )
+                 AND expires_at < now()"
+            ),
+            ping: "SELECT 1",
+        }
+    }
+}
