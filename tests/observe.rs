@@ -20,7 +20,7 @@ use common::{
 };
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome, Would};
-use idemproxy::proxy::{Lookup, Proxy};
+use idemproxy::proxy::{Lookup, Proxy, Reloaded};
 use idemproxy::record::{Record, Saved};
 use idemproxy::store::StoreHandle;
 use tokio::net::TcpListener;
@@ -38,6 +38,7 @@ both_stores!(
     retry_statuses_release_the_key_as_enforce_does,
     a_client_that_leaves_still_gets_its_result_saved_and_the_detached_bound_holds,
     switching_to_enforce_keeps_the_records,
+    switching_to_enforce_with_a_reload_keeps_the_records,
 );
 
 const ROUTE: &str = "create-booking";
@@ -599,6 +600,48 @@ async fn switching_to_enforce_keeps_the_records(backend: Backend) {
     let reused = book_with(&enforcer.base(), "obs-switch", OTHER_SEAT, &[]).await;
     reused.assert_problem(422, "idempotency-key-reused");
     enforcer.stop().await;
+}
+
+/// The same switch by a reload of the running proxy (SPEC §2, §4.7): a request observed before
+/// it is replayed after it, and one still in flight across it finishes as observed (forwarded,
+/// its claim and save untouched), its result replayed to the first enforced repeat.
+async fn switching_to_enforce_with_a_reload_keeps_the_records(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&observing(&env, "")).await;
+    let first = book(&proxy, "obs-reload", SEAT).await;
+    assert_forwarded(&first, 201);
+    until_saved(&proxy.proxy, "obs-reload").await;
+    let slow = spawn_booking(proxy.url(""), "obs-reload-slow", SEAT, "800ms");
+    until_in_flight(&proxy.proxy, "obs-reload-slow").await;
+
+    let enforce = Config::from_yaml(&env.config("mode: enforce")).expect("config");
+    let reloaded = proxy.proxy.reload(enforce);
+    assert!(matches!(reloaded, Reloaded::Applied(_)), "{reloaded:?}");
+
+    let replay = book(&proxy, "obs-reload", SEAT).await;
+    assert_eq!(
+        replay.header("idempotent-replayed"),
+        "true",
+        "{:?}",
+        replay.body
+    );
+    assert_eq!(
+        replay.body, first.body,
+        "the observed response, byte for byte"
+    );
+    assert_eq!(replay.header_lines(), first.header_lines());
+    assert_eq!(env.mock.calls("obs-reload"), 1);
+
+    let slow = slow.await.expect("the request in flight across the reload");
+    assert_forwarded(&slow, 201);
+    until_saved(&proxy.proxy, "obs-reload-slow").await;
+    let slow_replay = book(&proxy, "obs-reload-slow", SEAT).await;
+    assert_eq!(slow_replay.header("idempotent-replayed"), "true");
+    assert_eq!(slow_replay.body, slow.body);
+    assert_eq!(env.mock.calls("obs-reload-slow"), 1);
+    // Counted while observed; the series stay registered, and enforce counts nothing there.
+    until_counted(&proxy, &[(Would::Forward, 2)]).await;
+    assert_eq!(proxy.requests(ROUTE, Outcome::Replayed), 2);
 }
 
 // ---------------------------------------------------------------------------------------------
