@@ -80,12 +80,13 @@ pub(super) async fn admit(
     };
     match with_body(route, idem, source, parts, body) {
         Ok(admitted) => Admission::Admitted(admitted),
-        Err(refused) => Admission::Refused(refused.problem, Outcome::InvalidKey),
+        Err(underived) => Admission::Refused(underived.problem, Outcome::InvalidKey),
     }
 }
 
 /// A request whose key a `key_from` part could not be derived from, handed back whole (an
-/// observed route forwards it all the same).
+/// observed route forwards it all the same). Boxed: it is the rare path, and as large as the
+/// request head.
 pub(super) struct Underived {
     pub problem: Problem,
     pub parts: Parts,
@@ -100,7 +101,7 @@ pub(super) fn with_body(
     source: KeySource,
     mut parts: Parts,
     body: Bytes,
-) -> Result<Admitted, Underived> {
+) -> Result<Admitted, Box<Underived>> {
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
     let (id, derived) = match source {
         KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),
@@ -111,11 +112,11 @@ pub(super) fn with_body(
                     let problem = Problem::UnreadableKeyPart {
                         detail: e.to_string(),
                     };
-                    return Err(Underived {
+                    return Err(Box::new(Underived {
                         problem,
                         parts,
                         body,
-                    });
+                    }));
                 }
             };
             let derived =

@@ -244,8 +244,9 @@ impl Proxy {
         limits: &Limits,
     ) -> Answer {
         if let Some(observed) = &route.observed {
+            let req = Request::from_parts(parts, incoming);
             return self
-                .observed(route, idem, observed, parts, incoming, client, limits)
+                .observed(route, idem, observed, req, client, limits)
                 .await;
         }
         let admitted = match admission::admit(route, idem, parts, incoming, limits).await {

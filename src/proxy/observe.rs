@@ -31,8 +31,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::Response;
-use http::request::Parts;
+use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
@@ -59,11 +58,11 @@ impl Proxy {
         route: &Arc<Route>,
         idem: &Arc<IdempotencySettings>,
         observed: &ObservedMetrics,
-        parts: Parts,
-        incoming: Incoming,
+        req: Request<Incoming>,
         client: SocketAddr,
         limits: &Limits,
     ) -> Answer {
+        let (parts, incoming) = req.into_parts();
         let drop_key = (!idem.forward_key).then_some(&idem.header);
         let source = match admission::check_head(idem, &parts) {
             // No key on a route that neither requires nor derives one: plain traffic under
@@ -93,11 +92,12 @@ impl Proxy {
         };
         let admitted = match admission::with_body(route, idem, source, parts, body) {
             Ok(admitted) => admitted,
-            Err(Underived {
-                problem,
-                parts,
-                body,
-            }) => {
+            Err(underived) => {
+                let Underived {
+                    problem,
+                    parts,
+                    body,
+                } = *underived;
                 would_refuse(route, observed, Would::InvalidKey, &problem, client);
                 return forward_plain(route, parts, body::full(body), client, drop_key).await;
             }
