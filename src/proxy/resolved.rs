@@ -30,7 +30,8 @@ pub(super) struct Route {
     /// The route's metric series, registered at start.
     pub metrics: RouteMetrics,
     /// `Some` on an observed route (`mode: observe`): what enforce would have answered, its
-    /// series registered at start.
+    /// series registered when the route is resolved (at start, or at the reload that makes it
+    /// observed) and kept by the registry across later reloads.
     pub observed: Option<ObservedMetrics>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
