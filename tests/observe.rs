@@ -3,7 +3,8 @@
 //! the key is claimed and the result saved as `enforce` would, and
 //! `idemproxy_observed_total{route,would}` counts what `enforce` would have answered. Switching
 //! the route to `enforce` on the same store replays the first observed response. Each rule is
-//! written once and run on every store; the slow-store rule needs a relay in front of Redis.
+//! written once and run on each store the harness runs behaviour tests on (`both_stores!`:
+//! memory and Redis); the slow-store rule needs a relay in front of Redis.
 
 mod common;
 
