@@ -1,19 +1,22 @@
-//! SPEC §4.1–§4.3 on an idempotent route, each rule written once and run on both stores.
+//! SPEC §4.1–§4.3 on an idempotent route, each rule written once and run on every store
+//! (`every_store!`: memory, sqlite, postgres, redis, redis-cluster).
 //!
 //! Every test counts what the upstream (the mock booking service) saw, compares replayed
 //! responses byte for byte, and checks status, content type and problem type of every refusal.
+//! What a store holds is checked from outside the proxy on every store that can be looked into
+//! (all but memory: `Env::stored_keys`).
 
 mod common;
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Backend, Env, Reply, TestProxy, book, client, eventually, send};
+use common::{Backend, Env, Reply, StoredKey, TestProxy, book, client, eventually, send};
 use idemproxy::proxy::Lookup;
 use reqwest::header::{HeaderName, HeaderValue};
 use tokio::task::JoinHandle;
 
-both_stores!(
+every_store!(
     // the sample
     first_request_is_forwarded_and_repeat_replayed,
     // §4.1 the key
@@ -115,13 +118,17 @@ fn assert_fresh(reply: &Reply, status: u16) {
     );
 }
 
-/// The keys under `pattern` in the test's Redis.
-fn redis_keys(env: &Env, pattern: &str) -> Vec<String> {
-    let mut conn = env.redis().conn();
-    ::redis::cmd("KEYS")
-        .arg(pattern)
-        .query::<Vec<String>>(&mut conn)
-        .expect("KEYS")
+/// Asserts the test's store holds no key (on a store that can be looked into).
+fn assert_nothing_stored(env: &Env, what: &str) {
+    if let Some(keys) = env.stored_key_names() {
+        assert!(keys.is_empty(), "{what}: nothing claimed, found {keys:?}");
+    }
+}
+
+/// The remaining time to live of a stored key (every key the proxy writes has one).
+fn ttl_of(key: &StoredKey) -> Duration {
+    key.ttl
+        .unwrap_or_else(|| panic!("every store key has a TTL: {key:?}"))
 }
 
 /// A request with a chunked body (no Content-Length), sent with hyper's client since the
@@ -255,9 +262,7 @@ async fn invalid_keys_are_refused_and_claim_nothing(backend: Backend) {
         reply.assert_problem(400, "invalid-idempotency-key");
     }
     assert_eq!(env.mock.total(), 0, "nothing forwarded");
-    if backend == Backend::Redis {
-        assert!(redis_keys(&env, "*").is_empty(), "nothing claimed");
-    }
+    assert_nothing_stored(&env, "invalid keys");
 
     // The valid neighbours of those keys are first requests: nothing was claimed for them.
     for key in ["dup-key", "\"abc def\"", "k-", &long[..255]] {
@@ -401,20 +406,18 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
         &http::HeaderMap::new(),
         raw,
     );
-    if backend == Backend::Redis {
-        let keys = redis_keys(&env, "idemproxy:*");
+    if backend != Backend::Memory {
+        let keys = env.stored_keys();
+        let names: Vec<&str> = keys.iter().map(|k| k.key.as_str()).collect();
         assert_eq!(
-            keys,
-            vec![expected.clone()],
+            names,
+            vec![expected.as_str()],
             "one claim, under the store key"
         );
-        let pttl: i64 = ::redis::cmd("PTTL")
-            .arg(&expected)
-            .query(&mut env.redis().conn())
-            .expect("PTTL");
+        let ttl = ttl_of(&keys[0]);
         assert!(
-            pttl > 0 && pttl <= 10_000,
-            "an in-flight claim expires within lock_ttl: {pttl}"
+            !ttl.is_zero() && ttl <= Duration::from_secs(10),
+            "an in-flight claim expires within lock_ttl: {ttl:?}"
         );
     }
     let first = slow.await.expect("request task");
@@ -442,10 +445,10 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
     assert_eq!(suffix.len(), 64);
     assert!(suffix.bytes().all(|b| b.is_ascii_hexdigit()), "{suffix}");
 
-    if backend == Backend::Redis {
-        let keys = redis_keys(&env, "idemproxy:*");
+    if backend != Backend::Memory {
+        let keys = env.stored_keys();
         assert_eq!(keys.len(), 1, "{keys:?}");
-        let key = &keys[0];
+        let key = &keys[0].key;
         let suffix = key
             .strip_prefix("idemproxy:create-booking:")
             .unwrap_or_else(|| panic!("store key {key} starts with prefix and route"));
@@ -457,26 +460,22 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
             "lowercase hex SHA-256: {key}"
         );
         assert!(!key.contains(raw), "the raw key is not in the store key");
-        assert!(redis_keys(&env, &format!("*{raw}*")).is_empty());
-        let pttl: i64 = ::redis::cmd("PTTL")
-            .arg(key)
-            .query(&mut env.redis().conn())
-            .expect("PTTL");
+        let ttl = ttl_of(&keys[0]);
         assert!(
-            pttl > 3_500_000 && pttl <= 3_600_000,
-            "a finished record expires after ttl (1h): {pttl}"
+            ttl > Duration::from_secs(3500) && ttl <= Duration::from_secs(3600),
+            "a finished record expires after ttl (1h): {ttl:?}"
         );
         // Another route's records are apart under its own prefix.
         let pay = send(post(&proxy, "/pay/a", raw, SEAT)).await;
         assert_fresh(&pay, 200);
-        assert_eq!(redis_keys(&env, "idemproxy:pay:*").len(), 1);
-        assert_eq!(redis_keys(&env, "idemproxy:create-booking:*").len(), 1);
-        for key in redis_keys(&env, "idemproxy:*") {
-            let pttl: i64 = ::redis::cmd("PTTL")
-                .arg(&key)
-                .query(&mut env.redis().conn())
-                .expect("PTTL");
-            assert!(pttl > 0, "every store key has a TTL: {key} {pttl}");
+        let keys = env.stored_keys();
+        let under = |prefix: &str| keys.iter().filter(|k| k.key.starts_with(prefix)).count();
+        assert_eq!(under("idemproxy:pay:"), 1, "{keys:?}");
+        assert_eq!(under("idemproxy:create-booking:"), 1, "{keys:?}");
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        for key in &keys {
+            assert!(!key.key.contains(raw), "the raw key is in no store key");
+            assert!(!ttl_of(key).is_zero(), "every store key has a TTL: {key:?}");
         }
     }
 }
@@ -517,9 +516,12 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
         .await
         .expect("store read");
     assert!(entry.is_some(), "the record lives under {expected}");
-    if backend == Backend::Redis {
-        assert_eq!(redis_keys(&env, "*"), vec![expected]);
-        assert!(redis_keys(&env, "idemproxy:*").is_empty());
+    if let Some(keys) = env.stored_key_names() {
+        assert_eq!(
+            keys,
+            vec![expected],
+            "the one record, under the custom prefix only"
+        );
     }
 }
 
@@ -674,9 +676,7 @@ async fn body_over_max_request_body_is_413_and_claims_nothing(backend: Backend) 
     let reply = book(&proxy, "big", &big).await;
     reply.assert_problem(413, "request-too-large");
     assert_eq!(env.mock.total(), 0, "nothing forwarded");
-    if backend == Backend::Redis {
-        assert!(redis_keys(&env, "*").is_empty(), "nothing claimed");
-    }
+    assert_nothing_stored(&env, "a body over the bound");
 
     // The same key with a body that fits (exactly the limit) is a first request.
     let small = "y".repeat(16);
@@ -697,9 +697,7 @@ async fn chunked_body_over_max_request_body_is_413(backend: Backend) {
     let reply = send_chunked(&url, "chunked", &[b"0123456", b"789abcd", b"efghijk"]).await;
     reply.assert_problem(413, "request-too-large");
     assert_eq!(env.mock.total(), 0, "nothing forwarded");
-    if backend == Backend::Redis {
-        assert!(redis_keys(&env, "*").is_empty(), "nothing claimed");
-    }
+    assert_nothing_stored(&env, "a body over the bound");
 
     // A chunked body within the limit, same key: a first request, forwarded whole.
     let first = send_chunked(&url, "chunked", &[b"01234567", b"89abcdef"]).await;
@@ -711,22 +709,30 @@ async fn chunked_body_over_max_request_body_is_413(backend: Backend) {
     assert_eq!(env.mock.calls("chunked"), 1);
 }
 
-/// Makes the store fail claims for new keys: memory (with `max_entries: 1`) is filled by one
-/// operation; Redis is killed.
+/// The `store:` lines of a store [`break_store`] can break: memory holds one record at most.
+fn breakable(backend: Backend) -> &'static str {
+    if backend == Backend::Memory {
+        "max_entries: 1"
+    } else {
+        ""
+    }
+}
+
+/// Makes the store fail claims for new keys: memory (with [`breakable`]'s `max_entries: 1`) is
+/// filled by one operation, which it goes on replaying; every other store has one finished
+/// operation too, and is then cut off (`Env::make_store_unreachable`).
 async fn break_store(env: &mut Env, proxy: &TestProxy) {
-    match env.backend {
-        Backend::Memory => {
-            let filler = book(proxy, "filler", SEAT).await;
-            assert_fresh(&filler, 201);
-        }
-        Backend::Redis => env.redis_mut().kill(),
+    let filler = book(proxy, "filler", SEAT).await;
+    assert_fresh(&filler, 201);
+    if env.backend != Backend::Memory {
+        env.make_store_unreachable();
     }
 }
 
 async fn store_unreachable_with_reject_is_503(backend: Backend) {
     let mut env = Env::new(backend).await;
     let proxy = env
-        .proxy(&env.config_with("on_store_error: reject", "max_entries: 1"))
+        .proxy(&env.config_with("on_store_error: reject", breakable(backend)))
         .await;
     break_store(&mut env, &proxy).await;
     let before = env.mock.total();
@@ -746,7 +752,7 @@ async fn store_unreachable_with_reject_is_503(backend: Backend) {
 async fn store_unreachable_with_forward_is_forwarded_and_counted(backend: Backend) {
     let mut env = Env::new(backend).await;
     let proxy = env
-        .proxy(&env.config_with("on_store_error: forward", "max_entries: 1"))
+        .proxy(&env.config_with("on_store_error: forward", breakable(backend)))
         .await;
     break_store(&mut env, &proxy).await;
     let reply = book(&proxy, "unprotected", SEAT).await;

@@ -1,27 +1,25 @@
 //! When things fail: SPEC §4.4 (unknown outcomes, leases), §4.5 (store faults), graceful
 //! shutdown (§2), and several instances on one Redis (§5).
 //!
-//! A rule that holds on both stores runs on both (`both_stores!`); Redis faults (SIGSTOP,
+//! A rule that holds on every store runs on every store (`every_store!`), and so does each
+//! check of the store contract (`contract::*`); Redis faults (SIGSTOP,
 //! SIGKILL, restart, corrupt records, eviction policy) and what needs several processes sharing
 //! one store are Redis-only. Every wall-clock bound here is one the SPEC asks for ("bounded
 //! time", "within lock_ttl") and is generous: the machine is small and noisy.
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::mock;
 use common::relay::Relay;
+use common::store_checks;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
     client, eventually, free_port,
 };
-use idemproxy::metrics::{Metrics, Outcome};
+use idemproxy::metrics::Outcome;
 use idemproxy::record::Record;
-use idemproxy::store::memory::MemoryStore;
-use idemproxy::store::redis::RedisStore;
-use idemproxy::store::{Store, StoreHandle};
 use idemproxy_mock::MockUpstream;
 
 /// The request body every booking here sends (the fingerprint covers it, not the headers).
@@ -83,7 +81,7 @@ async fn first_forwarded_after_outage(
 // §4.4 When the outcome is unknown
 // ---------------------------------------------------------------------------------------------
 
-both_stores!(
+every_store!(
     connect_failure_releases_the_claim,
     reset_after_sending_is_kept_as_a_502,
     timeout_is_kept_as_a_504,
@@ -275,13 +273,42 @@ async fn renewal_keeps_a_claim_slower_than_lock_ttl(backend: Backend) {
 /// then on nothing A does (complete, renew, release) touches the key, and B's record stands.
 async fn stale_holder_cannot_overwrite_a_newer_holder(backend: Backend) {
     let env = Env::new(backend).await;
-    let timeout = Duration::from_secs(2);
-    let inner: Arc<dyn Store> = match &env.redis {
-        Some(r) => Arc::new(RedisStore::new(&r.url(), timeout).expect("redis store")),
-        None => Arc::new(MemoryStore::new(1000)),
+    store_checks::stale_holder_cannot_overwrite_a_newer_holder(&env.store_handle().await).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The store contract, on every store
+// ---------------------------------------------------------------------------------------------
+
+/// Each check of `common::store_checks` as a test of its own on every store, on a store of the
+/// test's own built from its `store:` section as the proxy builds it.
+macro_rules! contract_checks {
+    ($($check:ident),* $(,)?) => {
+        $(
+            async fn $check(backend: Backend) {
+                let env = Env::new(backend).await;
+                store_checks::$check(env.store().await).await;
+            }
+        )*
+        crate::every_store!($($check),*);
     };
-    let store = StoreHandle::new(inner, timeout, Arc::new(Metrics::new()));
-    common::store_checks::stale_holder_cannot_overwrite_a_newer_holder(&store).await;
+}
+
+mod contract {
+    use super::common::{Backend, Env, store_checks};
+
+    contract_checks!(
+        a_claim_is_exclusive_and_a_finished_record_is_what_claims_read,
+        one_of_many_concurrent_claims_takes_the_key,
+        renewal_keeps_a_claim_and_its_end_frees_the_key,
+        a_lapsed_claim_can_neither_renew_nor_complete,
+        release_frees_only_the_holders_claim,
+        only_the_same_completion_counts_twice,
+        inspect_shows_the_remaining_time_to_live,
+        forget_deletes_only_a_finished_record,
+        a_record_of_several_mib_round_trips,
+        wait_change_returns_by_its_bound,
+    );
 }
 
 /// At the proxy, on Redis: the first holder's claim disappears while its upstream call runs (as
@@ -690,12 +717,11 @@ async fn redis_undecodable_records_are_store_errors() {
 /// At start the proxy reads `maxmemory-policy` and warns when Redis may evict keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_eviction_policy_is_warned_about_at_start() {
-    let mut env = Env::new(Backend::Memory).await;
-    env.redis = Some(RedisServer::start_with(&[
+    let env = Env::on_redis(RedisServer::start_with(&[
         "--maxmemory-policy",
         "allkeys-lru",
-    ]));
-    env.backend = Backend::Redis;
+    ]))
+    .await;
     let p = ProxyProcess::spawn(&env.config(""));
     let warned = eventually(Duration::from_secs(5), || {
         p.log().lines().any(|l| {

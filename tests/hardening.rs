@@ -130,7 +130,7 @@ async fn redis_forward_key_false_holds_when_forwarding_unprotected() {
 // Connection naming a header that idempotency reads
 // ---------------------------------------------------------------------------------------------
 
-both_stores!(connection_naming_the_key_scope_or_fingerprint_header_is_refused);
+every_store!(connection_naming_the_key_scope_or_fingerprint_header_is_refused);
 
 /// A `Connection` header that names the key header, a scope header or a fingerprinted header
 /// would strip it before the upstream although the key, its namespace or the fingerprint were
@@ -164,6 +164,9 @@ async fn connection_naming_the_key_scope_or_fingerprint_header_is_refused(backen
             "the detail names the header: {doc}"
         );
         assert_eq!(env.mock.calls(&key), 0, "nothing forwarded");
+        if let Some(keys) = env.stored_key_names() {
+            assert_eq!(keys.len(), n, "the refusal claimed nothing: {keys:?}");
+        }
         // Nothing was claimed: the same key without the Connection header runs.
         let ok = post(
             &proxy,

@@ -351,37 +351,31 @@ fn claims(proxy: &TestProxy) -> u64 {
         .unwrap_or(0)
 }
 
-/// Every key the proxy wrote to Redis (`KEYS idemproxy:*`); empty for the memory store.
-fn redis_keys(env: &Env) -> Vec<String> {
-    let Some(redis) = &env.redis else {
-        return Vec::new();
-    };
-    let mut conn = redis.conn();
-    let mut keys: Vec<String> = ::redis::cmd("KEYS")
-        .arg("idemproxy:*")
-        .query(&mut conn)
-        .expect("KEYS");
-    keys.sort();
-    keys
+/// Every key the proxy wrote to the store, sorted; empty for the memory store, which cannot be
+/// looked into from outside.
+fn stored_keys(env: &Env) -> Vec<String> {
+    env.stored_key_names().unwrap_or_default()
 }
 
-/// Nothing was claimed: no claim was attempted, and Redis (if any) holds no key.
+/// Nothing was claimed: no claim was attempted, and the store (if it can be looked into) holds
+/// no key.
 fn assert_nothing_claimed(env: &Env, proxy: &TestProxy, what: &str) {
     assert_eq!(claims(proxy), 0, "{what}: no claim was attempted");
     assert_eq!(
-        redis_keys(env),
+        stored_keys(env),
         Vec::<String>::new(),
-        "{what}: Redis holds nothing"
+        "{what}: the store holds nothing"
     );
 }
 
-/// With Redis, it holds exactly `count` keys, each `idemproxy:create-booking:` and 64 hex
-/// digits: whatever bytes a key had, they never reach the store unhashed.
-fn assert_redis_keys_hashed(env: &Env, count: usize) {
-    if env.backend != Backend::Redis {
+/// On a store that can be looked into, it holds exactly `count` keys, each
+/// `idemproxy:create-booking:` and 64 hex digits: whatever bytes a key had, they never reach
+/// the store unhashed.
+fn assert_store_keys_hashed(env: &Env, count: usize) {
+    if env.backend == Backend::Memory {
         return;
     }
-    let keys = redis_keys(env);
+    let keys = stored_keys(env);
     assert_eq!(keys.len(), count, "one store key per operation: {keys:?}");
     for k in &keys {
         let hash = k
@@ -427,10 +421,10 @@ async fn assert_refused_by_proxy(proxy: &TestProxy, request: &[u8], status: u16,
 }
 
 // ---------------------------------------------------------------------------------------------
-// The tests that concern an idempotent route, run on both stores
+// The tests that concern an idempotent route, run on every store
 // ---------------------------------------------------------------------------------------------
 
-both_stores!(
+every_store!(
     malformed_keys_are_refused_by_the_proxy_and_claim_nothing,
     control_bytes_in_a_key_are_refused_by_hyper,
     odd_but_valid_keys_run_once_and_replay,
@@ -451,7 +445,7 @@ both_stores!(
 
 /// Values that reach the proxy's service but are not keys (SPEC §4.1: 1 to 255 visible ASCII
 /// characters, spaces only inside a quoted string): each is a 400 `invalid-idempotency-key`
-/// problem; nothing is claimed, nothing is forwarded, nothing is written to Redis.
+/// problem; nothing is claimed, nothing is forwarded, nothing is written to the store.
 async fn malformed_keys_are_refused_by_the_proxy_and_claim_nothing(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
@@ -515,8 +509,8 @@ async fn control_bytes_in_a_key_are_refused_by_hyper(backend: Backend) {
 /// (`"abc`, `"a\"`, `"a"b"`), RESP and Redis-cluster syntax (`*3`, `$-1`, `{tag}`, `{}`), a
 /// comma, literal `\r\n` text, a quoted key with a space, a key padded with TABs (the HTTP layer
 /// trims them) — each runs once, forwarded with the value as received, and its repeat is a
-/// replay. In Redis each is one store key made of the route's prefix and a hash: no byte of any
-/// key reaches the store.
+/// replay. In every store that can be looked into, each is one store key made of the route's
+/// prefix and a hash: no byte of any key reaches the store.
 async fn odd_but_valid_keys_run_once_and_replay(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
@@ -563,7 +557,7 @@ async fn odd_but_valid_keys_run_once_and_replay(backend: Backend) {
         );
     }
     assert_eq!(env.mock.stats().total, cases.len() as u64);
-    assert_redis_keys_hashed(&env, cases.len());
+    assert_store_keys_hashed(&env, cases.len());
     // A quoted key and the same key bare are one key: the bare one is a replay.
     let (quoted, _) = exchange(&proxy, &booking_with_key(b"\"same-key\"")).await;
     assert_eq!(quoted.status, 201);
@@ -684,7 +678,7 @@ async fn line_breaks_in_header_values(backend: Backend) {
     assert_eq!(env.mock.last_request().expect("a request").body, BODY);
 
     assert_eq!(env.mock.stats().total, base + 3);
-    assert_redis_keys_hashed(&env, 4 + 3);
+    assert_store_keys_hashed(&env, 4 + 3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -871,7 +865,7 @@ async fn bodies_over_max_request_body_are_413_by_length_and_by_chunks(backend: B
         assert_eq!(env.mock.calls(key), 1);
         assert_eq!(env.mock.last_request().expect("a request").body, x1024);
     }
-    assert_redis_keys_hashed(&env, cases.len() + exact.len());
+    assert_store_keys_hashed(&env, cases.len() + exact.len());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1011,7 +1005,7 @@ async fn content_length_with_chunked_is_read_as_chunked_and_the_connection_close
         0,
         "the pipelined request never ran"
     );
-    assert_redis_keys_hashed(&env, 2);
+    assert_store_keys_hashed(&env, 2);
 }
 
 /// A chunked body whose data is the text of another request, then a pipelined second request:
@@ -1049,7 +1043,7 @@ async fn a_request_inside_a_chunked_body_stays_body(backend: Backend) {
     );
     assert_eq!(env.mock.stats().total, 2);
     assert_eq!(env.mock.last_request().expect("a request").body, BODY);
-    assert_redis_keys_hashed(&env, 2);
+    assert_store_keys_hashed(&env, 2);
 }
 
 /// Chunked framing that breaks inside the body — a size that is not hex, a size that

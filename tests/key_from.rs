@@ -86,7 +86,7 @@ fn assert_replay(r: &Reply, first: &Reply) {
     assert_eq!(r.body, first.body, "byte-identical");
 }
 
-both_stores!(
+every_store!(
     a_keyless_refund_job_retried_runs_once,
     another_body_under_the_same_derived_key_is_a_422,
     every_kind_of_part_makes_its_own_key,
@@ -291,6 +291,9 @@ async fn every_unreadable_part_is_a_400_and_claims_nothing(backend: Backend) {
         );
     }
     assert_eq!(env.mock.stats().total, 0, "nothing forwarded");
+    if let Some(keys) = env.stored_key_names() {
+        assert!(keys.is_empty(), "nothing claimed: {keys:?}");
+    }
     // Nothing was claimed: the readable request runs now.
     assert_fresh(&refund(&proxy, "T-9", r#"{"reason":{"code":"dup"}}"#).await);
 }

@@ -14,27 +14,37 @@ use common::{
 use http::{HeaderMap, HeaderName, HeaderValue};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 const BODY: &str = r#"{"seat":"12A"}"#;
 
-/// An admin listener over an in-process proxy; stopped on drop.
+/// An admin listener over an in-process proxy; stopped on drop or by [`Admin::stop`].
 struct Admin {
     base: String,
-    _stop: oneshot::Sender<()>,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Admin {
+    /// Stops the admin listener and waits until it is done (it holds the proxy meanwhile).
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
 }
 
 async fn admin(proxy: &TestProxy) -> Admin {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(idemproxy::server::serve_admin(
+    let task = tokio::spawn(idemproxy::server::serve_admin(
         listener,
         proxy.proxy.clone(),
         async move {
             let _ = stopped.await;
         },
     ));
-    Admin { base, _stop: stop }
+    Admin { base, stop, task }
 }
 
 async fn get(url: String, token: Option<&str>) -> Reply {
@@ -71,7 +81,7 @@ fn requests(text: &str, outcome: &str) -> f64 {
     )
 }
 
-both_stores!(
+every_store!(
     health_readiness_and_metrics_count_every_outcome,
     key_tooling_shows_and_forgets_records,
 );
@@ -155,6 +165,10 @@ async fn health_readiness_and_metrics_count_every_outcome(backend: Backend) {
             value(&text, "idemproxy_memory_store_max_entries"),
             1_000_000.0
         );
+    } else {
+        // The same two records, seen from outside the proxy.
+        let keys = env.stored_keys();
+        assert_eq!(keys.len(), 2, "m-1 and m-2 are kept: {keys:?}");
     }
 }
 
@@ -261,6 +275,9 @@ async fn key_tooling_shows_and_forgets_records(backend: Backend) {
     get(format!("{}/nothing-here", off_admin.base), None)
         .await
         .assert_problem(404, "no-admin-endpoint");
+    // One proxy on the store at a time: an SQLite file is one store's at once.
+    off_admin.stop().await;
+    off.stop().await;
 
     let token = token_file("s3cret-token");
     let yaml = env.config("").replace(

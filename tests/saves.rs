@@ -295,7 +295,7 @@ async fn an_application_400_is_saved_and_replayed(backend: Backend) {
     assert_eq!(env.mock.calls("app-400"), 1);
 }
 
-both_stores!(
+every_store!(
     upstream_head_refusals_are_passed_on_and_not_saved,
     an_application_400_is_saved_and_replayed,
 );

@@ -5,7 +5,7 @@ mod common;
 
 use common::{Backend, Env, book, client, send};
 
-both_stores!(h2c_clients_get_forwarding_and_replays);
+every_store!(h2c_clients_get_forwarding_and_replays);
 
 /// The auto builder serves HTTP/2 with prior knowledge (h2c) next to HTTP/1.1.
 async fn h2c_clients_get_forwarding_and_replays(backend: Backend) {

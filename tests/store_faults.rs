@@ -59,7 +59,7 @@ async fn request_fault_request(env: &Env, proxy: &TestProxy, fault: impl FnOnce(
 async fn redis_restart_between_two_requests_is_not_a_503() {
     let mut env = Env::new(Backend::Redis).await;
     let proxy = env.proxy(&env.config("")).await;
-    let mut redis = env.redis.take().expect("a Redis test");
+    let mut redis = env.take_redis();
     request_fault_request(&env, &proxy, || {
         tokio::task::block_in_place(|| redis.restart());
     })
@@ -70,9 +70,7 @@ async fn redis_restart_between_two_requests_is_not_a_503() {
 /// connection closed, and still gets its 201.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_closing_an_idle_connection_is_not_a_503() {
-    let mut env = Env::new(Backend::Memory).await;
-    env.backend = Backend::Redis;
-    env.redis = Some(RedisServer::start_with(&["--timeout", "1"]));
+    let env = Env::on_redis(RedisServer::start_with(&["--timeout", "1"])).await;
     let proxy = env.proxy(&env.config("")).await;
     request_fault_request(&env, &proxy, || {
         // Redis checks idle clients about ten times a second: 1s idle, plus margin.
@@ -98,7 +96,7 @@ async fn redis_restart_with_wait_replicas_is_not_a_503() {
     let proxy = env
         .proxy(&env.config_with("", "wait_replicas: 1\ntimeout: 1s"))
         .await;
-    let mut redis = env.redis.take().expect("a Redis test");
+    let mut redis = env.take_redis();
     request_fault_request(&env, &proxy, || {
         tokio::task::block_in_place(|| {
             redis.restart();

@@ -76,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::relay::{Direction, Relay, Tap};
-use common::{Backend, Env, ProxyProcess, RedisServer, free_port};
+use common::{Env, ProxyProcess, RedisServer, free_port};
 
 use checks::*;
 use load::*;
@@ -202,7 +202,6 @@ async fn run(spec: RunSpec) {
     }
 
     // The world.
-    let mut env = Env::new(Backend::Memory).await;
     let aof_dir = tempfile::tempdir().expect("a directory for the AOF");
     let redis = if spec.persistent {
         let dir = aof_dir.path().to_str().expect("utf-8 temp path").to_owned();
@@ -217,8 +216,7 @@ async fn run(spec: RunSpec) {
     } else {
         RedisServer::start()
     };
-    env.redis = Some(redis);
-    env.backend = Backend::Redis;
+    let mut env = Env::on_redis(redis).await;
     let redis_relay = Arc::new(Relay::start(env.redis().addr()).await);
     let tap = Arc::new(ExecTap::default());
     let upstream_relay = Arc::new(Relay::start_with_tap(env.mock.addr(), tap.clone()).await);
@@ -226,7 +224,7 @@ async fn run(spec: RunSpec) {
     let proxy_a = env.proxy(&yaml).await;
     let b_port = free_port();
     let proxy_b = tokio::task::block_in_place(|| ProxyProcess::spawn_on(&yaml, b_port));
-    let redis = env.redis.take().expect("the run's redis");
+    let redis = env.take_redis();
 
     let clock = Clock(Instant::now());
     tap.start(clock.clone());

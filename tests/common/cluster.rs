@@ -1,13 +1,39 @@
 //! A Redis Cluster of this test's own: `redis-server` processes in cluster mode on free
 //! loopback ports, joined by `redis-cli --cluster create`, killed on drop. Helpers move a slot
 //! from one primary to another (the `SETSLOT`/`MIGRATE` dance, with a hook between the steps)
-//! and run a coordinated failover.
+//! and run a coordinated failover. [`RedisCluster::single_node`] is the cheap one the behaviour
+//! tests take each: one node serving every slot, taken ready from a pool.
+//!
+//! Why a pool: a fresh primary says `cluster_state:ok` no sooner than 2s after it starts (Redis
+//! holds a new primary back that long, `CLUSTER_WRITABLE_DELAY`, so a rebooted node does not
+//! take writes before the cluster could reconfigure it), and, once it has its slots, not before
+//! its rejoin delay (`cluster-node-timeout`, at least 500ms) has passed. That is seconds of
+//! idle waiting per test, times every behaviour test. So each test binary keeps
+//! [`SPARE_NODES`] nodes starting ahead of need, slots assigned; a test takes the oldest, which
+//! is ready by then, and starts its replacement.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::free_port;
+
+/// The `cluster-node-timeout` of the multi-node clusters: failure detection and failover
+/// tests need one that a loaded machine does not trip by accident.
+const NODE_TIMEOUT_MS: u32 = 2000;
+
+/// The `cluster-node-timeout` of a single node: nobody is there to detect its failure, and it
+/// is its rejoin delay once it has its slots (Redis clamps it to 500ms at least).
+const SINGLE_NODE_TIMEOUT_MS: u32 = 500;
+
+/// Single nodes each test binary keeps starting ahead of need ([`RedisCluster::single_node`]).
+const SPARE_NODES: usize = 8;
+
+/// The spare single nodes, oldest first. A `static` is never dropped: each spare has a
+/// watchdog that kills it once the test binary is gone ([`reap_on_exit`]).
+static SPARES: Mutex<VecDeque<RedisCluster>> = Mutex::new(VecDeque::new());
 
 /// The `redis-cli` binary: `REDIS_CLI` or the one on PATH.
 fn cli_binary() -> String {
@@ -49,6 +75,8 @@ pub(crate) struct RedisCluster {
     /// Every node, primaries and replicas.
     pub nodes: Vec<ClusterNode>,
     dir: tempfile::TempDir,
+    /// Its nodes' `cluster-node-timeout`, kept for a restart.
+    node_timeout_ms: u32,
 }
 
 /// One line of `CLUSTER NODES`, as far as the tests need it.
@@ -81,9 +109,13 @@ impl RedisCluster {
             })
             .collect();
         for node in &mut nodes {
-            node.child = Some(spawn_node(dir.path(), node.port, node.bus));
+            node.child = Some(spawn_node(dir.path(), node.port, node.bus, NODE_TIMEOUT_MS));
         }
-        let cluster = RedisCluster { nodes, dir };
+        let cluster = RedisCluster {
+            nodes,
+            dir,
+            node_timeout_ms: NODE_TIMEOUT_MS,
+        };
         for node in &cluster.nodes {
             let port = node.port;
             wait_for(Duration::from_secs(10), "a cluster node to start", || {
@@ -107,6 +139,61 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         cluster.wait_converged();
+        cluster
+    }
+
+    /// One primary that serves every slot itself: one process, cheap enough for one per test,
+    /// and still a real cluster to the client, which reads the slot map and routes every
+    /// command by slot. Taken from this binary's spares (see the module's docs), so it is
+    /// usually ready at once; waits until it says `cluster_state:ok`.
+    pub(crate) fn single_node() -> RedisCluster {
+        let taken = RedisCluster::spares().pop_front();
+        let cluster = taken.expect("a spare single node");
+        cluster.wait_converged();
+        cluster
+    }
+
+    /// Starts spare single nodes until the pool is full, ahead of a first
+    /// [`RedisCluster::single_node`] (`every_store!` does it in the background).
+    pub(crate) fn start_spares() {
+        drop(RedisCluster::spares());
+    }
+
+    /// The pool of spare single nodes, full and locked: the caller may take one.
+    fn spares() -> MutexGuard<'static, VecDeque<RedisCluster>> {
+        let mut spares = SPARES.lock().unwrap_or_else(PoisonError::into_inner);
+        while spares.len() <= SPARE_NODES {
+            spares.push_back(RedisCluster::start_single_node());
+        }
+        spares
+    }
+
+    /// Starts a node and gives it every slot (`CLUSTER ADDSLOTSRANGE 0 16383`, no `redis-cli
+    /// --cluster create`); it says `cluster_state:ok` by itself a little later.
+    fn start_single_node() -> RedisCluster {
+        let ports = free_ports(2);
+        let dir = tempfile::tempdir().expect("temp dir for the cluster node");
+        let (port, bus) = (ports[0], ports[1]);
+        let child = spawn_node(dir.path(), port, bus, SINGLE_NODE_TIMEOUT_MS);
+        reap_on_exit(child.id(), dir.path());
+        let cluster = RedisCluster {
+            nodes: vec![ClusterNode {
+                port,
+                bus,
+                child: Some(child),
+            }],
+            dir,
+            node_timeout_ms: SINGLE_NODE_TIMEOUT_MS,
+        };
+        wait_for(Duration::from_secs(10), "a cluster node to start", || {
+            ping(port)
+        });
+        let _: () = redis::cmd("CLUSTER")
+            .arg("ADDSLOTSRANGE")
+            .arg(0)
+            .arg(16383)
+            .query(&mut cluster.conn(port))
+            .expect("CLUSTER ADDSLOTSRANGE 0 16383");
         cluster
     }
 
@@ -344,7 +431,12 @@ impl RedisCluster {
     pub(crate) fn restart_all(&mut self) {
         self.kill_all();
         for node in &mut self.nodes {
-            node.child = Some(spawn_node(self.dir.path(), node.port, node.bus));
+            node.child = Some(spawn_node(
+                self.dir.path(),
+                node.port,
+                node.bus,
+                self.node_timeout_ms,
+            ));
         }
         self.wait_converged();
     }
@@ -367,7 +459,7 @@ impl Drop for RedisCluster {
     }
 }
 
-fn spawn_node(dir: &std::path::Path, port: u16, bus: u16) -> Child {
+fn spawn_node(dir: &std::path::Path, port: u16, bus: u16, node_timeout_ms: u32) -> Child {
     Command::new(super::redis_binary())
         .args([
             "--port",
@@ -379,7 +471,7 @@ fn spawn_node(dir: &std::path::Path, port: u16, bus: u16) -> Child {
             "--cluster-config-file",
             &dir.join(format!("nodes-{port}.conf")).display().to_string(),
             "--cluster-node-timeout",
-            "2000",
+            &node_timeout_ms.to_string(),
             "--dir",
             &dir.display().to_string(),
         ])
@@ -433,4 +525,22 @@ pub(crate) fn parse_nodes(text: &str) -> Vec<NodeLine> {
             })
         })
         .collect()
+}
+
+/// A spare node lives in a `static`, which is never dropped: a watchdog process kills it and
+/// removes its directory once this test binary has exited. It leaves as soon as the node is gone
+/// (a test took it and killed it), so it never signals a process id that is no longer the node.
+fn reap_on_exit(pid: u32, dir: &std::path::Path) {
+    let me = std::process::id();
+    let dir = dir.display();
+    let script = format!(
+        "while kill -0 {me} 2>/dev/null; do kill -0 {pid} 2>/dev/null || exit 0; sleep 0.2; done; kill -KILL {pid} 2>/dev/null; rm -rf '{dir}'"
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn();
 }

@@ -1,31 +1,40 @@
 //! The integration harness: real processes and real sockets, all on loopback.
 //!
+//! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
+//!   effects) and a store of the test's own on one of the five backends ([`Backend`]), which a
+//!   test can look into ([`Env::stored_keys`]) and cut off ([`Env::make_store_unreachable`]).
 //! - [`RedisServer`]: a `redis-server` spawned on a free port, with no persistence; it can be
 //!   paused (SIGSTOP), resumed, killed and restarted on the same port; killed on drop.
+//! - [`sqlite::SqliteFile`]: an SQLite file in a temp dir, read from outside the proxy and
+//!   write-locked on command.
+//! - [`postgres::PgServer`]: a PostgreSQL server of the test binary's own (initdb in a temp
+//!   dir), shared by its tests, each in a schema of its own.
 //! - [`TestProxy`]: the proxy served in this process (so tests can read its metrics), stopped
 //!   gracefully on [`TestProxy::stop`] or dropped.
 //! - [`ProxyProcess`]: the `idemproxy` binary as a child process, for what needs a process
 //!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
-//! - [`relay::Relay`]: a TCP relay in front of Redis or the upstream that adds latency,
+//! - [`relay::Relay`]: a TCP relay in front of a store or the upstream that adds latency,
 //!   blackholes, resets or cuts connections on command.
-//! - [`cluster::RedisCluster`]: a Redis Cluster (primaries and replicas) on loopback, with
-//!   slot migration and coordinated failover; [`secured::SecuredRedis`]: a Redis that wants
-//!   TLS (a test CA) and/or a password.
+//! - [`cluster::RedisCluster`]: a Redis Cluster on loopback — primaries and replicas, with
+//!   slot migration and coordinated failover, or a single node serving every slot;
+//!   [`secured::SecuredRedis`]: a Redis that wants TLS (a test CA) and/or a password.
 //! - [`mock::start`]: the mock booking service on a free port, with its counters.
-//! - [`Env`]: one test's world — a mock booking upstream (in this process, counting side
-//!   effects) and, for the Redis backend, its own Redis.
 //! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
+//! - [`store_checks`]: the store contract, checked on a store handle of any backend.
 //!
-//! Every behaviour test is written once and run against both stores with [`both_stores!`].
+//! Every behaviour test is written once and run against every store with [`every_store!`].
 #![allow(dead_code)]
 
 pub(crate) mod cluster;
+mod env;
 pub(crate) mod mock;
 pub(crate) mod pki;
 pub(crate) mod postgres;
 pub(crate) mod prometheus;
+mod redis_server;
 pub(crate) mod relay;
 pub(crate) mod secured;
+pub(crate) mod sqlite;
 pub(crate) mod store_checks;
 
 use std::io::{BufRead, BufReader};
@@ -38,283 +47,20 @@ use std::time::{Duration, Instant};
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::proxy::Proxy;
-use mock::MockHandle;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+// Not every test binary takes an `Env` (the CLI tests need none).
+#[allow(unused_imports)]
+pub(crate) use env::{Backend, Env, StoredKey, warm_up};
 pub(crate) use prometheus::metric_value;
-
-/// Which store a test runs against.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backend {
-    Memory,
-    Redis,
-}
-
-/// Runs each named `async fn NAME(backend: Backend)` against both stores, as
-/// `memory::NAME` and `redis::NAME`.
-#[macro_export]
-macro_rules! both_stores {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::common::Backend::Memory).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::common::Backend::Redis).await
-                }
-            )*
-        }
-    };
-}
-
-/// The `redis-server` flags of every test server: loopback only, nothing persisted, in the
-/// foreground, quiet.
-pub(crate) const REDIS_EPHEMERAL: [&str; 10] = [
-    "--bind",
-    "127.0.0.1",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-    "--daemonize",
-    "no",
-    "--loglevel",
-    "warning",
-];
+pub(crate) use redis_server::{REDIS_EPHEMERAL, RedisServer, redis_binary};
 
 /// A port that was free a moment ago.
 pub(crate) fn free_port() -> u16 {
     let l = StdListener::bind("127.0.0.1:0").expect("bind a free port");
     l.local_addr().expect("local addr").port()
-}
-
-/// The `redis-server` binary: `REDIS_SERVER` or the one on PATH.
-fn redis_binary() -> String {
-    std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
-}
-
-/// A `redis-server` of this test's own.
-pub(crate) struct RedisServer {
-    port: u16,
-    child: Option<Child>,
-    extra: Vec<String>,
-    /// Its working directory: a replica's full sync writes an RDB file there, never into the
-    /// checkout.
-    dir: tempfile::TempDir,
-}
-
-impl RedisServer {
-    /// Starts one on a free loopback port, with no persistence.
-    pub(crate) fn start() -> RedisServer {
-        RedisServer::start_with(&[])
-    }
-
-    /// Starts one with extra `--option value` arguments.
-    pub(crate) fn start_with(extra: &[&str]) -> RedisServer {
-        let mut s = RedisServer {
-            port: free_port(),
-            child: None,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-            dir: tempfile::tempdir().expect("a working directory for redis-server"),
-        };
-        s.spawn();
-        s
-    }
-
-    fn spawn(&mut self) {
-        let child = Command::new(redis_binary())
-            .args(["--port", &self.port.to_string()])
-            .args(REDIS_EPHEMERAL)
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server (install it: apt-get install redis-server)");
-        self.child = Some(child);
-        self.wait_ready();
-    }
-
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(client) = redis::Client::open(self.url())
-                && let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(200))
-                && redis::cmd("PING").query::<String>(&mut c).is_ok()
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start on {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// `redis://127.0.0.1:PORT/0`.
-    pub(crate) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    /// The port.
-    pub(crate) fn port(&self) -> u16 {
-        self.port
-    }
-
-    /// `127.0.0.1:PORT`, for a relay in front of it.
-    pub(crate) fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
-    /// The process id.
-    pub(crate) fn pid(&self) -> u32 {
-        self.child
-            .as_ref()
-            .map(|c| c.id())
-            .expect("redis is running")
-    }
-
-    fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([sig, &self.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig} redis");
-    }
-
-    /// SIGSTOP: Redis hangs, connections stay open.
-    pub(crate) fn pause(&self) {
-        self.signal("-STOP");
-    }
-
-    /// SIGCONT.
-    pub(crate) fn resume(&self) {
-        self.signal("-CONT");
-    }
-
-    /// SIGKILL, and reap.
-    pub(crate) fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Starts again on the same port (after [`RedisServer::kill`]). Empty: no persistence.
-    pub(crate) fn restart(&mut self) {
-        self.kill();
-        self.spawn();
-    }
-
-    /// A synchronous connection, for inspecting or corrupting what the proxy stored.
-    pub(crate) fn conn(&self) -> redis::Connection {
-        redis::Client::open(self.url())
-            .expect("redis url")
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .expect("connect to redis")
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        if let Some(c) = &self.child {
-            // A paused server must be resumed to die promptly on some kernels; SIGKILL works
-            // on stopped processes anyway, this is belt and braces.
-            let _ = Command::new("kill")
-                .args(["-CONT", &c.id().to_string()])
-                .status();
-        }
-        self.kill();
-    }
-}
-
-/// One test's world: an upstream and, for Redis, a Redis.
-pub(crate) struct Env {
-    pub backend: Backend,
-    pub mock: MockHandle,
-    pub redis: Option<RedisServer>,
-}
-
-impl Env {
-    /// A fresh mock upstream and, with `Backend::Redis`, a fresh Redis.
-    pub(crate) async fn new(backend: Backend) -> Env {
-        let mock = mock::start().await.expect("start the mock upstream");
-        let redis = (backend == Backend::Redis).then(RedisServer::start);
-        Env {
-            backend,
-            mock,
-            redis,
-        }
-    }
-
-    /// The Redis of a Redis test.
-    pub(crate) fn redis(&self) -> &RedisServer {
-        self.redis.as_ref().expect("a Redis test")
-    }
-
-    /// Mutable access to the Redis of a Redis test.
-    pub(crate) fn redis_mut(&mut self) -> &mut RedisServer {
-        self.redis.as_mut().expect("a Redis test")
-    }
-
-    /// The `store:` section for this backend (store timeout 300ms unless `extra` sets it).
-    pub(crate) fn store_yaml(&self, extra: &str) -> String {
-        let mut s = match &self.redis {
-            Some(r) => format!("store:\n  backend: redis\n  url: {}\n", r.url()),
-            None => "store:\n  backend: memory\n".to_owned(),
-        };
-        if !extra.contains("timeout:") {
-            s.push_str("  timeout: 300ms\n");
-        }
-        for line in extra.lines().filter(|l| !l.trim().is_empty()) {
-            s.push_str("  ");
-            s.push_str(line.trim());
-            s.push('\n');
-        }
-        s
-    }
-
-    /// A whole configuration: `POST /bookings` (route `create-booking`) idempotent with the
-    /// `idempotency:` lines in `idem` (indented freely; one setting a line), `/pay/*` (route
-    /// `pay`) idempotent with defaults, and every other path (route `rest`) passed through.
-    pub(crate) fn config(&self, idem: &str) -> String {
-        self.config_with(idem, "")
-    }
-
-    /// [`Env::config`] with extra `store:` lines.
-    pub(crate) fn config_with(&self, idem: &str, store: &str) -> String {
-        let mut idem_lines = String::new();
-        for line in idem.lines().filter(|l| !l.trim().is_empty()) {
-            idem_lines.push_str("      ");
-            idem_lines.push_str(line.trim());
-            idem_lines.push('\n');
-        }
-        if idem_lines.is_empty() {
-            idem_lines.push_str("      required: true\n");
-        }
-        format!(
-            "listen: 127.0.0.1:0\nshutdown_timeout: 10s\n{store}upstreams:\n  booking:\n    url: {up}\n    connect_timeout: 1s\n    timeout: 5s\nroutes:\n  - name: create-booking\n    methods: [POST]\n    path: /bookings\n    upstream: booking\n    idempotency:\n{idem_lines}  - name: pay\n    path: /pay/*\n    upstream: booking\n    idempotency:\n      lock_ttl: 2s\n  - name: rest\n    path: /*\n    upstream: booking\n",
-            store = self.store_yaml(store),
-            up = self.mock.url(),
-        )
-    }
-
-    /// Starts a proxy in this process with this configuration.
-    pub(crate) async fn proxy(&self, yaml: &str) -> TestProxy {
-        TestProxy::start(yaml).await
-    }
 }
 
 /// The proxy served in this process.

@@ -1,14 +1,42 @@
-//! Checks of the store contract that run the same on every store (memory, Redis, Redis Cluster).
+//! Checks of the store contract (`src/store/mod.rs`) that hold the same on every store —
+//! memory, SQLite, PostgreSQL, Redis, Redis Cluster — run on each through `every_store!`
+//! (tests/faults.rs) with a store of the test's own (`Env::store`).
+//!
+//! Each check talks to the bare backend through a [`StoreHandle`], as the proxy does (every
+//! call under a deadline, records decoded in one place), and to the bare backend itself only
+//! for what the handle keeps to the crate (`inspect`, `forget`, `wait_change`). Leases are
+//! short and real (no paused clock: SQLite and PostgreSQL keep time themselves), and every
+//! wait for one to lapse polls with a generous deadline: the machine is small and shared.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderName, StatusCode};
+use idemproxy::metrics::Metrics;
 use idemproxy::record::{Record, Saved, SavedResponse};
-use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
+use idemproxy::store::{Claim, Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
+
+/// The deadline of every store call in these checks: generous (they are about answers, not
+/// speed), and shorter than any `lock_ttl` of the harness's configuration, as a configuration
+/// must be.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(1);
+
+/// A long lease or TTL: longer than any check runs.
+const LONG: Duration = Duration::from_secs(30);
+
+/// A bare backend behind a handle with [`DEADLINE`].
+pub(crate) fn handle(store: Arc<dyn Store>) -> StoreHandle {
+    StoreHandle::new(store, DEADLINE, Arc::new(Metrics::new()))
+}
 
 /// A finished record: a 201 JSON response with `body`.
 pub(crate) fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
+    done_with(fingerprint, Bytes::from_static(body.as_bytes()))
+}
+
+/// A finished record: a 201 JSON response with `body`.
+pub(crate) fn done_with(fingerprint: [u8; 32], body: Bytes) -> Record {
     Record::Done {
         fingerprint,
         saved: Saved::Response(SavedResponse {
@@ -17,8 +45,34 @@ pub(crate) fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
                 HeaderName::from_static("content-type"),
                 http::HeaderValue::from_static("application/json"),
             )],
-            body: Bytes::from_static(body.as_bytes()),
+            body,
         }),
+    }
+}
+
+/// Key `n` of route `create-booking` (route number 0).
+fn key(n: u8) -> StoreKey {
+    StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [n; 32],
+    )
+}
+
+/// An in-progress record with token `token` (all bytes) and fingerprint 7.
+fn claim(token: u8) -> Held {
+    Held::new(Record::InFlight {
+        token: [token; 16],
+        fingerprint: [7; 32],
+    })
+}
+
+/// Waits until `key` reads as absent (a lease lapsed), at most a few seconds.
+async fn until_absent(store: &StoreHandle, key: &StoreKey, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.get(key).await.expect("get").is_some() {
+        assert!(Instant::now() < deadline, "{what} did not lapse");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -55,11 +109,7 @@ pub(crate) async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHa
     );
 
     // A stalls and does not renew: its lease runs out.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while store.get(key).await.expect("get").is_some() {
-        assert!(Instant::now() < deadline, "A's lease did not expire");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_absent(store, key, "A's lease").await;
     assert!(
         !store.renew(key, &a, long).await.expect("renew"),
         "an expired lease cannot be renewed"
@@ -111,4 +161,437 @@ pub(crate) async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHa
         "a finished record is not a claim: nobody may release it"
     );
     assert_eq!(store.get(key).await.expect("get"), Some(from_b));
+}
+
+/// A claim takes a free key once: another's later claim reads the claim; a finished record is
+/// then what every claim reads, and it is no claim any more (nobody renews it). Keys of another
+/// route or another hash are apart.
+pub(crate) async fn a_claim_is_exclusive_and_a_finished_record_is_what_claims_read(
+    raw: Arc<dyn Store>,
+) {
+    let store = handle(raw);
+    store.ping().await.expect("the store answers");
+    let (a, b) = (claim(1), claim(2));
+    assert_eq!(store.get(&key(1)).await.expect("get"), None, "fresh store");
+    assert_eq!(
+        store.claim(&key(1), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    // (The holder's own claim sent again is left out: Redis answers it `Claimed`, as a claim
+    // resent after its answer was lost must be; the memory store reads it as anyone's.)
+    assert_eq!(
+        store.claim(&key(1), &b, LONG).await.expect("B claims"),
+        Claim::Existing(a.record.clone()),
+        "B reads A's claim"
+    );
+    assert_eq!(
+        store.get(&key(1)).await.expect("get"),
+        Some(a.record.clone())
+    );
+
+    // Apart: the same hash on another route, another hash on this route.
+    let other_route = StoreKey::new(idemproxy::key::namespace("idemproxy:", "pay"), 1, [1; 32]);
+    for (what, k) in [("another route", &other_route), ("another hash", &key(2))] {
+        assert_eq!(
+            store.claim(k, &b, LONG).await.expect("claim"),
+            Claim::Claimed,
+            "{what} is another key"
+        );
+    }
+
+    let finished = done([7; 32], r#"{"id":"bk_1"}"#);
+    assert!(
+        store
+            .complete(&key(1), &a, &finished.encode(), LONG)
+            .await
+            .expect("A completes")
+    );
+    assert_eq!(
+        store.claim(&key(1), &b, LONG).await.expect("B claims"),
+        Claim::Existing(finished.clone()),
+        "a claim reads the finished record"
+    );
+    assert!(
+        !store.renew(&key(1), &a, LONG).await.expect("A renews"),
+        "a finished record is no claim: nothing to renew"
+    );
+    assert_eq!(store.get(&key(1)).await.expect("get"), Some(finished));
+    assert_eq!(
+        store.get(&other_route).await.expect("get"),
+        Some(b.record.clone()),
+        "the other route's claim is untouched"
+    );
+}
+
+/// Many claims of one free key at once: exactly one takes it, every other reads that one's
+/// claim. The claim is one atomic step, never a read and then a write.
+pub(crate) async fn one_of_many_concurrent_claims_takes_the_key(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let claims: Vec<_> = (1..=24u8)
+        .map(|t| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let held = claim(t);
+                let found = store.claim(&key(3), &held, LONG).await;
+                (held, found)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut seen = Vec::new();
+    for c in claims {
+        let (held, found) = c.await.expect("a claim task");
+        match found.expect("a claim answers") {
+            Claim::Claimed => winners.push(held.record),
+            Claim::Existing(record) => seen.push(record),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one claim takes the key");
+    assert!(
+        seen.iter().all(|r| *r == winners[0]),
+        "every other claim reads the winner's claim: {seen:?}"
+    );
+    assert_eq!(
+        store.get(&key(3)).await.expect("get"),
+        Some(winners[0].clone())
+    );
+}
+
+/// Renewals keep a claim well past its first lease; once they stop, it lapses, and the key is
+/// anyone's. A renewal sets the lease anew (`inspect` shows it).
+pub(crate) async fn renewal_keeps_a_claim_and_its_end_frees_the_key(raw: Arc<dyn Store>) {
+    let store = handle(raw.clone());
+    let (a, b) = (claim(1), claim(2));
+    let lease = Duration::from_millis(400);
+    assert_eq!(
+        store.claim(&key(4), &a, lease).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let start = Instant::now();
+    while start.elapsed() < lease * 3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            store.renew(&key(4), &a, lease).await.expect("A renews"),
+            "the holder renews its live claim"
+        );
+    }
+    assert_eq!(
+        store.claim(&key(4), &b, LONG).await.expect("B tries"),
+        Claim::Existing(a.record.clone()),
+        "three leases later, the renewed claim still stands"
+    );
+    assert!(store.renew(&key(4), &a, LONG).await.expect("A renews long"));
+    let (_, ttl) = inspect(&raw, &key(4)).await.expect("the claim");
+    assert!(
+        ttl > LONG - Duration::from_secs(5) && ttl <= LONG,
+        "a renewal sets the lease anew: {ttl:?} left of {LONG:?}"
+    );
+    assert!(
+        store
+            .renew(&key(4), &a, lease)
+            .await
+            .expect("A renews short")
+    );
+    until_absent(&store, &key(4), "the unrenewed claim").await;
+    assert_eq!(
+        store.claim(&key(4), &b, LONG).await.expect("B claims"),
+        Claim::Claimed
+    );
+}
+
+/// A lapsed claim is fenced off even while nobody has taken the key: its holder can neither
+/// renew nor complete it (nothing is written), and releasing it answers that the key is free.
+pub(crate) async fn a_lapsed_claim_can_neither_renew_nor_complete(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let a = claim(1);
+    assert_eq!(
+        store
+            .claim(&key(5), &a, Duration::from_millis(200))
+            .await
+            .expect("A claims"),
+        Claim::Claimed
+    );
+    until_absent(&store, &key(5), "A's lease").await;
+    assert!(!store.renew(&key(5), &a, LONG).await.expect("A renews"));
+    let finished = done([7; 32], r#"{"id":"late"}"#);
+    assert!(
+        !store
+            .complete(&key(5), &a, &finished.encode(), LONG)
+            .await
+            .expect("A completes"),
+        "a lapsed lease never completes"
+    );
+    assert_eq!(
+        store.get(&key(5)).await.expect("get"),
+        None,
+        "nothing was written"
+    );
+    assert!(
+        store.release(&key(5), &a).await.expect("A releases"),
+        "a lapsed claim nobody took: the key is free of it"
+    );
+    assert_eq!(
+        store
+            .claim(&key(5), &claim(2), LONG)
+            .await
+            .expect("B claims"),
+        Claim::Claimed
+    );
+}
+
+/// Only the holder releases its claim; a release sent again finds the key free; another
+/// holder's claim and a finished record are left alone.
+pub(crate) async fn release_frees_only_the_holders_claim(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let (a, b) = (claim(1), claim(2));
+    assert_eq!(
+        store.claim(&key(6), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    assert!(
+        !store.release(&key(6), &b).await.expect("B releases"),
+        "another token's release fails"
+    );
+    assert_eq!(
+        store.get(&key(6)).await.expect("get"),
+        Some(a.record.clone())
+    );
+    assert!(store.release(&key(6), &a).await.expect("A releases"));
+    assert_eq!(
+        store.get(&key(6)).await.expect("get"),
+        None,
+        "the key is free"
+    );
+    assert!(
+        store.release(&key(6), &a).await.expect("A releases again"),
+        "a release sent again after its answer was lost: the key is free of it"
+    );
+    assert_eq!(
+        store.claim(&key(6), &b, LONG).await.expect("B claims"),
+        Claim::Claimed
+    );
+    assert!(
+        !store.release(&key(6), &a).await.expect("A releases B's"),
+        "B's claim is not A's to release"
+    );
+    let finished = done([7; 32], r#"{"id":"by B"}"#);
+    assert!(
+        store
+            .complete(&key(6), &b, &finished.encode(), LONG)
+            .await
+            .expect("B completes")
+    );
+    for (who, held) in [("A", &a), ("B", &b)] {
+        assert!(
+            !store.release(&key(6), held).await.expect("a release"),
+            "{who}: a finished record is no claim to release"
+        );
+    }
+    assert_eq!(store.get(&key(6)).await.expect("get"), Some(finished));
+}
+
+/// A completion sent again counts as done only when the key holds exactly what it sends: a
+/// second, different completion is refused and changes nothing.
+pub(crate) async fn only_the_same_completion_counts_twice(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let a = claim(1);
+    assert_eq!(
+        store.claim(&key(7), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let first = done([7; 32], r#"{"id":"first"}"#);
+    let other = done([7; 32], r#"{"id":"other"}"#);
+    assert!(
+        store
+            .complete(&key(7), &a, &first.encode(), LONG)
+            .await
+            .expect("A completes")
+    );
+    assert!(
+        store
+            .complete(&key(7), &a, &first.encode(), LONG)
+            .await
+            .expect("again"),
+        "the same completion again counts as done"
+    );
+    assert!(
+        !store
+            .complete(&key(7), &a, &other.encode(), LONG)
+            .await
+            .expect("another completion"),
+        "another completion does not"
+    );
+    assert_eq!(store.get(&key(7)).await.expect("get"), Some(first));
+}
+
+/// `inspect` (key tooling) reads a record and its remaining time to live: the lease while in
+/// flight, the TTL once finished; nothing for an absent key.
+pub(crate) async fn inspect_shows_the_remaining_time_to_live(raw: Arc<dyn Store>) {
+    let store = handle(raw.clone());
+    assert!(inspect(&raw, &key(8)).await.is_none(), "absent");
+    let a = claim(1);
+    let lease = Duration::from_secs(10);
+    assert_eq!(
+        store.claim(&key(8), &a, lease).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let (record, ttl) = inspect(&raw, &key(8)).await.expect("the claim");
+    assert_eq!(record, a.record);
+    assert!(
+        ttl > lease - Duration::from_secs(5) && ttl <= lease,
+        "in flight: the lease's {ttl:?} left of {lease:?}"
+    );
+    let hour = Duration::from_secs(3600);
+    let finished = done([7; 32], r#"{"id":"bk"}"#);
+    assert!(
+        store
+            .complete(&key(8), &a, &finished.encode(), hour)
+            .await
+            .expect("A completes")
+    );
+    let (record, ttl) = inspect(&raw, &key(8)).await.expect("the record");
+    assert_eq!(record, finished);
+    assert!(
+        ttl > hour - Duration::from_secs(10) && ttl <= hour,
+        "finished: the TTL's {ttl:?} left of {hour:?}"
+    );
+}
+
+/// `forget` (key tooling) deletes a finished record only: an in-flight claim stays (its holder
+/// may be alive), bytes that are not a finished record of this proxy stay, and an absent key
+/// says so. A forgotten key is free.
+pub(crate) async fn forget_deletes_only_a_finished_record(raw: Arc<dyn Store>) {
+    let store = handle(raw.clone());
+    assert_eq!(forget(&raw, &key(9)).await, Forgotten::Absent);
+
+    let a = claim(1);
+    assert_eq!(
+        store.claim(&key(9), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    assert_eq!(forget(&raw, &key(9)).await, Forgotten::InFlight);
+    assert_eq!(
+        store.get(&key(9)).await.expect("get"),
+        Some(a.record.clone()),
+        "the claim stays"
+    );
+    let finished = done([7; 32], r#"{"id":"bk"}"#);
+    assert!(
+        store
+            .complete(&key(9), &a, &finished.encode(), LONG)
+            .await
+            .expect("A completes")
+    );
+    assert_eq!(forget(&raw, &key(9)).await, Forgotten::Forgotten);
+    assert_eq!(store.get(&key(9)).await.expect("get"), None, "forgotten");
+    assert_eq!(
+        store
+            .claim(&key(9), &claim(2), LONG)
+            .await
+            .expect("B claims"),
+        Claim::Claimed,
+        "a forgotten key is free"
+    );
+
+    // Bytes that decode as no record (written as a completion, as a corrupted save would be):
+    // a store error when read, and never forgotten.
+    let c = claim(3);
+    assert_eq!(
+        store.claim(&key(10), &c, LONG).await.expect("C claims"),
+        Claim::Claimed
+    );
+    let garbage = Bytes::from_static(b"\x00\xffnot a record");
+    assert!(
+        store
+            .complete(&key(10), &c, &garbage, LONG)
+            .await
+            .expect("C completes")
+    );
+    assert!(
+        matches!(store.get(&key(10)).await, Err(StoreError::Corrupt(_))),
+        "an undecodable record is a store error"
+    );
+    assert_eq!(forget(&raw, &key(10)).await, Forgotten::NotARecord);
+    let left = tokio::time::timeout(DEADLINE, raw.get(&key(10)))
+        .await
+        .expect("get within the deadline")
+        .expect("get");
+    assert_eq!(left, Some(garbage), "left alone");
+}
+
+/// A record of several MiB (a large saved response) is kept and read back byte for byte.
+pub(crate) async fn a_record_of_several_mib_round_trips(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let a = claim(1);
+    assert_eq!(
+        store.claim(&key(11), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let body: Bytes = (0..4 * 1024 * 1024u32)
+        .map(|i| (i % 251) as u8)
+        .collect::<Vec<u8>>()
+        .into();
+    let big = done_with([7; 32], body);
+    assert!(
+        store
+            .complete(&key(11), &a, &big.encode(), LONG)
+            .await
+            .expect("A completes with 4 MiB")
+    );
+    assert_eq!(
+        store
+            .claim(&key(11), &claim(2), LONG)
+            .await
+            .expect("B claims"),
+        Claim::Existing(big),
+        "read back whole"
+    );
+}
+
+/// `wait_change` returns by its bound at the latest, whether or not the key changes.
+pub(crate) async fn wait_change_returns_by_its_bound(raw: Arc<dyn Store>) {
+    let store = handle(raw.clone());
+    let a = claim(1);
+    assert_eq!(
+        store.claim(&key(12), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let max = Duration::from_millis(300);
+    let start = Instant::now();
+    raw.wait_change(&key(12), max).await;
+    let waited = start.elapsed();
+    assert!(
+        waited < max + Duration::from_secs(2),
+        "nothing changed: back after its bound ({waited:?} for {max:?})"
+    );
+    let finished = done([7; 32], r#"{"id":"bk"}"#);
+    let completer = {
+        let store = store.clone();
+        let a = a.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            store.complete(&key(12), &a, &finished.encode(), LONG).await
+        })
+    };
+    let start = Instant::now();
+    raw.wait_change(&key(12), max).await;
+    assert!(start.elapsed() < max + Duration::from_secs(2));
+    assert!(completer.await.expect("completer").expect("A completes"));
+}
+
+/// `inspect` on the bare backend, decoded, under [`DEADLINE`].
+async fn inspect(raw: &Arc<dyn Store>, key: &StoreKey) -> Option<(Record, Duration)> {
+    let found = tokio::time::timeout(DEADLINE, raw.inspect(key))
+        .await
+        .expect("inspect within the deadline")
+        .expect("inspect");
+    found.map(|(bytes, ttl)| (Record::decode_shared(&bytes).expect("a record"), ttl))
+}
+
+/// `forget` on the bare backend, under [`DEADLINE`].
+async fn forget(raw: &Arc<dyn Store>, key: &StoreKey) -> Forgotten {
+    tokio::time::timeout(DEADLINE, raw.forget(key))
+        .await
+        .expect("forget within the deadline")
+        .expect("forget")
 }

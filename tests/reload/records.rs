@@ -7,10 +7,10 @@ use std::time::Duration;
 use idemproxy::metrics::Outcome;
 
 use super::{BOOKINGS, PAY, PLAIN_BOOKINGS, REST, reload, reloads, yaml};
-use crate::both_stores;
+use crate::every_store;
 use crate::common::{Backend, Env, Reply, book, client, eventually, send, spawn_booking};
 
-both_stores!(
+every_store!(
     a_request_in_flight_across_a_reload_gets_its_answer_and_its_record_is_saved,
     reordered_routes_keep_their_own_records_and_a_new_route_sees_none,
     a_renamed_route_starts_its_records_afresh_and_the_old_name_keeps_its_own,
