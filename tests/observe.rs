@@ -3,8 +3,8 @@
 //! the key is claimed and the result saved as `enforce` would, and
 //! `idemproxy_observed_total{route,would}` counts what `enforce` would have answered. Switching
 //! the route to `enforce` on the same store replays the first observed response. Each rule is
-//! written once and run on each store the harness runs behaviour tests on (`both_stores!`:
-//! memory and Redis); the slow-store rule needs a relay in front of Redis.
+//! written once and run on each store the harness runs behaviour tests on (`every_store!`:
+//! memory, sqlite, postgres, redis, redis-cluster); the slow-store rule needs a relay in front of Redis.
 
 mod common;
 
@@ -27,7 +27,7 @@ use idemproxy::store::StoreHandle;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-both_stores!(
+every_store!(
     observed_repeats_are_forwarded_and_counted_as_replays,
     in_flight_duplicates_are_forwarded_and_counted_as_conflicts,
     mismatches_are_forwarded_and_counted_in_flight_and_finished,
@@ -442,12 +442,12 @@ async fn store_errors_are_counted_and_forwarded(backend: Backend) {
         ""
     };
     let proxy = env.proxy(&env.config_with("mode: observe", store)).await;
-    // Memory: one record fills the store; Redis: it is gone.
+    // Memory: one record fills the store; every other store is cut off after it.
     let filler = book(&proxy, "obs-filler", SEAT).await;
     assert_forwarded(&filler, 201);
     until_saved(&proxy.proxy, "obs-filler").await;
-    if backend == Backend::Redis {
-        env.redis_mut().kill();
+    if backend != Backend::Memory {
+        env.make_store_unreachable();
     }
     let reply = book(&proxy, "obs-no-store", SEAT).await;
     assert_forwarded(&reply, 201);

@@ -7,8 +7,8 @@ use std::time::Duration;
 use idemproxy::metrics::Outcome;
 
 use super::{BOOKINGS, PAY, PLAIN_BOOKINGS, REST, reload, reloads, yaml};
-use crate::every_store;
 use crate::common::{Backend, Env, Reply, book, client, eventually, send, spawn_booking};
+use crate::every_store;
 
 every_store!(
     a_request_in_flight_across_a_reload_gets_its_answer_and_its_record_is_saved,
