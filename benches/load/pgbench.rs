@@ -7,7 +7,7 @@
 //! alone against the server (no proxy runs meanwhile), in a fresh schema of the proxy's layout.
 //!
 //! The parameters the proxy binds are written as expressions of pgbench variables: the key is
-//! `key_prefix` + route + `:` + 64 hex characters, like `StoreKey::text()` (two `md5`s of the
+//! `key_prefix` + route + `.` + 64 hex characters, like `StoreKey::text()` (two `md5`s of the
 //! client id and a random number, so every client's keys are new and spread over the index as
 //! the proxy's hashes are); the token is 16 bytes; the values have the sizes of the records the
 //! proxy writes for the bench's echo request (an in-flight record, then the finished one).
@@ -24,7 +24,7 @@ use crate::procs::CpuMeter;
 const IN_FLIGHT_LEN: usize = 4 + 1 + 16 + 32;
 /// The finished record of the bench's echo answer (status, saved headers, JSON body), as the
 /// proxy stores it for `new-key/postgres` (`octet_length(value)` of its rows).
-const FINISHED_LEN: usize = 520;
+const FINISHED_LEN: usize = 516;
 /// `lock_ttl` and `ttl` of the bench's idempotent route, in milliseconds.
 const LEASE_MILLIS: u64 = 10_000;
 const TTL_MILLIS: u64 = 24 * 60 * 60 * 1000;
@@ -46,7 +46,9 @@ pub(crate) struct Ceiling {
 /// The script: one transaction = the claim, then the completion of the same key and token.
 fn script(schema: &str) -> String {
     let t = format!("{schema}.records");
-    let key = "('idemproxy-load:idempotent:' || md5(:client_id::text || '-' || :k::text) || md5(:k::text || '-' || :client_id::text))";
+    // `.` where the proxy has `:`: pgbench would take `:idempotent` for a variable, even in a
+    // string literal. Same length, same index.
+    let key = "('idemproxy-load.idempotent.' || md5(:client_id::text || '-' || :k::text) || md5(:k::text || '-' || :client_id::text))";
     let token = "decode(md5(:k::text), 'hex')";
     let in_flight = format!("'\\x{}'::bytea", "a5".repeat(IN_FLIGHT_LEN));
     let finished = format!("'\\x{}'::bytea", "5a".repeat(FINISHED_LEN));
