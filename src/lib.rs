@@ -20,7 +20,8 @@
 //! - [`proxy`]: the configuration in force (`generation`, swapped whole by `reload`) and the
 //!   per-request flow — match (`resolved`: a route resolved once per configuration), then
 //!   admission (key, body, fingerprint), the exchange (claim, forward, decide), the lease
-//!   (renew, complete, release), pending completions, replay, `detach`; and
+//!   (renew, complete, release), pending completions, replay, `detach`, `observe` (a route
+//!   that forwards everything and counts what enforce would have done); and
 //!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
 //! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as

@@ -4,7 +4,12 @@
 //! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
 //! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
 //! operations have theirs in an array. The hot path then only increments: no label strings,
-//! no lookup in a family's map.
+//! no lookup in a family's map. An observed route (`mode: observe`) also gets its series of
+//! what enforce would have answered ([`Would`], from [`Metrics::observed`]).
+
+mod observed;
+
+pub use observed::{ObservedMetrics, Unclaimed, Would};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -214,6 +219,7 @@ fn latency() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     routes: RouteFamilies,
+    observed: observed::ObservedFamilies,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
@@ -386,6 +392,7 @@ impl Metrics {
         let mut registry = Registry::default();
         let r = &mut registry;
         let routes = RouteFamilies::register(r);
+        let observed = observed::ObservedFamilies::register(r);
         let upstream_duration = register(
             r,
             "idemproxy_upstream_duration_seconds",
@@ -502,6 +509,7 @@ impl Metrics {
                 Gauge::default(),
             ),
             routes,
+            observed,
             upstream_duration,
             store_ops,
             replica_acks_missing,
@@ -540,6 +548,12 @@ impl Metrics {
             lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
             derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
         }))
+    }
+
+    /// Registers an observed route's series (what enforce would have answered) and hands them
+    /// out.
+    pub fn observed(&self, route: &str) -> ObservedMetrics {
+        self.observed.route(route)
     }
 
     /// Registers an upstream's call duration histogram and hands it out.

@@ -270,6 +270,20 @@ pub struct IdempotencySettings {
     pub forward_key: bool,
     /// Parts to derive a key from when the request has no key header (empty: none).
     pub key_from: Vec<KeyPart>,
+    /// Enforce idempotency, or only observe what enforcing it would do.
+    pub mode: Mode,
+}
+
+/// Whether a route applies its idempotency policy or only measures it (SPEC §4.7).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Claim, forward the first request, replay or refuse its repeats (the default).
+    #[default]
+    Enforce,
+    /// Forward every request and refuse none, while claiming and saving as `enforce` does
+    /// and counting what it would have answered: the way to roll idempotency out.
+    Observe,
 }
 
 /// What to do with a repeat that arrives while the first request is still in flight.

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use http::HeaderName;
 use idemproxy::config::{
-    BackendSettings, Config, ConfigErrors, FingerprintPart, LogFormat, OnConflict, OnStoreError,
-    OnUnknownOutcome,
+    BackendSettings, Config, ConfigErrors, FingerprintPart, LogFormat, Mode, OnConflict,
+    OnStoreError, OnUnknownOutcome,
 };
 
 /// A valid file: one upstream, one idempotent route. Rows below change one thing in it.
@@ -206,6 +206,7 @@ fn table() -> Vec<Row> {
         row("on_conflict bogus", idem("on_conflict: sometimes"), "routes[0].idempotency.on_conflict", &["unknown variant", "sometimes", "reject", "wait"]),
         row("on_store_error bogus", idem("on_store_error: ignore"), "routes[0].idempotency.on_store_error", &["unknown variant", "ignore", "forward"]),
         row("on_unknown_outcome bogus", idem("on_unknown_outcome: guess"), "routes[0].idempotency.on_unknown_outcome", &["unknown variant", "guess", "keep", "release"]),
+        row("mode bogus", idem("mode: audit"), "routes[0].idempotency.mode", &["unknown variant", "audit", "enforce", "observe"]),
         row("log_format bogus", top("log_format: xml"), "log_format", &["unknown variant", "xml", "text", "json"]),
         row("pid_file empty", top("pid_file: \"  \""), "pid_file", &["file path"]),
         row("backend bogus", store("backend: mysql"), "store.backend", &["unknown variant", "mysql", "memory", "sqlite", "postgres", "redis"]),
@@ -512,6 +513,7 @@ fn a_minimal_file_gets_the_documented_defaults() {
     assert_eq!(i.max_response_body, 8 * 1024 * 1024);
     assert!(!i.replay_set_cookie);
     assert!(i.forward_key);
+    assert_eq!(i.mode, Mode::Enforce);
 }
 
 #[test]
@@ -549,7 +551,7 @@ fn redis_without_a_url_uses_the_default_url() {
 #[test]
 fn values_are_read_as_written() {
     let yaml = idem(
-        "header: X-Request-Key\nrequired: false\nttl: 1h 30m\nlock_ttl: 250ms\nscope: []\nfingerprint: [body, \"header:X-Tenant\"]\non_conflict: wait\nwait_timeout: 2s\non_store_error: forward\nretry_statuses: []\non_unknown_outcome: release\nmax_request_body: 64KiB\nmax_response_body: 1000\nreplay_set_cookie: true\nforward_key: false",
+        "header: X-Request-Key\nrequired: false\nttl: 1h 30m\nlock_ttl: 250ms\nscope: []\nfingerprint: [body, \"header:X-Tenant\"]\non_conflict: wait\nwait_timeout: 2s\non_store_error: forward\nretry_statuses: []\non_unknown_outcome: release\nmax_request_body: 64KiB\nmax_response_body: 1000\nreplay_set_cookie: true\nforward_key: false\nmode: observe",
     )
     .replace("methods: [POST]", "methods: [post, PUT]");
     let yaml = format!(
@@ -596,6 +598,7 @@ fn values_are_read_as_written() {
     assert_eq!(i.max_response_body, 1000);
     assert!(i.replay_set_cookie);
     assert!(!i.forward_key);
+    assert_eq!(i.mode, Mode::Observe);
 }
 
 fn example() -> String {
@@ -673,6 +676,7 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "max_response_body:",
         "replay_set_cookie:",
         "forward_key:",
+        "mode:",
     ] {
         assert!(text.contains(field), "config.example.yaml lacks {field}");
     }

@@ -24,7 +24,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use idemproxy::config::Config;
-use idemproxy::metrics::{Metrics, Outcome, StoreOp};
+use idemproxy::metrics::{Metrics, Outcome, StoreOp, Unclaimed, Would};
 use serde::Deserialize;
 use yaml_serde::Value;
 
@@ -203,6 +203,7 @@ fn exposition() -> Exposition {
     // Register one of each labelled series, so that their label names show.
     let route = metrics.route("create-booking");
     route.request(Outcome::Forwarded, Duration::from_millis(1));
+    let _ = metrics.observed("create-booking");
     let _ = metrics.upstream("booking");
     metrics.store_op(StoreOp::Claim, Duration::from_millis(1), false);
     let text = metrics.encode();
@@ -332,6 +333,8 @@ fn known_values(label: &str) -> Option<Vec<&'static str>> {
     match label {
         "outcome" => Some(Outcome::ALL.iter().map(|o| o.as_str()).collect()),
         "op" => Some(StoreOp::ALL.iter().map(|o| o.as_str()).collect()),
+        "would" => Some(Would::ALL.iter().map(|w| w.as_str()).collect()),
+        "reason" => Some(Unclaimed::ALL.iter().map(|u| u.as_str()).collect()),
         _ => None,
     }
 }
@@ -494,6 +497,19 @@ fn the_dashboard_is_json_with_a_query_in_every_panel() {
         }
     }
     assert!(queries >= 10, "the dashboard has only {queries} queries");
+    // No two panels share a cell of Grafana's 24-column grid.
+    let mut cells = BTreeMap::new();
+    for panel in panels {
+        let title = panel["title"].as_str().unwrap_or_default();
+        let at = |k: &str| panel["gridPos"][k].as_u64().expect("gridPos x, y, w, h");
+        for x in at("x")..at("x") + at("w") {
+            for y in at("y")..at("y") + at("h") {
+                if let Some(other) = cells.insert((x, y), title) {
+                    panic!("panels {other:?} and {title:?} overlap at x={x}, y={y}");
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -534,6 +550,8 @@ fn every_metric_in_the_dashboard_and_the_alerts_is_exposed() {
         "idemproxy_unprotected_requests_total",
         "idemproxy_memory_store_records",
         "idemproxy_detached_exchanges",
+        "idemproxy_observed_total",
+        "idemproxy_observed_unclaimed_total",
     ] {
         assert!(
             used.contains(needed),
@@ -552,6 +570,8 @@ fn the_reference_check_catches_wrong_names_labels_and_values() {
         "rate(idemproxy_requests_total{outcome=~\"forwarded|nope\"}[5m])",
         "rate(idemproxy_store_errors_total{route=\"a\"}[5m])",
         "rate(idemproxy_store_errors_total{op=\"set\"}[5m])",
+        "rate(idemproxy_observed_total{would=\"replayed\"}[5m])",
+        "rate(idemproxy_observed_unclaimed_total{reason=\"huge\"}[5m])",
     ];
     for case in cases {
         let (wrong, _) = check_references(&exposition, &[(true, "case".into(), case)]);

@@ -11,7 +11,8 @@ use crate::scenario;
 #[derive(Debug, Parser)]
 #[command(name = "load", bin_name = "cargo bench --bench load --", after_help = format!(
     "{}\nREDIS_SERVER and NGINX name the binaries to use (empty or `none`: skip them); by default \
-     they are looked up on PATH and in the sbin directories.",
+     they are looked up on PATH and in the sbin directories. PG_BIN names PostgreSQL's bin \
+     directory (default: the newest /usr/lib/postgresql/*/bin; `none`: skip PostgreSQL).",
     scenario::listing()
 ))]
 pub(crate) struct Args {
@@ -64,6 +65,12 @@ pub(crate) struct Args {
     /// fill-1m: the most time the fill may take.
     #[arg(long, env = "LOAD_FILL_TIMEOUT", default_value = "10m", value_parser = humantime::parse_duration)]
     pub fill_timeout: Duration,
+    /// churn/*: how long new keys are sent (the table's row count is sampled meanwhile).
+    #[arg(long, env = "LOAD_CHURN_DURATION", default_value = "150s", value_parser = humantime::parse_duration)]
+    pub churn_duration: Duration,
+    /// churn/*: how often the row count is sampled.
+    #[arg(long, env = "LOAD_CHURN_SAMPLE", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub churn_sample: Duration,
     /// List the scenarios and exit.
     #[arg(long)]
     pub list: bool,

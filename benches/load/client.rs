@@ -254,7 +254,7 @@ pub(crate) struct Stats {
 }
 
 impl Stats {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Stats {
             histogram: histogram(),
             ok: 0,

@@ -2,9 +2,10 @@
 //! measured in the same run.
 //!
 //! It starts the release builds of `mock-upstream` and `idemproxy` (one proxy process per
-//! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios and
-//! nginx `proxy_pass` as the reference proxy (each skipped, with a message, when not installed),
-//! all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
+//! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
+//! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
+//! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
+//! when not installed), all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
 //! for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines,
 //! then one table with each scenario's throughput, latency quantiles, errors, the CPU time the
 //! server under test spent per request, and its ratios to nginx and to the pass-through route:
@@ -18,11 +19,17 @@
 //! - `client`: the load generator and one-shot requests.
 //! - `storm`: the conflict storm and its invariants.
 //! - `fill`: filling the memory store with many keys, RSS before and after.
+//! - `pg`: the run's PostgreSQL server.
+//! - `pgbench`: the ceiling of `new-key/postgres`, pgbench with the proxy's own statements.
+//! - `churn`: the durable stores' tables under minutes of short-lived keys.
 //! - `report`: the final table.
 
 mod args;
+mod churn;
 mod client;
 mod fill;
+mod pg;
+mod pgbench;
 mod procs;
 mod report;
 mod scenario;
@@ -42,7 +49,11 @@ use tokio::runtime::Runtime;
 
 use args::Args;
 use client::{Expect, Key, LoadPlan, RequestSpec};
-use procs::{CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, PASSTHROUGH_PATH, Proxy, Redis, StoreConfig};
+use pg::Postgres;
+use procs::{
+    CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
+    StoreConfig,
+};
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
 
@@ -120,6 +131,7 @@ struct Bench {
     key_spaces: Cell<u32>,
     nginx: Option<Nginx>,
     redis: Option<Redis>,
+    postgres: Option<Postgres>,
     mock: Mock,
     dir: tempfile::TempDir,
 }
@@ -176,6 +188,26 @@ fn run(args: Args) -> Result<bool, String> {
             }
         },
     };
+    let postgres = match selected.iter().any(|s| s.store() == Some(Store::Postgres)) {
+        false => None,
+        true => match pg::find_bin_dir() {
+            Some(bin) => {
+                let postgres = Postgres::start(&bin, dir.path())?;
+                println!(
+                    "postgres on {} (fsync on, synchronous_commit on)",
+                    postgres.url()
+                );
+                Some(postgres)
+            }
+            None => {
+                println!(
+                    "PostgreSQL is not installed (apt-get install postgresql): the PostgreSQL \
+                     scenarios are skipped"
+                );
+                None
+            }
+        },
+    };
     let nginx = match selected.iter().any(|s| s.target == Target::Nginx) {
         false => None,
         true => match procs::find_binary("nginx", "NGINX") {
@@ -203,6 +235,7 @@ fn run(args: Args) -> Result<bool, String> {
         key_spaces: Cell::new(0),
         nginx,
         redis,
+        postgres,
         mock,
         dir,
     };
@@ -210,6 +243,7 @@ fn run(args: Args) -> Result<bool, String> {
     let mut all = Done::default();
     let rounds = bench.args.rounds.max(1);
     let mut ratios = Vec::new();
+    let mut ceilings = Vec::new();
     for round in 1..=rounds {
         if rounds > 1 {
             println!("round {round}/{rounds}");
@@ -233,10 +267,19 @@ fn run(args: Args) -> Result<bool, String> {
             all.failed |= done.failed;
         }
         ratios.push(report::RoundRatios::of(&all.rows[first_row..]));
+        ceilings.extend(report::ceiling_ratio(&all.rows[first_row..]));
     }
     all.rows = report::median_rows(all.rows);
+    report::note_ceiling(&mut all.rows);
     if rounds > 1 {
         all.summary.extend(report::round_ratio_lines(&ratios));
+    }
+    if !ceilings.is_empty() {
+        let shown: Vec<String> = ceilings.iter().map(|r| format!("{r:.2}")).collect();
+        all.summary.push(format!(
+            "new-key/postgres req/s over the pgbench ceiling, in round order: {}",
+            shown.join(" ")
+        ));
     }
 
     println!();
@@ -271,6 +314,13 @@ impl Bench {
         // Zeroed counters: each scenario's checks read only its own calls, and the mock's
         // per-key map stays small.
         self.rt.block_on(storm::reset_mock(self.mock.addr))?;
+        let done = self.run_scenario(s);
+        // Each scenario starts from an empty store; the 64 KiB ones leave gigabytes behind.
+        self.clean_durable()?;
+        done
+    }
+
+    fn run_scenario(&self, s: &Scenario) -> Result<Done, String> {
         match s.target {
             Target::Direct => {
                 let server = Server::Other(self.mock.pid());
@@ -298,7 +348,7 @@ impl Bench {
             }
             Target::NewKey(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {
-                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                    return Ok(Done::skipped(s, store.missing()));
                 };
                 let key = self.new_keys();
                 self.timed(
@@ -309,24 +359,86 @@ impl Bench {
                     Server::Proxy(&mut proxy),
                 )
             }
+            Target::Observe(store) => {
+                let Some(mut proxy) = self.proxy(s, store)? else {
+                    return Ok(Done::skipped(s, store.missing()));
+                };
+                let key = self.new_keys();
+                self.timed(s, proxy.addr, OBSERVED_PATH, key, Server::Proxy(&mut proxy))
+            }
             Target::Replay(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {
-                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                    return Ok(Done::skipped(s, store.missing()));
                 };
                 self.replay(s, &mut proxy)
             }
             Target::Storm(store) => {
                 let Some(mut proxy) = self.proxy(s, store)? else {
-                    return Ok(Done::skipped(s, "redis-server is not installed"));
+                    return Ok(Done::skipped(s, store.missing()));
                 };
                 self.storm(s, &mut proxy)
             }
+            Target::Ceiling => match &self.postgres {
+                Some(pg) => self.ceiling(s, pg),
+                None => Ok(Done::skipped(s, Store::Postgres.missing())),
+            },
+            Target::Churn(store) => self.churn(s, store),
             Target::Fill => self.fill(s),
         }
     }
 
-    /// A fresh proxy process on `store` (Redis emptied first); `None` when Redis is wanted
-    /// but not installed.
+    /// The SQLite file a scenario's proxy opens (fresh: removed after every scenario).
+    fn sqlite_path(&self, label: &str) -> std::path::PathBuf {
+        self.dir
+            .path()
+            .join(format!("sqlite-{}.db", label.replace('/', "-")))
+    }
+
+    /// Removes the SQLite files and the PostgreSQL schemas of the scenario that just ran.
+    fn clean_durable(&self) -> Result<(), String> {
+        let entries = std::fs::read_dir(self.dir.path())
+            .map_err(|e| format!("read {}: {e}", self.dir.path().display()))?;
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with("sqlite-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        match &self.postgres {
+            Some(pg) => pg.drop_schemas(),
+            None => Ok(()),
+        }
+    }
+
+    /// The durable store configs; `None` when PostgreSQL is wanted but not installed.
+    fn durable_config(
+        &self,
+        label: &str,
+        store: Store,
+        sweep_interval: Option<&'static str>,
+    ) -> Option<StoreConfig> {
+        match store {
+            Store::Sqlite | Store::SqliteFull => Some(StoreConfig::Sqlite {
+                path: self.sqlite_path(label),
+                sync: if store == Store::SqliteFull {
+                    "full"
+                } else {
+                    "normal"
+                },
+                sweep_interval,
+            }),
+            Store::Postgres => self.postgres.as_ref().map(|pg| StoreConfig::Postgres {
+                url: pg.url(),
+                schema: pg.fresh_schema(),
+                // As many connections as the load has: what pgbench's ceiling runs with.
+                pool_size: self.args.connections,
+                sweep_interval,
+            }),
+            Store::Memory | Store::Redis => None,
+        }
+    }
+
+    /// A fresh proxy process on `store` (Redis emptied first, a new SQLite file or PostgreSQL
+    /// schema); `None` when Redis or PostgreSQL is wanted but not installed.
     fn proxy(&self, s: &Scenario, store: Store) -> Result<Option<Proxy>, String> {
         let config = match (store, &self.redis) {
             (Store::Memory, _) => StoreConfig::Memory {
@@ -337,11 +449,26 @@ impl Bench {
                 redis.flush()?;
                 StoreConfig::Redis { url: redis.url() }
             }
+            (Store::Sqlite | Store::SqliteFull | Store::Postgres, _) => {
+                match self.durable_config(s.name, store, None) {
+                    Some(config) => config,
+                    None => return Ok(None),
+                }
+            }
         };
         self.start_proxy(s.name, &config).map(Some)
     }
 
     fn start_proxy(&self, label: &str, config: &StoreConfig) -> Result<Proxy, String> {
+        self.start_proxy_ttl(label, config, "24h")
+    }
+
+    fn start_proxy_ttl(
+        &self,
+        label: &str,
+        config: &StoreConfig,
+        ttl: &str,
+    ) -> Result<Proxy, String> {
         let bin = Path::new(env!("CARGO_BIN_EXE_idemproxy"));
         Proxy::start(
             bin,
@@ -349,9 +476,18 @@ impl Bench {
             label,
             config,
             self.mock.addr,
-            "24h",
+            ttl,
             &self.args.proxy_log,
         )
+    }
+
+    /// The database server working for the proxy on the same cores, for the notes.
+    fn database(&self, store: Option<Store>) -> Option<(&'static str, u32)> {
+        match (store, &self.redis, &self.postgres) {
+            (Some(Store::Redis), Some(redis), _) => Some(("redis-server", redis.pid())),
+            (Some(Store::Postgres), _, Some(pg)) => Some(("postgres", pg.pid())),
+            _ => None,
+        }
     }
 
     /// A new key on every request, from a key space no other load run of this run uses:
@@ -418,19 +554,18 @@ impl Bench {
             Server::Proxy(proxy) => proxy.process.pid(),
             Server::Other(pid) => *pid,
         };
-        // Redis works for the proxy on the same cores: its CPU per request goes in the notes.
-        let redis = match (s.store(), &self.redis) {
-            (Some(Store::Redis), Some(redis)) => Some(redis.pid()),
-            _ => None,
-        };
+        // Redis or PostgreSQL works for the proxy on the same cores: its CPU per request goes
+        // in the notes.
+        let database = self.database(s.store());
         let answered = Arc::new(AtomicU64::new(0));
-        let (server_cpu, redis_cpu) = (CpuMeter::start(pid), redis.map(CpuMeter::start));
+        let server_cpu = CpuMeter::start(pid);
+        let db_cpu = database.map(|(name, pid)| (name, CpuMeter::start(pid)));
         let mut stats = self
             .rt
             .block_on(client::run(Arc::new(plan), answered.clone()));
         let requests = answered.load(Ordering::Relaxed);
         stats.cpu_per_request = server_cpu.per_request(requests);
-        let redis_cpu = redis_cpu.and_then(|m| m.per_request(requests));
+        let db_cpu = db_cpu.and_then(|(name, m)| Some((name, m.per_request(requests)?)));
         let fmt = |q| {
             stats
                 .quantile(q)
@@ -452,11 +587,8 @@ impl Bench {
         }
         println!("{line}");
         let mut note = format!("expects {}", expect.describe());
-        if let Some(cpu) = redis_cpu {
-            note.push_str(&format!(
-                "; redis-server {}/req",
-                report::format_duration(cpu)
-            ));
+        if let Some((name, cpu)) = db_cpu {
+            note.push_str(&format!("; {name} {}/req", report::format_duration(cpu)));
         }
         if stats.capped {
             note.push_str("; hit --max-requests");
@@ -541,6 +673,82 @@ impl Bench {
         Ok(done)
     }
 
+    /// pgbench alone against the run's PostgreSQL: the ceiling of new-key/postgres.
+    fn ceiling(&self, s: &Scenario, pg: &Postgres) -> Result<Done, String> {
+        let plan = pgbench::CeilingPlan {
+            connections: self.args.connections,
+            duration: self.args.duration,
+            dir: self.dir.path(),
+        };
+        let ceiling = pgbench::run(pg, &plan)?;
+        let cpu = ceiling
+            .stats
+            .cpu_per_request
+            .map_or("?".to_owned(), report::format_duration);
+        println!(
+            "  {:.0} transactions/s (claim + complete), {} failed, postgres {cpu}/transaction",
+            ceiling.stats.rps(),
+            ceiling.failed
+        );
+        let note = format!(
+            "pgbench -c {} -T {}s -M prepared, claim + complete per transaction; cpu/req is postgres's",
+            plan.connections,
+            plan.duration.as_secs().max(1)
+        );
+        let mut done = Done::row(s, Outcome::Timed(ceiling.stats), note);
+        done.failed = ceiling.failed > 0;
+        Ok(done)
+    }
+
+    /// New keys at full speed with `ttl: 1s` for `--churn-duration`, the table sampled.
+    fn churn(&self, s: &Scenario, store: Store) -> Result<Done, String> {
+        let Some(config) = self.durable_config(s.name, store, Some(churn::SWEEP_INTERVAL)) else {
+            return Ok(Done::skipped(s, store.missing()));
+        };
+        let sample: churn::Sampler = match (&config, &self.postgres) {
+            (StoreConfig::Sqlite { path, .. }, _) => {
+                let path = path.clone();
+                Arc::new(move || sqlite_sample(&path))
+            }
+            (StoreConfig::Postgres { schema, .. }, Some(pg)) => {
+                let (psql, url, table) = (pg.bin("psql"), pg.url(), format!("{schema}.records"));
+                Arc::new(move || postgres_sample(&psql, &url, &table))
+            }
+            _ => return Ok(Done::skipped(s, store.missing())),
+        };
+        let mut proxy = self.start_proxy_ttl(s.name, &config, churn::TTL)?;
+        let spec = self.spec(proxy.addr, IDEMPOTENT_PATH, self.new_keys(), false);
+        let load = LoadPlan {
+            warmup: std::time::Duration::ZERO,
+            duration: self.args.churn_duration,
+            max_requests: u64::MAX,
+            ..self.plan(proxy.addr, spec, self.expect(s, false))
+        };
+        println!(
+            "  churn: new keys for {:?}, ttl {}, sweep_interval {}, rows sampled every {:?}",
+            load.duration,
+            churn::TTL,
+            churn::SWEEP_INTERVAL,
+            self.args.churn_sample
+        );
+        let report = self.rt.block_on(churn::run(churn::ChurnPlan {
+            load,
+            proxy_pid: proxy.process.pid(),
+            every: self.args.churn_sample,
+            sample,
+        }))?;
+        let note = format!("{}{}", report.note(), check_proxy(&mut proxy)?);
+        let summary = report.summary(s.name);
+        for line in &summary {
+            println!("  {line}");
+        }
+        let failed = !report.bounded();
+        let mut done = Done::row(s, Outcome::Timed(report.stats), note);
+        done.summary = summary;
+        done.failed = failed;
+        Ok(done)
+    }
+
     fn fill(&self, s: &Scenario) -> Result<Done, String> {
         let keys = self.args.fill_keys;
         let config = StoreConfig::Memory {
@@ -591,11 +799,12 @@ impl Bench {
             args,
             nginx,
             redis,
+            postgres,
             mock,
             dir,
             ..
         } = self;
-        drop((nginx, redis, mock));
+        drop((nginx, redis, postgres, mock));
         if args.keep_logs || failed {
             let path = dir.keep();
             println!("Configs and logs kept in {}", path.display());
@@ -630,4 +839,59 @@ fn check_proxy(proxy: &mut Proxy) -> Result<String, String> {
         println!("  proxy log: {line}");
     }
     Ok(format!("; proxy logged {} line(s)", lines.len()))
+}
+
+/// An SQLite file's rows (a read-only connection beside the proxy's: WAL lets it read while the
+/// proxy writes) and its bytes on disk, the WAL included.
+fn sqlite_sample(path: &Path) -> Result<churn::Sample, String> {
+    let conn = rusqlite::Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| format!("open {} read-only: {e}", path.display()))?;
+    conn.busy_timeout(std::time::Duration::from_secs(2))
+        .map_err(|e| format!("sqlite busy_timeout: {e}"))?;
+    let rows: i64 = conn
+        .query_row("SELECT count(*) FROM records", [], |row| row.get(0))
+        .map_err(|e| format!("count the rows of {}: {e}", path.display()))?;
+    let mut bytes = 0;
+    for suffix in ["", "-wal"] {
+        let file = format!("{}{suffix}", path.display());
+        bytes += std::fs::metadata(&file).map_or(0, |m| m.len());
+    }
+    Ok((rows.unsigned_abs(), bytes))
+}
+
+/// A PostgreSQL table's rows (expired ones not yet swept included) and its size with its
+/// indexes and TOAST, through psql.
+fn postgres_sample(psql: &Path, url: &str, table: &str) -> Result<churn::Sample, String> {
+    let out = std::process::Command::new(psql)
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-F",
+            " ",
+            "-v",
+            "ON_ERROR_STOP=1",
+            url,
+        ])
+        .args([
+            "-c",
+            &format!("SELECT count(*), pg_total_relation_size('{table}') FROM {table}"),
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("run psql: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut fields = text.split_whitespace().map(str::parse::<u64>);
+    match (out.status.success(), fields.next(), fields.next()) {
+        (true, Some(Ok(rows)), Some(Ok(bytes))) => Ok((rows, bytes)),
+        _ => Err(format!(
+            "count the rows of {table}: {}{}",
+            text.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
 }

@@ -1,4 +1,5 @@
-//! The child processes of a run: the mock upstream, the proxy, `redis-server` and nginx.
+//! The child processes of a run: the mock upstream, the proxy, `redis-server`, nginx and
+//! PostgreSQL.
 //!
 //! Each one is killed when its handle is dropped, also while unwinding from a panic. Everything
 //! listens on 127.0.0.1 only; each process writes its log into the run's temporary directory.
@@ -16,8 +17,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long nginx gets to stop its workers after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
 
-/// Every running child (pid, stop with SIGTERM first), for [`kill_all`].
-static RUNNING: Mutex<Vec<(u32, bool)>> = Mutex::new(Vec::new());
+/// Every running child (pid, the signal that stops it first, if not SIGKILL), for [`kill_all`].
+static RUNNING: Mutex<Vec<(u32, Option<&'static str>)>> = Mutex::new(Vec::new());
 
 /// Kills every running child at once: for a bench interrupted by a signal, whose handles will
 /// not be dropped.
@@ -26,8 +27,8 @@ pub(crate) fn kill_all() {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
-    for (pid, terminate_first) in running {
-        let signal = if terminate_first { "-TERM" } else { "-KILL" };
+    for (pid, stop_signal) in running {
+        let signal = stop_signal.unwrap_or("-KILL");
         let _ = Command::new("kill")
             .args([signal, &pid.to_string()])
             .status();
@@ -39,17 +40,18 @@ pub(crate) struct ChildProcess {
     name: String,
     child: Child,
     log: PathBuf,
-    /// Stop with SIGTERM first (nginx: SIGKILL on the master would orphan its workers).
-    terminate_first: bool,
+    /// The signal to stop it with before SIGKILL (nginx: `-TERM`, as SIGKILL on the master
+    /// would orphan its workers; PostgreSQL: `-QUIT`, which takes its backends down at once).
+    stop_signal: Option<&'static str>,
 }
 
 impl ChildProcess {
     /// Spawns `command` with stdin closed and stderr into `log`. Stdout is the caller's choice.
-    fn spawn(
+    pub(crate) fn spawn(
         name: String,
         command: &mut Command,
         log: PathBuf,
-        terminate_first: bool,
+        stop_signal: Option<&'static str>,
     ) -> Result<Self, String> {
         let file = File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
         let child = command
@@ -60,12 +62,12 @@ impl ChildProcess {
         RUNNING
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push((child.id(), terminate_first));
+            .push((child.id(), stop_signal));
         Ok(ChildProcess {
             name,
             child,
             log,
-            terminate_first,
+            stop_signal,
         })
     }
 
@@ -98,7 +100,7 @@ impl ChildProcess {
     }
 
     /// Waits until `addr` accepts connections, failing early if the process exits.
-    fn wait_listening(&mut self, addr: SocketAddr) -> Result<(), String> {
+    pub(crate) fn wait_listening(&mut self, addr: SocketAddr) -> Result<(), String> {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             self.ensure_running()?;
@@ -125,13 +127,13 @@ impl Drop for ChildProcess {
 }
 
 impl ChildProcess {
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if matches!(self.child.try_wait(), Ok(Some(_))) {
             return;
         }
-        if self.terminate_first {
+        if let Some(signal) = self.stop_signal {
             let pid = self.child.id().to_string();
-            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            let _ = Command::new("kill").args([signal, &pid]).status();
             let deadline = Instant::now() + STOP_GRACE;
             while Instant::now() < deadline {
                 if matches!(self.child.try_wait(), Ok(Some(_))) {
@@ -174,9 +176,11 @@ pub(crate) fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
-/// The resident set size of a process, from `/proc/PID/status` (`VmRSS`), in bytes.
 /// The CPU time (user + system, every thread) used so far by the process `pid` and by its
-/// children (nginx's workers), from `/proc/*/stat`; `None` where `/proc` cannot be read.
+/// children (nginx's workers, PostgreSQL's backends), from `/proc/*/stat`, including the
+/// children it has already reaped (a PostgreSQL backend whose connection closed): their time
+/// moves into its own `cutime`/`cstime` then, so the sum never goes backwards. `None` where
+/// `/proc` cannot be read.
 pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
     /// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
     const TICKS_PER_SECOND: u64 = 100;
@@ -202,6 +206,11 @@ pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
         if let (Some(user), Some(system)) = (field(11), field(12)) {
             ticks += user + system;
             found |= this == pid;
+        }
+        if this == pid
+            && let (Some(user), Some(system)) = (field(13), field(14))
+        {
+            ticks += user + system;
         }
     }
     found.then(|| Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND))
@@ -229,6 +238,7 @@ impl CpuMeter {
     }
 }
 
+/// The resident set size of a process, from `/proc/PID/status` (`VmRSS`), in bytes.
 pub(crate) fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
@@ -257,7 +267,7 @@ impl Mock {
                 .env("RUST_LOG", "warn")
                 .stdout(Stdio::piped()),
             dir.join("mock-upstream.log"),
-            false,
+            None,
         )?;
         let stdout = process
             .child
@@ -287,13 +297,32 @@ impl Mock {
 
 /// The store a proxy process is configured with.
 pub(crate) enum StoreConfig {
-    Memory { max_entries: u64 },
-    Redis { url: String },
+    Memory {
+        max_entries: u64,
+    },
+    Redis {
+        url: String,
+    },
+    Sqlite {
+        path: PathBuf,
+        /// `normal` or `full`.
+        sync: &'static str,
+        /// `store.sweep_interval`, when not the default.
+        sweep_interval: Option<&'static str>,
+    },
+    Postgres {
+        url: String,
+        schema: String,
+        pool_size: usize,
+        sweep_interval: Option<&'static str>,
+    },
 }
 
-/// Paths the proxy routes: the idempotent route and the pass-through route. Both are mock echo
-/// paths of the same length, so the upstream does the same work for either.
+/// Paths the proxy routes: the idempotent route, the observed route and the pass-through
+/// route. All are mock echo paths of the same length, so the upstream does the same work for
+/// each.
 pub(crate) const IDEMPOTENT_PATH: &str = "/echo/idem";
+pub(crate) const OBSERVED_PATH: &str = "/echo/obsv";
 pub(crate) const PASSTHROUGH_PATH: &str = "/echo/pass";
 
 /// An `idemproxy` process in front of the mock.
@@ -331,7 +360,7 @@ impl Proxy {
                     .env("RUST_LOG", rust_log)
                     .stdout(Stdio::null()),
                 dir.join(format!("proxy-{file_label}.log")),
-                false,
+                None,
             )?;
             match process.wait_listening(addr) {
                 Ok(()) => return Ok(Proxy { process, addr }),
@@ -348,6 +377,24 @@ fn proxy_yaml(listen: SocketAddr, store: &StoreConfig, upstream: SocketAddr, ttl
             format!("  backend: memory\n  max_entries: {max_entries}\n")
         }
         StoreConfig::Redis { url } => format!("  backend: redis\n  url: {url}\n"),
+        StoreConfig::Sqlite {
+            path,
+            sync,
+            sweep_interval,
+        } => format!(
+            "  backend: sqlite\n  path: {}\n  sync: {sync}\n{}",
+            path.display(),
+            sweep_line(*sweep_interval)
+        ),
+        StoreConfig::Postgres {
+            url,
+            schema,
+            pool_size,
+            sweep_interval,
+        } => format!(
+            "  backend: postgres\n  url: {url}\n  schema: {schema}\n  pool_size: {pool_size}\n{}",
+            sweep_line(*sweep_interval)
+        ),
     };
     format!(
         "listen: {listen}
@@ -366,11 +413,26 @@ routes:
       ttl: {ttl}
       lock_ttl: 10s
       max_response_body: 1MiB
+  - name: observed
+    methods: [POST]
+    path: {OBSERVED_PATH}
+    upstream: mock
+    idempotency:
+      ttl: {ttl}
+      lock_ttl: 10s
+      max_response_body: 1MiB
+      mode: observe
   - name: pass-through
     path: /*
     upstream: mock
 "
     )
+}
+
+fn sweep_line(sweep_interval: Option<&str>) -> String {
+    sweep_interval.map_or(String::new(), |every| {
+        format!("  sweep_interval: {every}\n")
+    })
 }
 
 /// A `redis-server` of the run's own: a free loopback port, no persistence.
@@ -391,7 +453,7 @@ impl Redis {
                 .args(["--loglevel", "warning"])
                 .stdout(Stdio::null()),
             dir.join("redis-server.log"),
-            false,
+            None,
         )?;
         process.wait_listening(SocketAddr::from(([127, 0, 0, 1], port)))?;
         let redis = Redis { process, port };
@@ -451,7 +513,7 @@ impl Nginx {
                 .arg(prefix.join("error.log"))
                 .stdout(Stdio::null()),
             dir.join("nginx.stderr.log"),
-            true,
+            Some("-TERM"),
         )?;
         process.wait_listening(addr)?;
         Ok(Nginx { process, addr })

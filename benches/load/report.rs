@@ -283,3 +283,25 @@ pub(crate) fn format_duration(d: Duration) -> String {
         format!("{:.2}s", d.as_secs_f64())
     }
 }
+
+/// The new-key/postgres row's req/s over the pgbench ceiling's transactions/s, among `rows`.
+pub(crate) fn ceiling_ratio(rows: &[Row]) -> Option<f64> {
+    let rps = |name: &str| {
+        rows.iter().find_map(|r| match &r.outcome {
+            Outcome::Timed(stats) if r.name == name && stats.rps() > 0.0 => Some(stats.rps()),
+            _ => None,
+        })
+    };
+    Some(rps("new-key/postgres")? / rps("pgbench/postgres")?)
+}
+
+/// Adds the ratio to the pgbench ceiling to the new-key/postgres row's notes.
+pub(crate) fn note_ceiling(rows: &mut [Row]) {
+    let Some(ratio) = ceiling_ratio(rows) else {
+        return;
+    };
+    if let Some(row) = rows.iter_mut().find(|r| r.name == "new-key/postgres") {
+        row.note
+            .push_str(&format!("; {ratio:.2}x the pgbench ceiling"));
+    }
+}

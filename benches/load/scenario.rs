@@ -1,13 +1,31 @@
 //! The scenario catalogue, in run order, and choosing scenarios from a comma list of globs.
 
 use Store::{Memory, Redis};
-use Target::{Direct, Fill, NewKey, Nginx, Passthrough, Replay, Storm};
+use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Storm};
 
 /// Which store a proxy scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Store {
     Memory,
     Redis,
+    /// An SQLite file of the scenario's own, `sync: normal`.
+    Sqlite,
+    /// The same with `sync: full` (an fsync per commit).
+    SqliteFull,
+    /// A schema of the scenario's own on the run's private PostgreSQL server.
+    Postgres,
+}
+
+impl Store {
+    /// Why a scenario on this store is skipped when its server is missing.
+    pub(crate) fn missing(self) -> &'static str {
+        match self {
+            Store::Postgres => "PostgreSQL is not installed (apt-get install postgresql)",
+            Store::Memory | Store::Redis | Store::Sqlite | Store::SqliteFull => {
+                "redis-server is not installed"
+            }
+        }
+    }
 }
 
 /// What a scenario sends its load to, and how.
@@ -21,10 +39,18 @@ pub(crate) enum Target {
     Passthrough,
     /// An idempotent route, a new key on every request.
     NewKey(Store),
+    /// An observed route (`mode: observe`), a new key on every request: forwarded at once,
+    /// claimed and saved beside and after it.
+    Observe(Store),
     /// An idempotent route, one finished key on every request.
     Replay(Store),
     /// Duplicates of keys still in flight, all at once.
     Storm(Store),
+    /// `pgbench` alone against the run's PostgreSQL, with the proxy's own claim and complete
+    /// statements: the ceiling of `new-key/postgres`.
+    Ceiling,
+    /// New keys at full speed with `ttl: 1s` for minutes, the store's row count sampled.
+    Churn(Store),
     /// The memory store filled with many finished keys.
     Fill,
 }
@@ -43,7 +69,11 @@ impl Scenario {
     /// The store the proxy runs on, if the scenario goes through an idempotent route.
     pub(crate) fn store(&self) -> Option<Store> {
         match self.target {
-            Target::NewKey(s) | Target::Replay(s) | Target::Storm(s) => Some(s),
+            Target::NewKey(s) | Target::Observe(s) | Target::Replay(s) | Target::Storm(s) => {
+                Some(s)
+            }
+            Target::Churn(s) => Some(s),
+            Target::Ceiling => Some(Store::Postgres),
             Target::Fill => Some(Store::Memory),
             Target::Direct | Target::Nginx | Target::Passthrough => None,
         }
@@ -51,12 +81,20 @@ impl Scenario {
 
     /// Part of a run when no scenario is named.
     pub(crate) fn in_default_run(&self) -> bool {
-        self.target != Target::Fill
+        self.target != Target::Fill && !self.is_churn()
+    }
+
+    /// A churn scenario: minutes long, picked only by a pattern that names it (see [`select`]).
+    fn is_churn(&self) -> bool {
+        matches!(self.target, Target::Churn(_))
     }
 
     /// Its throughput is compared with the nginx and pass-through rows of the same body size.
     fn wants_baselines(&self) -> bool {
-        matches!(self.target, Target::NewKey(_) | Target::Replay(_))
+        matches!(
+            self.target,
+            Target::NewKey(_) | Target::Observe(_) | Target::Replay(_)
+        )
     }
 
     /// The name without its `/store` suffix: `new-key/redis` -> `new-key`.
@@ -102,6 +140,42 @@ pub(crate) const ALL: &[Scenario] = &[
         "a new Idempotency-Key per request",
     ),
     scenario(
+        "new-key/sqlite",
+        NewKey(Store::Sqlite),
+        false,
+        "a new Idempotency-Key per request, SQLite sync: normal",
+    ),
+    scenario(
+        "new-key/sqlite-full",
+        NewKey(Store::SqliteFull),
+        false,
+        "a new Idempotency-Key per request, SQLite sync: full",
+    ),
+    scenario(
+        "new-key/postgres",
+        NewKey(Store::Postgres),
+        false,
+        "a new Idempotency-Key per request",
+    ),
+    scenario(
+        "pgbench/postgres",
+        Target::Ceiling,
+        false,
+        "pgbench alone: the proxy's claim + complete per transaction",
+    ),
+    scenario(
+        "observe/memory",
+        Observe(Memory),
+        false,
+        "a new key per request on an observed route",
+    ),
+    scenario(
+        "observe/redis",
+        Observe(Redis),
+        false,
+        "a new key per request on an observed route",
+    ),
+    scenario(
         "replay/memory",
         Replay(Memory),
         false,
@@ -114,6 +188,18 @@ pub(crate) const ALL: &[Scenario] = &[
         "one finished key, replayed",
     ),
     scenario(
+        "replay/sqlite",
+        Replay(Store::Sqlite),
+        false,
+        "one finished key, replayed",
+    ),
+    scenario(
+        "replay/postgres",
+        Replay(Store::Postgres),
+        false,
+        "one finished key, replayed",
+    ),
+    scenario(
         "conflict-storm/memory",
         Storm(Memory),
         false,
@@ -122,6 +208,18 @@ pub(crate) const ALL: &[Scenario] = &[
     scenario(
         "conflict-storm/redis",
         Storm(Redis),
+        false,
+        "duplicates of keys in flight",
+    ),
+    scenario(
+        "conflict-storm/sqlite",
+        Storm(Store::Sqlite),
+        false,
+        "duplicates of keys in flight",
+    ),
+    scenario(
+        "conflict-storm/postgres",
+        Storm(Store::Postgres),
         false,
         "duplicates of keys in flight",
     ),
@@ -151,6 +249,18 @@ pub(crate) const ALL: &[Scenario] = &[
         "64 KiB responses saved",
     ),
     scenario(
+        "64k-new-key/sqlite",
+        NewKey(Store::Sqlite),
+        true,
+        "64 KiB responses saved",
+    ),
+    scenario(
+        "64k-new-key/postgres",
+        NewKey(Store::Postgres),
+        true,
+        "64 KiB responses saved",
+    ),
+    scenario(
         "64k-replay/memory",
         Replay(Memory),
         true,
@@ -163,6 +273,18 @@ pub(crate) const ALL: &[Scenario] = &[
         "64 KiB responses replayed",
     ),
     scenario(
+        "churn/sqlite",
+        Target::Churn(Store::Sqlite),
+        false,
+        "new keys with ttl: 1s for minutes, rows sampled (--churn-duration)",
+    ),
+    scenario(
+        "churn/postgres",
+        Target::Churn(Store::Postgres),
+        false,
+        "new keys with ttl: 1s for minutes, rows sampled (--churn-duration)",
+    ),
+    scenario(
         "fill-1m",
         Fill,
         false,
@@ -173,9 +295,12 @@ pub(crate) const ALL: &[Scenario] = &[
 /// The scenarios a comma list of patterns names, in run order.
 ///
 /// A pattern is a scenario name, a name without its store (`new-key`), a glob with `*`
-/// (`64k-*`, `*/redis`), `default` (everything but `fill-1m`) or `all`. With `baselines`, the
-/// nginx and pass-through rows of the same body size are added to any new-key or replay
-/// scenario, so its ratios can be computed.
+/// (`64k-*`, `*/redis`), `default` (everything but `fill-1m` and `churn/*`) or `all`. A glob
+/// that starts with `*` (`*/sqlite*`) picks no churn scenario: those run for minutes, and are
+/// picked by a pattern that begins with their name (`churn`, `churn/*`, `churn/sqlite`). With
+/// `baselines`, the nginx and pass-through rows of the same body size are added to any new-key
+/// or replay scenario, so its ratios can be computed, and the pgbench ceiling to
+/// `new-key/postgres`.
 pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenario>, String> {
     let patterns: Vec<&str> = list
         .split(',')
@@ -196,6 +321,7 @@ pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenari
                 "default" => s.in_default_run(),
                 _ => glob(pattern, s.name) || glob(pattern, s.family()),
             };
+            let hit = hit && !(s.is_churn() && pattern.starts_with('*'));
             if hit {
                 *slot = true;
                 matched = true;
@@ -218,6 +344,15 @@ pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenari
             .collect();
         for (slot, s) in chosen.iter_mut().zip(ALL) {
             if matches!(s.target, Nginx | Passthrough) && wanted.contains(&s.big) {
+                *slot = true;
+            }
+        }
+        let postgres_new_key = ALL
+            .iter()
+            .zip(&chosen)
+            .any(|(s, on)| *on && s.name == "new-key/postgres");
+        for (slot, s) in chosen.iter_mut().zip(ALL) {
+            if s.target == Target::Ceiling && postgres_new_key {
                 *slot = true;
             }
         }

@@ -58,6 +58,7 @@ routes:
       max_response_body: 8MiB
       replay_set_cookie: true
       forward_key: false
+      mode: observe
 "#;
 
 /// A route whose key may be derived from the request (`key_from`).
@@ -123,6 +124,7 @@ const FIELDS: &[&str] = &[
     "max_response_body",
     "replay_set_cookie",
     "forward_key",
+    "mode",
     "key_from",
     "<<",
     "? x",

@@ -30,7 +30,7 @@ use http::uri::Scheme;
 use serde::Deserialize;
 
 pub use crate::route::{FingerprintPart, RouteSettings};
-pub use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
+pub use crate::route::{IdempotencySettings, Mode, OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::tls::{ServerTls, TlsFile};
 
 mod limits;

@@ -13,8 +13,8 @@ use super::units::{at_most, bounds, byte_size, count_at_most, duration};
 use super::upstream::RawUpstream;
 use crate::route::KeyPart;
 use crate::route::{
-    FingerprintPart, IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome, PathPattern,
-    RouteSettings,
+    FingerprintPart, IdempotencySettings, Mode, OnConflict, OnStoreError, OnUnknownOutcome,
+    PathPattern, RouteSettings,
 };
 
 /// `routes[i]:` as written.
@@ -100,6 +100,9 @@ pub(crate) struct RawIdempotency {
     /// Send the key header to the upstream. Default true.
     #[serde(default = "defaults::yes")]
     pub forward_key: bool,
+    /// `enforce` (default) or `observe`: forward every request, count what enforce would do.
+    #[serde(default)]
+    pub mode: Mode,
 }
 
 impl Default for RawIdempotency {
@@ -121,6 +124,7 @@ impl Default for RawIdempotency {
             max_response_body: defaults::max_response_body(),
             replay_set_cookie: false,
             forward_key: true,
+            mode: Mode::default(),
         }
     }
 }
@@ -354,6 +358,7 @@ impl RawIdempotency {
                     replay_set_cookie: self.replay_set_cookie,
                     forward_key: self.forward_key,
                     key_from,
+                    mode: self.mode,
                 })
             }
             _ => None,

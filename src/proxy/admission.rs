@@ -78,20 +78,45 @@ pub(super) async fn admit(
             return Admission::Refused(p, outcome);
         }
     };
+    match with_body(route, idem, source, parts, body) {
+        Ok(admitted) => Admission::Admitted(admitted),
+        Err(underived) => Admission::Refused(underived.problem, Outcome::InvalidKey),
+    }
+}
+
+/// A request whose key a `key_from` part could not be derived from, handed back whole (an
+/// observed route forwards it all the same). Boxed: it is the rare path, and as large as the
+/// request head.
+pub(super) struct Underived {
+    pub problem: Problem,
+    pub parts: Parts,
+    pub body: Bytes,
+}
+
+/// The fingerprint and the key of a request whose head passed [`check_head`] (`source`) and
+/// whose body has been read.
+pub(super) fn with_body(
+    route: &Route,
+    idem: &IdempotencySettings,
+    source: KeySource,
+    mut parts: Parts,
+    body: Bytes,
+) -> Result<Admitted, Box<Underived>> {
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
-    let mut parts = parts;
     let (id, derived) = match source {
         KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),
         KeySource::Derive | KeySource::None => {
             let values = match key_from::read(&idem.key_from, &route.settings.path, &parts, &body) {
                 Ok(v) => v,
                 Err(e) => {
-                    return Admission::Refused(
-                        Problem::UnreadableKeyPart {
-                            detail: e.to_string(),
-                        },
-                        Outcome::InvalidKey,
-                    );
+                    let problem = Problem::UnreadableKeyPart {
+                        detail: e.to_string(),
+                    };
+                    return Err(Box::new(Underived {
+                        problem,
+                        parts,
+                        body,
+                    }));
                 }
             };
             let derived =
@@ -106,7 +131,7 @@ pub(super) async fn admit(
             (key_from::derived_id(&derived), true)
         }
     };
-    Admission::Admitted(Admitted {
+    Ok(Admitted {
         key: route.store_key(id),
         parts,
         body,

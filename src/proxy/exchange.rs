@@ -15,13 +15,14 @@ use super::admission::Admitted;
 use super::detach::Attachment;
 use super::lease::Lease;
 use super::pending::PendingCompletions;
-use super::replay::{replay, saved_headers};
+use super::replay::replay;
 use super::resolved::{Answer, Route, forward_plain, refuse};
+use super::settle::Settlement;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Record, Saved, SavedResponse, new_token};
+use crate::record::{Record, new_token};
 use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::store::{Claim, Held, StoreError, StoreHandle};
 use crate::upstream::{self, Bounded, UpstreamError};
@@ -31,8 +32,8 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// `on_conflict: wait` looks again after this long at first, doubling up to
 /// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead).
-const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
-const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
+pub(super) const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
+pub(super) const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// What every exchange shares with the proxy: the store, the tracker of the background tasks
 /// (detached exchanges, completions) that shutdown waits for, and the completions being retried.
@@ -274,8 +275,8 @@ impl Exchange {
     }
 }
 
-/// A claimed exchange whose upstream call has ended: what its answer means for the key —
-/// completed with it as the result, or released so that a retry runs again.
+/// A claimed exchange whose upstream call has ended: what its answer means for the key (the
+/// [`Settlement`]), then the answer.
 struct Decision {
     shared: Arc<Shared>,
     route: Arc<Route>,
@@ -287,33 +288,16 @@ struct Decision {
 impl Decision {
     /// The whole response: saved (unless it is not a result) and answered as read.
     async fn whole(self, parts: http::response::Parts, bytes: Bytes) -> Answer {
-        if not_a_result(&self.route, &self.idem, &parts) {
-            self.lease.release().await;
-        } else {
-            let saved = SavedResponse {
-                status: parts.status,
-                headers: saved_headers(&parts.headers, &self.idem),
-                body: bytes.clone(),
-            };
-            self.complete(Saved::Response(saved)).await;
-        }
+        let settlement = Settlement::of_whole(&self.idem, &parts, &bytes);
+        self.settle(settlement).await;
         (first_response(parts, bytes), Outcome::Forwarded)
     }
 
     /// A response over `max_response_body`: streamed on to this client, saved as not
     /// replayable (unless it is not a result).
     async fn over(self, parts: http::response::Parts, prefix: Bytes, rest: Body) -> Answer {
-        let status = parts.status;
-        if not_a_result(&self.route, &self.idem, &parts) {
-            self.lease.release().await;
-        } else {
-            tracing::warn!(
-                route = %self.route.settings.name,
-                limit = self.idem.max_response_body,
-                "response larger than max_response_body: it reaches this client but cannot be replayed"
-            );
-            self.complete(Saved::NotReplayable { status }).await;
-        }
+        let settlement = Settlement::of_over(&self.idem, &parts);
+        self.settle(settlement).await;
         (
             Response::from_parts(parts, upstream::chain(prefix, rest)),
             Outcome::Forwarded,
@@ -323,77 +307,29 @@ impl Decision {
     /// No response: the key is freed when the operation surely did not run, otherwise kept
     /// or freed as `on_unknown_outcome` says.
     async fn failed(self, e: UpstreamError) -> Answer {
-        let (route, up) = (&self.route.settings.name, self.route.upstream.name());
-        match e {
-            // The body here is the buffered one admission read, which cannot fail; were it
-            // to, the upstream got no whole request, so the key is freed as for a connect
-            // error.
-            e @ UpstreamError::ClientBody { .. } => {
-                tracing::warn!(%route, upstream = up, error = %e, "request body failed on its way upstream; claim released");
-                self.lease.release().await;
-                refuse(Problem::of_upstream(up, &e), Outcome::BadRequest)
-            }
-            e @ UpstreamError::Connect(_) => {
-                // Nothing was sent: the operation did not happen; free the key.
-                tracing::warn!(%route, upstream = up, error = %e, "upstream connect failed; claim released");
-                self.lease.release().await;
-                refuse(Problem::of_upstream(up, &e), Outcome::UpstreamError)
-            }
-            e => {
-                let problem = Problem::of_upstream(up, &e);
-                match self.idem.on_unknown_outcome {
-                    OnUnknownOutcome::Keep => {
-                        tracing::warn!(%route, upstream = up, error = %e,
-                            "outcome unknown; saving {} as the key's result (on_unknown_outcome: keep)", problem.status().as_u16());
-                        self.complete(Saved::Response(problem.saved())).await;
-                    }
-                    OnUnknownOutcome::Release => {
-                        tracing::warn!(%route, upstream = up, error = %e,
-                            "outcome unknown; claim released (on_unknown_outcome: release)");
-                        self.lease.release().await;
-                    }
-                }
-                refuse(problem, Outcome::UpstreamError)
-            }
-        }
+        let (settlement, problem, outcome) = Settlement::of_failure(&self.route, &self.idem, &e);
+        self.settle(settlement).await;
+        refuse(problem, outcome)
     }
 
-    /// Completes the claim with `saved` as the key's result.
-    async fn complete(self, saved: Saved) {
-        let done = Record::Done {
-            fingerprint: self.fingerprint,
-            saved,
-        };
-        self.lease
-            .complete(
-                done,
-                self.idem.ttl,
-                &self.shared.tasks,
-                &self.shared.pending,
+    async fn settle(self, settlement: Settlement) {
+        settlement
+            .apply(
+                self.lease,
+                self.fingerprint,
+                &self.route,
+                &self.idem,
+                &self.shared,
             )
             .await;
     }
 }
 
-/// Whether the upstream's answer is not the operation's result — a `retry_statuses` status, or
-/// the upstream's refusal of the request head (the operation never ran) — so the claim is
-/// released, the answer passed on, and a retry runs again.
-fn not_a_result(route: &Route, idem: &IdempotencySettings, parts: &http::response::Parts) -> bool {
-    if upstream::refuses_head(parts) {
-        tracing::warn!(
-            route = %route.settings.name,
-            upstream = route.upstream.name(),
-            status = parts.status.as_u16(),
-            "the upstream refused the request head; not saved, claim released \
-             (its own header limits are tighter than the proxy's)"
-        );
-        return true;
-    }
-    idem.retry_statuses.contains(&parts.status.as_u16())
-}
-
 /// The first client's response: the upstream's head, and exactly the body it read.
-fn first_response(parts: http::response::Parts, bytes: Bytes) -> Response<crate::body::Body> {
+pub(super) fn first_response(
+    parts: http::response::Parts,
+    bytes: Bytes,
+) -> Response<crate::body::Body> {
     let mut resp = Response::from_parts(parts, body::full(bytes));
     // The body is whole: hyper sets its length.
     resp.headers_mut().remove(header::CONTENT_LENGTH);

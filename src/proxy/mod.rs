@@ -8,10 +8,14 @@
 //!   or the request passed through.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
+//! - [`settle`]: what an upstream call's end means for its key (save or release), the one set
+//!   of rules both modes apply.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
 //! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
 //!   the `result-not-kept` record a completion past those bounds writes instead of its response.
+//! - [`observe`]: a route in `mode: observe` — every request forwarded, the claim and the save
+//!   run beside it and after its answer, what enforce would have answered counted.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -31,6 +35,9 @@
 //!   saves `result-not-kept` instead, so a retry never runs the operation again.
 //! - A claim answered `lock_ttl` or more after it was sent may have outlived its lease: it is
 //!   released and answered 503, never forwarded.
+//! - An observed route forwards every request, as if the proxy were not there (that is the
+//!   point of it); what it saves follows the rules above all the same: only the holder of the
+//!   claim saves, under its token, exactly what enforce would have saved.
 
 pub mod admission;
 mod completion;
@@ -39,10 +46,12 @@ mod exchange;
 mod generation;
 mod keys;
 mod lease;
+mod observe;
 mod pending;
 mod reload;
 mod replay;
 mod resolved;
+mod settle;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -234,6 +243,12 @@ impl Proxy {
         client: SocketAddr,
         limits: &Limits,
     ) -> Answer {
+        if let Some(observed) = &route.observed {
+            let req = Request::from_parts(parts, incoming);
+            return self
+                .observed(route, idem, observed, req, client, limits)
+                .await;
+        }
         let admitted = match admission::admit(route, idem, parts, incoming, limits).await {
             admission::Admission::Admitted(a) => a,
             admission::Admission::NoKey(parts, incoming) => {

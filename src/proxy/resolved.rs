@@ -12,9 +12,9 @@ use http::request::Parts;
 use crate::body::Body;
 use crate::config::Config;
 use crate::key::{self, KeyId, StoreKey};
-use crate::metrics::{Metrics, Outcome, RouteMetrics};
+use crate::metrics::{Metrics, ObservedMetrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
-use crate::route::{IdempotencySettings, RouteSettings};
+use crate::route::{IdempotencySettings, Mode, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// A route resolved once per configuration (at start, at each reload): everything a request on
@@ -29,6 +29,10 @@ pub(super) struct Route {
     pub upstream: Arc<Upstream>,
     /// The route's metric series, registered at start.
     pub metrics: RouteMetrics,
+    /// `Some` on an observed route (`mode: observe`): what enforce would have answered, its
+    /// series registered when the route is resolved (at start, or at the reload that makes it
+    /// observed) and kept by the registry across later reloads.
+    pub observed: Option<ObservedMetrics>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
     /// The number its name was given when the process first saw it, which namespaces its keys
@@ -58,6 +62,11 @@ impl Route {
                     upstream,
                     // The same series as before a reload, for a name the registry has seen.
                     metrics: metrics.route(&r.name),
+                    observed: r
+                        .idempotency
+                        .as_ref()
+                        .filter(|i| i.mode == Mode::Observe)
+                        .map(|_| metrics.observed(&r.name)),
                     namespace: key::namespace(&config.store.key_prefix, &r.name),
                     number: numbers.of(&r.name),
                 }))

@@ -1,0 +1,205 @@
+//! The claim of an observed request, in a task of its own beside the forwarding: it claims the
+//! key as `enforce` would, counts what `enforce` would have answered, and — holding the key —
+//! renews its lease until the upstream call has ended, then saves or releases as that call's
+//! [`Settlement`] says.
+//!
+//! How the claim and the call interleave, and what each case does:
+//! - **The claim is won before the response arrives** (the usual case): the lease is renewed
+//!   every `lock_ttl/3` while the call runs ([`Lease::renewing`]), and the settlement is
+//!   applied when it comes. The client already has its answer when the save is sent.
+//! - **The claim is won after the response arrived** (a slow store): the settlement is waiting
+//!   in the channel and is applied at once. The lease runs from the claim's *send* time, as on
+//!   an enforced route, so a claim answered `lock_ttl` or more after it was sent may have
+//!   outlived its lease: it is released and counted as `store_error` — enforce would have
+//!   answered 503 — and nothing is saved.
+//! - **The claim fails** (store error, timeout, corrupt record): counted as `store_error` and
+//!   logged; the request has been forwarded all the same, and nothing is saved: without the
+//!   claim there is no token to save under.
+//! - **The claim finds the key held**: a repeat, counted as `mismatch` (another fingerprint,
+//!   finished or in flight: the mismatch check comes first, as in enforce), `replay` (finished)
+//!   or `conflict` (in flight), and logged with the key's hash and whether the fingerprint
+//!   matched. Nothing is saved: the key's record is the first request's, and this one's
+//!   settlement is dropped unread. With `on_conflict: wait` the claim waits for the first to
+//!   finish, as enforce would, up to `wait_timeout` (a replay when it does; a claim of its own
+//!   when the first released the key: then it is a `forward`, and this response is saved).
+//! - **The forwarding ended without a settlement** (it panicked): the key is released, since
+//!   no result can be saved for it.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL, Shared};
+use super::super::lease::Lease;
+use super::super::resolved::Route;
+use super::super::settle::Settlement;
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+use crate::metrics::{ObservedMetrics, Would};
+use crate::record::{Record, Saved, new_token};
+use crate::route::{IdempotencySettings, OnConflict};
+use crate::store::{Claim, Held};
+
+/// The claim of one observed request.
+pub(super) struct Shadow {
+    pub shared: Arc<Shared>,
+    pub route: Arc<Route>,
+    pub idem: Arc<IdempotencySettings>,
+    pub observed: ObservedMetrics,
+    pub key: StoreKey,
+    pub fingerprint: Fingerprint,
+    /// The client's address, so the log of a duplicate says who sent it.
+    pub client: IpAddr,
+    /// The key was derived (`key_from`), not sent.
+    pub derived: bool,
+}
+
+impl Shadow {
+    /// Claims the key, counts what enforce would have answered, and saves the request's result
+    /// (`settlement`, sent when its upstream call has ended) if the claim is this request's.
+    pub(super) async fn run(self, settlement: oneshot::Receiver<Settlement>) {
+        let held = Held::new(Record::InFlight {
+            token: new_token(),
+            fingerprint: self.fingerprint,
+        });
+        let lock_ttl = self.idem.lock_ttl;
+        let wait_until = Instant::now() + self.idem.wait_timeout;
+        let mut poll = FIRST_WAIT_POLL;
+        loop {
+            let sent = Instant::now();
+            let existing = match self.shared.store.claim(&self.key, &held, lock_ttl).await {
+                Ok(Claim::Claimed) if sent.elapsed() >= lock_ttl => {
+                    return self.claimed_too_late(&held, sent.elapsed()).await;
+                }
+                Ok(Claim::Claimed) => {
+                    self.observed.would(Would::Forward);
+                    return self.save(held, sent, settlement).await;
+                }
+                Ok(Claim::Existing(record)) => record,
+                Err(e) => {
+                    self.observed.would(Would::StoreError);
+                    tracing::warn!(
+                        route = %self.route.name,
+                        key = %self.key.id_hex(),
+                        error = %e,
+                        "observe: the claim failed (enforce would have answered 503); the request was forwarded, nothing is saved"
+                    );
+                    return;
+                }
+            };
+            if *existing.fingerprint() != self.fingerprint {
+                return self.duplicate(Would::Mismatch, &existing);
+            }
+            match &existing {
+                Record::Done { .. } => return self.duplicate(Would::Replay, &existing),
+                Record::InFlight { .. } => {
+                    let now = Instant::now();
+                    if self.idem.on_conflict == OnConflict::Reject || now >= wait_until {
+                        return self.duplicate(Would::Conflict, &existing);
+                    }
+                    // Enforce's waiter, in the background: a finished first one is a replay,
+                    // a released one is claimed by this request (see `Exchange::claim_and_run`).
+                    self.shared
+                        .store
+                        .wait_change(&self.key, poll.min(wait_until - now))
+                        .await;
+                    poll = (poll * 2).min(MAX_WAIT_POLL);
+                }
+            }
+        }
+    }
+
+    /// Holds the key: renews the lease until the upstream call has ended, then carries out
+    /// what its answer means for the key, exactly as an enforced exchange does.
+    async fn save(
+        self,
+        held: Held,
+        claimed_at: Instant,
+        settlement: oneshot::Receiver<Settlement>,
+    ) {
+        let mut lease = Lease::new(
+            self.shared.store.clone(),
+            self.route.metrics.clone(),
+            self.route.name.clone(),
+            self.key.clone(),
+            held,
+            self.idem.lock_ttl,
+            claimed_at,
+        );
+        match lease.renewing(settlement).await {
+            Ok(settlement) => {
+                settlement
+                    .apply(
+                        lease,
+                        self.fingerprint,
+                        &self.route,
+                        &self.idem,
+                        &self.shared,
+                    )
+                    .await;
+            }
+            Err(_) => {
+                tracing::error!(
+                    route = %self.route.name,
+                    key = %self.key.id_hex(),
+                    "observe: the request ended without its upstream call's outcome; claim released"
+                );
+                lease.release().await;
+            }
+        }
+    }
+
+    /// The claim was won, but answered `took` after it was sent, later than `lock_ttl`: its
+    /// lease may have expired and another request may hold the key, so it is released (the
+    /// token's compare-and-set leaves another holder alone) and nothing is saved.
+    async fn claimed_too_late(self, held: &Held, took: Duration) {
+        self.observed.would(Would::StoreError);
+        tracing::warn!(
+            route = %self.route.name,
+            key = %self.key.id_hex(),
+            took_ms = took.as_millis(),
+            lock_ttl_ms = self.idem.lock_ttl.as_millis(),
+            "observe: the claim was answered after lock_ttl (enforce would have answered 503); released, nothing is saved"
+        );
+        if let Err(e) = self.shared.store.release(&self.key, held).await {
+            tracing::warn!(
+                route = %self.route.name,
+                key = %self.key.id_hex(),
+                error = %e,
+                "release failed; the claim expires within lock_ttl"
+            );
+        }
+    }
+
+    /// A repeat of a request that holds (or held) the key: counted, and logged so an operator
+    /// can find the clients that enforce would answer from the store or refuse.
+    fn duplicate(&self, would: Would, existing: &Record) {
+        self.observed.would(would);
+        let (first, enforce) = match (would, existing) {
+            (Would::Mismatch, Record::Done { .. }) => ("finished", "422 idempotency-key-reused"),
+            (Would::Mismatch, _) => ("in_flight", "422 idempotency-key-reused"),
+            (
+                _,
+                Record::Done {
+                    saved: Saved::NotReplayable { .. },
+                    ..
+                },
+            ) => ("finished", "409 response-not-replayable"),
+            (_, Record::Done { .. }) => ("finished", "the saved response, replayed"),
+            _ => ("in_flight", "409 request-in-progress"),
+        };
+        tracing::info!(
+            route = %self.route.name,
+            key = %self.key.id_hex(),
+            key_source = if self.derived { "derived" } else { "header" },
+            client = %self.client,
+            would = would.as_str(),
+            fingerprint_matched = would != Would::Mismatch,
+            first,
+            "observed a duplicate: enforce would have answered {enforce}, not forwarded it"
+        );
+    }
+}

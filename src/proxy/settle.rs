@@ -1,0 +1,223 @@
+//! What the end of a claimed request's upstream call means for its key: completed with the
+//! result, or released so that a retry runs again.
+//!
+//! The settlement is decided from the upstream's answer alone ([`Settlement::of_whole`],
+//! [`Settlement::of_over`], [`Settlement::of_failure`]) and carried out
+//! ([`Settlement::apply`]) by whoever holds the key's claim: the exchange of an enforced route,
+//! right after its call; the background claim of an observed route, once it holds the key. One
+//! set of rules for both modes: an observed route saves exactly what an enforced one would, so
+//! switching it to `enforce` keeps its records (SPEC §4.7).
+
+use bytes::Bytes;
+use http::StatusCode;
+
+use super::exchange::Shared;
+use super::lease::Lease;
+use super::replay::saved_headers;
+use super::resolved::Route;
+use crate::fingerprint::Fingerprint;
+use crate::metrics::Outcome;
+use crate::problem::Problem;
+use crate::record::{Record, Saved, SavedResponse};
+use crate::route::{IdempotencySettings, OnUnknownOutcome};
+use crate::upstream::{self, UpstreamError};
+
+/// What becomes of a claimed key once its upstream call has ended.
+pub(super) struct Settlement {
+    action: Action,
+    /// Why, for the line [`Settlement::apply`] logs; `None` for an ordinary result or a retry
+    /// status, which are not logged.
+    why: Option<Why>,
+}
+
+enum Action {
+    /// Save this as the key's result.
+    Complete(Saved),
+    /// Free the key: the answer is not the operation's result, or the operation surely did
+    /// not run.
+    Release,
+}
+
+/// The settlements worth a log line, logged when they are carried out: only a request that
+/// holds the claim has a claim to release or a result to save.
+enum Why {
+    /// The upstream refused the request head: the operation never ran.
+    HeadRefused(StatusCode),
+    /// A response over `max_response_body` (this limit): saved as not replayable.
+    OverLimit(u64),
+    /// The client's body failed on its way upstream: the upstream got no whole request.
+    ClientBody(String),
+    /// The connection could not be made: nothing was sent.
+    Connect(String),
+    /// No complete response: the upstream may have acted. `kept`: the status of the problem
+    /// saved as the result (`on_unknown_outcome: keep`); `None`: released.
+    Unknown { error: String, kept: Option<u16> },
+}
+
+impl Settlement {
+    fn new(action: Action, why: Option<Why>) -> Settlement {
+        Settlement { action, why }
+    }
+
+    /// The whole response: saved, unless it is not the operation's result.
+    pub(super) fn of_whole(
+        idem: &IdempotencySettings,
+        parts: &http::response::Parts,
+        bytes: &Bytes,
+    ) -> Settlement {
+        if let Some(release) = not_a_result(idem, parts) {
+            return release;
+        }
+        let saved = SavedResponse {
+            status: parts.status,
+            headers: saved_headers(&parts.headers, idem),
+            body: bytes.clone(),
+        };
+        Settlement::new(Action::Complete(Saved::Response(saved)), None)
+    }
+
+    /// A response over `max_response_body`, streamed on to its client: saved as not
+    /// replayable, unless it is not the operation's result.
+    pub(super) fn of_over(idem: &IdempotencySettings, parts: &http::response::Parts) -> Settlement {
+        if let Some(release) = not_a_result(idem, parts) {
+            return release;
+        }
+        Settlement::new(
+            Action::Complete(Saved::NotReplayable {
+                status: parts.status,
+            }),
+            Some(Why::OverLimit(idem.max_response_body)),
+        )
+    }
+
+    /// No response: the key is freed when the operation surely did not run, otherwise kept or
+    /// freed as `on_unknown_outcome` says. Also the problem the client gets, and its outcome.
+    pub(super) fn of_failure(
+        route: &Route,
+        idem: &IdempotencySettings,
+        e: &UpstreamError,
+    ) -> (Settlement, Problem, Outcome) {
+        let problem = Problem::of_upstream(route.upstream.name(), e);
+        let settlement = match e {
+            // The body here is the buffered one admission read, which cannot fail; were it
+            // to, the upstream got no whole request, so the key is freed as for a connect
+            // error.
+            UpstreamError::ClientBody { .. } => {
+                let why = Why::ClientBody(e.to_string());
+                return (
+                    Settlement::new(Action::Release, Some(why)),
+                    problem,
+                    Outcome::BadRequest,
+                );
+            }
+            // Nothing was sent: the operation did not happen; free the key.
+            UpstreamError::Connect(_) => {
+                Settlement::new(Action::Release, Some(Why::Connect(e.to_string())))
+            }
+            _ => match idem.on_unknown_outcome {
+                OnUnknownOutcome::Keep => Settlement::new(
+                    Action::Complete(Saved::Response(problem.saved())),
+                    Some(Why::Unknown {
+                        error: e.to_string(),
+                        kept: Some(problem.status().as_u16()),
+                    }),
+                ),
+                OnUnknownOutcome::Release => Settlement::new(
+                    Action::Release,
+                    Some(Why::Unknown {
+                        error: e.to_string(),
+                        kept: None,
+                    }),
+                ),
+            },
+        };
+        (settlement, problem, Outcome::UpstreamError)
+    }
+
+    /// Carries it out on the held claim: completes it with the result under `fingerprint`
+    /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
+    /// it.
+    pub(super) async fn apply(
+        self,
+        lease: Lease,
+        fingerprint: Fingerprint,
+        route: &Route,
+        idem: &IdempotencySettings,
+        shared: &Shared,
+    ) {
+        if let Some(why) = &self.why {
+            why.log(route);
+        }
+        match self.action {
+            Action::Complete(saved) => {
+                let done = Record::Done { fingerprint, saved };
+                lease
+                    .complete(done, idem.ttl, &shared.tasks, &shared.pending)
+                    .await;
+            }
+            Action::Release => lease.release().await,
+        }
+    }
+}
+
+impl Why {
+    fn log(&self, route: &Route) {
+        let (route, up) = (&*route.name, route.upstream.name());
+        match self {
+            Why::HeadRefused(status) => tracing::warn!(
+                %route,
+                upstream = up,
+                status = status.as_u16(),
+                "the upstream refused the request head; not saved, claim released \
+                 (its own header limits are tighter than the proxy's)"
+            ),
+            Why::OverLimit(limit) => tracing::warn!(
+                %route,
+                limit,
+                "response larger than max_response_body: it reaches this client but cannot be replayed"
+            ),
+            Why::ClientBody(error) => tracing::warn!(
+                %route,
+                upstream = up,
+                %error,
+                "request body failed on its way upstream; claim released"
+            ),
+            Why::Connect(error) => tracing::warn!(
+                %route,
+                upstream = up,
+                %error,
+                "upstream connect failed; claim released"
+            ),
+            Why::Unknown {
+                error,
+                kept: Some(status),
+            } => tracing::warn!(
+                %route,
+                upstream = up,
+                %error,
+                "outcome unknown; saving {status} as the key's result (on_unknown_outcome: keep)"
+            ),
+            Why::Unknown { error, kept: None } => tracing::warn!(
+                %route,
+                upstream = up,
+                %error,
+                "outcome unknown; claim released (on_unknown_outcome: release)"
+            ),
+        }
+    }
+}
+
+/// The release of an upstream answer that is not the operation's result — the upstream's
+/// refusal of the request head (the operation never ran), or a `retry_statuses` status — so
+/// the answer is passed on and a retry runs again; `None` for a result.
+fn not_a_result(idem: &IdempotencySettings, parts: &http::response::Parts) -> Option<Settlement> {
+    if upstream::refuses_head(parts) {
+        return Some(Settlement::new(
+            Action::Release,
+            Some(Why::HeadRefused(parts.status)),
+        ));
+    }
+    idem.retry_statuses
+        .contains(&parts.status.as_u16())
+        .then(|| Settlement::new(Action::Release, None))
+}
