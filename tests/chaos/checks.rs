@@ -1,39 +1,6 @@
-//! The checks: evidence read from Redis, loss windows, and the exactly-once invariants.
+//! The checks: the exactly-once invariants, from the run's evidence and its loss windows.
 
 use super::*;
-
-/// Every record that is an in-progress claim (`"IDP" 0x01 'P' …`, see `src/record.rs`), with
-/// its remaining TTL.
-pub(crate) fn in_progress_records(redis: &RedisServer) -> Vec<String> {
-    let mut conn = redis.conn();
-    let mut cursor: u64 = 0;
-    let mut found = Vec::new();
-    loop {
-        let (next, keys): (u64, Vec<String>) = ::redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg("idemproxy:*")
-            .arg("COUNT")
-            .arg(1000)
-            .query(&mut conn)
-            .expect("SCAN");
-        for key in keys {
-            let value: Option<Vec<u8>> =
-                ::redis::cmd("GET").arg(&key).query(&mut conn).expect("GET");
-            if value.is_some_and(|v| v.starts_with(b"IDP\x01P")) {
-                let pttl: i64 = ::redis::cmd("PTTL")
-                    .arg(&key)
-                    .query(&mut conn)
-                    .expect("PTTL");
-                found.push(format!("{key} (pttl {pttl}ms)"));
-            }
-        }
-        cursor = next;
-        if cursor == 0 {
-            return found;
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The checks
@@ -58,81 +25,12 @@ pub(crate) struct Outcome {
     pub(crate) summary: String,
 }
 
-/// A fault that can make an operation run again.
-#[derive(Debug, Clone)]
-pub(crate) struct LossWindow {
-    pub(crate) start: Duration,
-    pub(crate) end: Duration,
-    pub(crate) loss: Loss,
-    pub(crate) what: String,
-    /// Part of it was the machine stalling ([`Loss::Machine`]).
-    pub(crate) machine: bool,
-}
-
-/// The claim-losing windows: restarts that lost data, kills of B, and Redis unavailability
-/// merged with neighbours closer than `lock_ttl`, kept when the merged span reaches
-/// `lock_ttl / 3`.
-pub(crate) fn loss_windows(windows: &[Window]) -> Vec<LossWindow> {
-    let mut out: Vec<LossWindow> = windows
-        .iter()
-        .filter(|w| matches!(w.loss, Loss::RecordsLost | Loss::ClaimsOfB))
-        .map(|w| LossWindow {
-            start: w.start,
-            end: w.end,
-            loss: w.loss,
-            what: w.what.clone(),
-            machine: false,
-        })
-        .collect();
-    let mut stalls: Vec<&Window> = windows
-        .iter()
-        .filter(|w| matches!(w.loss, Loss::Unavailable | Loss::Machine))
-        .collect();
-    stalls.sort_by_key(|w| w.start);
-    let mut merged: Vec<LossWindow> = Vec::new();
-    for w in stalls {
-        match merged.last_mut() {
-            Some(m) if w.start <= m.end + LOCK_TTL => {
-                m.end = m.end.max(w.end);
-                m.what = format!("{} + {}", m.what, w.what);
-                m.machine |= w.loss == Loss::Machine;
-            }
-            _ => merged.push(LossWindow {
-                start: w.start,
-                end: w.end,
-                loss: Loss::Unavailable,
-                what: w.what.clone(),
-                machine: w.loss == Loss::Machine,
-            }),
-        }
-    }
-    out.extend(
-        merged
-            .into_iter()
-            .filter(|m| m.end - m.start >= LOCK_TTL / 3),
-    );
-    out.sort_by_key(|w| w.start);
-    out
-}
-
-/// Does `w` explain that the execution at `prev` (through `via`) ran again at `next`? The
-/// fault must come after the earlier execution's claim (at most `slack` before it reached the
-/// upstream) and before the later one.
-pub(crate) fn explains(w: &LossWindow, prev: &Exec, next: &Exec, slack: Duration) -> bool {
-    let after_claim = w.end + slack >= prev.at;
-    let before_next = w.start <= next.at;
-    match w.loss {
-        Loss::ClaimsOfB => prev.via == "b" && after_claim && before_next,
-        _ => after_claim && before_next,
-    }
-}
-
 pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut failures = Vec::new();
     // With a persistent Redis and no proxy kills, nothing may run twice — unless the machine
     // stalled long enough to lose a lease (measured, and printed in the timeline).
-    let strict = d.spec.persistent;
-    let losses: Vec<LossWindow> = loss_windows(&d.windows)
+    let strict = d.spec.store == StoreKind::PersistentRedis;
+    let losses: Vec<LossWindow> = loss_windows(&d.windows, d.spec.lock_ttl)
         .into_iter()
         .filter(|w| !strict || w.machine)
         .collect();
@@ -286,12 +184,7 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             .map(|pair| losses.iter().find(|w| explains(w, pair[0], pair[1], slack)))
             .collect();
         for w in explanations.iter().flatten() {
-            let kind = if w.machine {
-                format!("{:?}+Machine", w.loss)
-            } else {
-                format!("{:?}", w.loss)
-            };
-            *explained_by.entry(kind).or_default() += 1;
+            *explained_by.entry(w.kind()).or_default() += 1;
         }
         if strict && explanations.iter().any(Option::is_none) {
             failures.push(format!(
@@ -495,11 +388,25 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     for w in &losses {
         let _ = write!(
             summary,
-            "\n  +{}..+{} {:?}: {}",
+            "\n  +{}..+{} {}: {}",
             secs(w.start),
             secs(w.end),
-            w.loss,
+            w.kind(),
             w.what
+        );
+    }
+    let crashes: Vec<String> = d
+        .windows
+        .iter()
+        .filter(|w| w.loss == Loss::Crash)
+        .map(|w| format!("+{} ({:?})", secs(w.start), w.end - w.start))
+        .collect();
+    if !crashes.is_empty() {
+        let _ = write!(
+            summary,
+            "\ncrash outages (explain nothing under {:?}): {}",
+            crash_outage_bound(d.spec.lock_ttl),
+            crashes.join(", ")
         );
     }
     Outcome { failures, summary }

@@ -1,38 +1,61 @@
-//! Chaos: two proxy instances on one Redis, clients retrying hundreds of operations through
-//! both, and a seeded schedule of faults in every dependency. Afterwards the mock upstream's
-//! ledger, the requests it received (timestamped) and every client's log are checked against
-//! the exactly-once contract (SPEC §4.3–4.5, §5).
+//! Chaos: two proxy instances on one store (Redis, or PostgreSQL), clients retrying hundreds of
+//! operations through both, and a seeded schedule of faults in every dependency. Afterwards the
+//! mock upstream's ledger, the requests it received (timestamped) and every client's log are
+//! checked against the exactly-once contract (SPEC §4.3–4.6, §5).
 //!
 //! ```text
-//! clients ─┬─> proxy A (in this process) ─┬─> relay ─> redis-server (killed, paused, restarted)
-//!          └─> proxy B (child process;  ──┤
+//! clients ─┬─> proxy A (in this process) ─┬─> relay ─> the store (redis-server or postgres:
+//!          └─> proxy B (child process;  ──┤                killed or crashed, paused, restarted)
 //!              SIGKILLed, restarted)      └─> relay ─> mock upstream (in this process: the ledger)
 //! ```
 //!
-//! Two runs, one seed (`CHAOS_SEED`, decimal or `0x…` hex; a fixed default otherwise):
+//! Three runs, one seed (`CHAOS_SEED`, decimal or `0x…` hex; a fixed default otherwise), each
+//! with a stream of faults and operations of its own derived from it:
 //! - **main**: Redis without persistence. Faults: Redis SIGKILL and restart (empty), SIGSTOP and
 //!   SIGCONT, blackhole / reset / latency on the Redis relay, SIGKILL and restart of proxy B,
 //!   latency / blackhole / reset / refusal / cut-after-N-bytes on the upstream relay.
 //! - **persistent**: Redis with `appendonly yes`, `appendfsync always`; restarts keep every
 //!   record; no proxy kills and only short stalls. No operation may run twice at all.
+//! - **postgres**: a PostgreSQL server of the run's own (`store.backend: postgres`, a pool of
+//!   [`PG_POOL_SIZE`] per instance). Faults: crashes (`pg_ctl stop -m immediate`) and restarts
+//!   after a short down time (the WAL replayed), SIGSTOP of every server process (short, and at
+//!   least `lock_ttl`), blackhole (short and long) / reset / latency on its relay, SIGKILL and
+//!   restart of proxy B, and the upstream faults of the main run. A crash keeps every committed
+//!   claim and save, so it explains no re-execution at all (see `store.rs`). Its lease is longer
+//!   ([`PG_LOCK_TTL`]) so that a crash's whole outage fits well inside a renewal period.
 //!
 //! # What is checked
 //! 1. Every operation executed more than once is explained, execution by execution: between two
 //!    consecutive upstream executions of one operation lies a fault that can lose its claim —
 //!    proxy B killed after the earlier one went through B, a Redis restart that lost the
-//!    records, or a store stall long enough to outlast a lease (a merged window of Redis
-//!    unavailability of at least `lock_ttl / 3`: the lease is renewed every `lock_ttl / 3`, so
-//!    that is when a renewal can first miss). In the persistent run nothing runs twice.
-//!    The machine stalling counts as Redis unavailability too — this process not scheduled
-//!    (the relays run here) or Redis not answering outside an injected fault (an `fsync` under
-//!    `appendfsync always` on a busy disk); two watchdogs measure both. In the persistent run
-//!    that is the only excuse, and the timeline shows it.
+//!    records, or a store stall long enough to outlast a lease (a merged window of store
+//!    unavailability of at least `lock_ttl / 3`: the lease is renewed every `lock_ttl / 3`, and
+//!    it is lost only when two renewals in a row miss — after two misses the third is due the
+//!    instant the lease ends —, which an outage covers from `lock_ttl / 3` on). In the persistent
+//!    run nothing runs twice. The machine stalling counts as store unavailability too — this
+//!    process not scheduled (the relays run here) or the store not answering outside an
+//!    injected fault (an `fsync` under `appendfsync always` on a busy disk, a starved backend);
+//!    two watchdogs measure both. In the persistent run that is the only excuse, and the
+//!    timeline shows it.
+//!
+//!    **A PostgreSQL crash is never an excuse.** It loses no committed claim or record (no
+//!    "records lost" kind exists for it), and its outage — from the stop until the restarted
+//!    server answers, measured — is a window of its own kind that makes no merged span
+//!    claim-losing: a span that holds a crash counts only if it also holds a stop, a blackhole,
+//!    a reset or a measured machine stall, and a crash merges only with neighbours closer than
+//!    `lock_ttl / 3` + `store.timeout` (farther apart, every lease renewed in between). This is
+//!    sound because the plan keeps a crash's outage under `lock_ttl / 3 − 2 × MACHINE_STALL`,
+//!    so that no lease can miss two renewals in it ([`crash_outage_bound`]); a restart that
+//!    overran that bound was slowed by the machine, and only its overrun is recorded, as a
+//!    machine stall. The summary lists every crash's outage and, per re-execution, what
+//!    explained it (`+Crash` marks a span that held one; the crash was not the reason).
 //! 2. An operation a client saw succeed (201, fresh or replayed) ran exactly once, unless 1
 //!    explains it.
 //! 3. Replays are byte-identical: every answer that is an operation's result (a 201, a saved
 //!    502/504) has one body per operation, unless a claim-losing fault touched its lifetime
 //!    (then at most one more per such fault); the closing check replays every operation through
-//!    both instances and wants the same bytes twice.
+//!    both instances and wants the same bytes twice. On PostgreSQL a crash is no such fault: a
+//!    record saved before a crash replays after it, unchanged.
 //! 4. No client gets another operation's body: a booking embeds the request it came from, which
 //!    names the tenant (the `Authorization` scope) and the key; some keys are used by two
 //!    tenants, so a scope mix-up shows as a 422 or a foreign body. A booking id answers one
@@ -40,8 +63,9 @@
 //! 5. Nothing hangs: after the last fault every operation settles (a 201, or a replayed saved
 //!    answer) within [`SETTLE_BOUND`].
 //! 6. No in-progress record outlives `lock_ttl` after the last fault: once every client has
-//!    settled, a scan of Redis at `lock_ttl` + the upstream timeout (the longest a live holder
-//!    may legitimately keep a claim) + 1s after the last fault finds none.
+//!    settled, a scan of the store at `lock_ttl` + the upstream timeout (the longest a live
+//!    holder may legitimately keep a claim) + 1s after the last fault finds none (Redis: a
+//!    value of an in-progress record; PostgreSQL: a live row that still has a token).
 //!
 //! Between the runs and the closing replays, every operation is also sent once more through
 //! each instance after the faults (the first answer may be a 503 right after a reconnect; it is
@@ -64,9 +88,14 @@
 mod checks;
 #[path = "../common/mod.rs"]
 mod common;
+mod lanes;
 mod load;
+mod losses;
 mod plan;
+mod relay_check;
+mod store;
 mod tap;
+mod watchdogs;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -76,19 +105,28 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::relay::{Direction, Relay, Tap};
-use common::{Env, ProxyProcess, RedisServer, free_port};
+use common::{Backend, Env, ProxyProcess, RedisServer, free_port};
 
 use checks::*;
+use lanes::*;
 use load::*;
+use losses::*;
 use plan::*;
+use store::*;
 use tap::*;
+use watchdogs::*;
 
 /// The seed when `CHAOS_SEED` is not set.
 const DEFAULT_SEED: u64 = 0x1DE3_C4A0_5EED_0001;
 
-/// Every proxy here: the lease, and the per-operation store deadline.
+/// The lease of the Redis runs, and the per-operation store deadline of every run.
 const LOCK_TTL: Duration = Duration::from_secs(2);
 const STORE_TIMEOUT_MS: u64 = 300;
+
+/// The Postgres run's lease: its renewal period (a third of it) leaves a crash's whole outage
+/// (stop, down time, restart with WAL replay: about half a second on a loaded machine) room
+/// under [`crash_outage_bound`].
+const PG_LOCK_TTL: Duration = Duration::from_secs(4);
 
 /// The upstream's `timeout` in the proxies' configuration.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
@@ -100,7 +138,7 @@ const SETTLE_BOUND: Duration = Duration::from_secs(15);
 /// A client attempt's number in [`Attempt::client`] for the closing replays.
 const VERIFY: usize = 9;
 
-/// The two chaos runs share Redis-heavy timing on a small machine: one at a time.
+/// The chaos runs share store-heavy timing on a small machine: one at a time.
 static RUNS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 // ---------------------------------------------------------------------------------------------
@@ -116,8 +154,9 @@ async fn chaos_main_run() {
         seed,
         chaos: Duration::from_secs(30),
         ops: 320,
-        persistent: false,
+        store: StoreKind::Redis,
         proxy_kills: true,
+        lock_ttl: LOCK_TTL,
     })
     .await;
 }
@@ -132,8 +171,26 @@ async fn chaos_persistent_redis_run() {
         seed: seed ^ 0x5045_5253_4953_5400,
         chaos: Duration::from_secs(14),
         ops: 140,
-        persistent: true,
+        store: StoreKind::PersistentRedis,
         proxy_kills: false,
+        lock_ttl: LOCK_TTL,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_postgres_run() {
+    let _one_at_a_time = RUNS.lock().await;
+    let seed = seed();
+    run(RunSpec {
+        name: "postgres",
+        // Its own stream of faults and operations, still named by the one seed.
+        seed: seed ^ 0x504F_5354_4752_4553,
+        chaos: Duration::from_secs(27),
+        ops: 250,
+        store: StoreKind::Postgres,
+        proxy_kills: true,
+        lock_ttl: PG_LOCK_TTL,
     })
     .await;
 }
@@ -159,9 +216,10 @@ struct RunSpec {
     /// How long faults are injected.
     chaos: Duration,
     ops: usize,
-    /// Redis with AOF (`appendfsync always`): restarts keep every record.
-    persistent: bool,
+    store: StoreKind,
     proxy_kills: bool,
+    /// The route's `lock_ttl`: leases are renewed every third of it.
+    lock_ttl: Duration,
 }
 
 /// One chaos run: the world, the plan, the load, the faults, then every check.
@@ -179,52 +237,34 @@ async fn run(spec: RunSpec) {
         seed()
     );
     println!(
-        "  {} operations over {:?}, lock_ttl {:?}, store timeout {}ms, redis persistence {}, proxy kills {}",
+        "  {} operations over {:?}, lock_ttl {:?}, store timeout {}ms, store {}, proxy kills {}",
         ops.len(),
         spec.chaos,
-        LOCK_TTL,
+        spec.lock_ttl,
         STORE_TIMEOUT_MS,
-        if spec.persistent {
-            "AOF always"
-        } else {
-            "none"
-        },
+        spec.store.describe(),
         spec.proxy_kills
     );
     println!("  planned faults (seconds from start):");
     for p in &plan {
-        println!(
-            "    +{:>7}  {:<8} {}",
-            secs(p.at),
-            p.fault.lane(),
-            p.fault.describe()
-        );
+        let lane = match p.fault.lane() {
+            Lane::Store => spec.store.name().to_owned(),
+            other => other.to_string(),
+        };
+        println!("    +{:>7}  {:<8} {}", secs(p.at), lane, p.what);
     }
 
     // The world.
+    let env = Env::new(Backend::Memory).await;
     let aof_dir = tempfile::tempdir().expect("a directory for the AOF");
-    let redis = if spec.persistent {
-        let dir = aof_dir.path().to_str().expect("utf-8 temp path").to_owned();
-        RedisServer::start_with(&[
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--dir",
-            &dir,
-        ])
-    } else {
-        RedisServer::start()
-    };
-    let mut env = Env::on_redis(redis).await;
-    let redis_relay = Arc::new(Relay::start(env.redis().addr()).await);
+    let store = tokio::task::block_in_place(|| StoreServer::start(spec.store, aof_dir.path()));
+    let store_relay = Arc::new(Relay::start(store.addr()).await);
     let tap = Arc::new(ExecTap::default());
     let upstream_relay = Arc::new(Relay::start_with_tap(env.mock.addr(), tap.clone()).await);
-    let yaml = chaos_config(&env, &redis_relay, &upstream_relay);
+    let yaml = chaos_config(&env, &spec, &store, &store_relay, &upstream_relay);
     let proxy_a = env.proxy(&yaml).await;
     let b_port = free_port();
     let proxy_b = tokio::task::block_in_place(|| ProxyProcess::spawn_on(&yaml, b_port));
-    let redis = env.take_redis();
 
     let clock = Clock(Instant::now());
     tap.start(clock.clone());
@@ -252,21 +292,35 @@ async fn run(spec: RunSpec) {
         }
     }
 
-    // The faults, one task per lane.
+    // The faults, one task per lane, and the watchdogs.
+    let disturbed = Arc::new(AtomicU64::new(0));
     let lane = |l: Lane| {
         plan.iter()
             .filter(|p| p.fault.lane() == l)
             .cloned()
             .collect()
     };
-    let redis_url = redis.url();
-    let disturbed = Arc::new(AtomicU64::new(0));
-    let redis_lane = tokio::spawn(redis_lane(
-        lane(Lane::Redis),
-        redis,
+    let store_watchdog = match &store {
+        StoreServer::Redis(r) => tokio::spawn(redis_watchdog(
+            r.url(),
+            clock.clone(),
+            timeline.clone(),
+            disturbed.clone(),
+        )),
+        StoreServer::Postgres(pg) => tokio::spawn(postgres_watchdog(
+            pg.url(),
+            clock.clone(),
+            timeline.clone(),
+            disturbed.clone(),
+        )),
+    };
+    let store_lane = tokio::spawn(store_lane(
+        lane(Lane::Store),
+        store,
+        spec.store,
+        spec.lock_ttl,
         disturbed.clone(),
-        redis_relay.clone(),
-        spec.persistent,
+        store_relay.clone(),
         clock.clone(),
         timeline.clone(),
     ));
@@ -286,14 +340,9 @@ async fn run(spec: RunSpec) {
     ));
     let watchdogs = [
         tokio::spawn(process_watchdog(clock.clone(), timeline.clone())),
-        tokio::spawn(redis_watchdog(
-            redis_url,
-            clock.clone(),
-            timeline.clone(),
-            disturbed.clone(),
-        )),
+        store_watchdog,
     ];
-    let redis = redis_lane.await.expect("the redis fault lane");
+    let store = store_lane.await.expect("the store fault lane");
     let (proxy_b, mut b_logs) = proxy_lane.await.expect("the proxy fault lane");
     upstream_lane.await.expect("the upstream fault lane");
     let last_fault = clock.now();
@@ -323,11 +372,11 @@ async fn run(spec: RunSpec) {
     // nothing legitimately holds a claim now).
     // A holder may legitimately keep its claim until its upstream call ends (the upstream
     // timeout), and a dead holder's claim lasts lock_ttl.
-    let scan_at = last_fault + LOCK_TTL + UPSTREAM_TIMEOUT + Duration::from_secs(1);
+    let scan_at = last_fault + spec.lock_ttl + UPSTREAM_TIMEOUT + Duration::from_secs(1);
     if clock.now() < scan_at {
         tokio::time::sleep(scan_at - clock.now()).await;
     }
-    let in_progress = tokio::task::block_in_place(|| in_progress_records(&redis));
+    let in_progress = tokio::task::block_in_place(|| in_progress_records(&store));
 
     // The closing replays: through A, then B (each retried past a 503 or 409 for a bounded
     // time); the second must replay the first byte for byte. Without the upstream delay: the
@@ -386,8 +435,9 @@ async fn run(spec: RunSpec) {
     let _ = writeln!(report, "{}", outcome.summary);
     let _ = writeln!(
         report,
-        "relays: redis {:?}; upstream {:?}",
-        redis_relay.stats(),
+        "relays: {} {:?}; upstream {:?}",
+        spec.store.name(),
+        store_relay.stats(),
         upstream_relay.stats()
     );
     b_logs.push(proxy_b.log());
@@ -406,7 +456,7 @@ async fn run(spec: RunSpec) {
     println!("{report}");
 
     drop(proxy_b);
-    drop(redis);
+    drop(store);
     if !outcome.failures.is_empty() {
         let mut text = format!(
             "CHAOS FAILURE in the {} run (seed {:#x}): {} problem(s)\n",
@@ -444,160 +494,30 @@ async fn run(spec: RunSpec) {
 }
 
 /// The proxies' configuration: `POST /bookings` idempotent (scope `Authorization`, the
-/// default), Redis and the upstream behind their relays, [`LOCK_TTL`], [`STORE_TIMEOUT_MS`],
-/// [`UPSTREAM_TIMEOUT`].
-fn chaos_config(env: &Env, redis_relay: &Relay, upstream_relay: &Relay) -> String {
-    let lock_ttl = format!("lock_ttl: {}ms\nttl: 10m", LOCK_TTL.as_millis());
+/// default) with the run's `lock_ttl`, the store and the upstream behind their relays,
+/// [`STORE_TIMEOUT_MS`], [`UPSTREAM_TIMEOUT`].
+fn chaos_config(
+    env: &Env,
+    spec: &RunSpec,
+    store: &StoreServer,
+    store_relay: &Relay,
+    upstream_relay: &Relay,
+) -> String {
+    let lock_ttl = format!("lock_ttl: {}ms\nttl: 10m", spec.lock_ttl.as_millis());
     let yaml = env.config_with(&lock_ttl, &format!("timeout: {STORE_TIMEOUT_MS}ms"));
     let upstream_timeout = format!("    timeout: {}ms\n", UPSTREAM_TIMEOUT.as_millis());
-    let swapped = yaml
-        .replace(
-            &env.redis().url(),
-            &format!("redis://{}/0", redis_relay.addr()),
-        )
+    let swapped = store
+        .configure(&yaml, store_relay)
         .replace(
             &env.mock.url(),
             &format!("http://{}", upstream_relay.addr()),
         )
         .replace("    timeout: 5s\n", &upstream_timeout);
     assert!(
-        swapped.contains(&redis_relay.addr().to_string())
+        swapped.contains(&store_relay.addr().to_string())
             && swapped.contains(&upstream_relay.addr().to_string())
             && swapped.contains(&upstream_timeout),
         "the harness's configuration changed shape:\n{yaml}"
     );
     swapped
-}
-
-// ---------------------------------------------------------------------------------------------
-// The relay itself
-// ---------------------------------------------------------------------------------------------
-
-/// Every switch of the fault relay does what it says, on a TCP echo server.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_switches_take_effect() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
-
-    let echo = TcpListener::bind("127.0.0.1:0").await.expect("bind echo");
-    let target = echo.local_addr().expect("echo addr");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = echo.accept().await {
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-            });
-        }
-    });
-    let relay = Relay::start(target).await;
-    let read_timeout = Duration::from_millis(400);
-    async fn roundtrip(c: &mut TcpStream, msg: &[u8]) -> Vec<u8> {
-        c.write_all(msg).await.expect("write");
-        let mut buf = vec![0u8; msg.len()];
-        c.read_exact(&mut buf).await.expect("read the echo");
-        buf
-    }
-    fn is_reset<T: std::fmt::Debug>(r: &std::io::Result<T>) -> bool {
-        matches!(r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
-    }
-
-    // Pass.
-    let mut c = TcpStream::connect(relay.addr()).await.expect("connect");
-    assert_eq!(roundtrip(&mut c, b"hello").await, b"hello");
-
-    // Latency, per direction.
-    relay.set_latency(Duration::from_millis(150), Duration::from_millis(100));
-    let started = Instant::now();
-    assert_eq!(roundtrip(&mut c, b"slow").await, b"slow");
-    assert!(started.elapsed() >= Duration::from_millis(250), "latency");
-    relay.set_latency(Duration::ZERO, Duration::ZERO);
-
-    // Blackhole: nothing comes back; its end resets the connection.
-    relay.blackhole();
-    c.write_all(b"lost")
-        .await
-        .expect("write into the blackhole");
-    let mut buf = [0u8; 16];
-    assert!(
-        tokio::time::timeout(read_timeout, c.read(&mut buf))
-            .await
-            .is_err(),
-        "a blackhole forwards nothing"
-    );
-    let mut during = TcpStream::connect(relay.addr())
-        .await
-        .expect("a blackhole accepts");
-    during.write_all(b"x").await.expect("write");
-    // Accepted by the kernel is not yet accepted by the relay.
-    let accepted = common::eventually(Duration::from_secs(2), || relay.stats().accepted == 2).await;
-    assert!(accepted, "the relay accepts during a blackhole");
-    relay.pass();
-    let r = tokio::time::timeout(read_timeout, c.read(&mut buf))
-        .await
-        .expect("the reset arrives");
-    assert!(is_reset(&r), "the blackhole's end resets: {r:?}");
-    let r = tokio::time::timeout(read_timeout, during.read(&mut buf))
-        .await
-        .expect("the reset arrives");
-    assert!(is_reset(&r), "…connections made during it too: {r:?}");
-
-    // Reset everything open now.
-    let mut c = TcpStream::connect(relay.addr()).await.expect("connect");
-    assert_eq!(roundtrip(&mut c, b"again").await, b"again");
-    relay.reset_all();
-    let r = tokio::time::timeout(read_timeout, c.read(&mut buf))
-        .await
-        .expect("the reset arrives");
-    assert!(is_reset(&r), "reset_all: {r:?}");
-
-    // Refuse: new connections are reset at once.
-    relay.refuse();
-    // The reset may come before the connect call returns.
-    match TcpStream::connect(relay.addr()).await {
-        Ok(mut c) => {
-            let r = tokio::time::timeout(read_timeout, c.read(&mut buf))
-                .await
-                .expect("the reset arrives");
-            assert!(is_reset(&r), "refuse: {r:?}");
-        }
-        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "refuse"),
-    }
-    relay.pass();
-
-    // Cut after N bytes up: exactly N reach the target, then both sides are reset.
-    let before = relay.stats();
-    relay.cut_after(Direction::Up, Some(4));
-    let mut c = TcpStream::connect(relay.addr()).await.expect("connect");
-    c.write_all(b"abcdefgh").await.expect("write");
-    let mut got = Vec::new();
-    let r = tokio::time::timeout(read_timeout, c.read_to_end(&mut got))
-        .await
-        .expect("the cut arrives");
-    assert!(is_reset(&r), "cut: {r:?}");
-    assert_eq!(
-        relay.stats().bytes_up - before.bytes_up,
-        4,
-        "N bytes went up"
-    );
-    relay.cut_after(Direction::Up, None);
-
-    let stats = relay.stats();
-    assert_eq!(stats.accepted, 5, "{stats:?}");
-    assert!(stats.resets >= 5, "{stats:?}");
-    assert!(stats.dropped >= 5, "{stats:?}");
-
-    // Dropped: open connections close, the port closes.
-    let mut open = TcpStream::connect(relay.addr()).await.expect("connect");
-    assert_eq!(roundtrip(&mut open, b"last").await, b"last");
-    let addr = relay.addr();
-    drop(relay);
-    let r = tokio::time::timeout(read_timeout, open.read(&mut buf))
-        .await
-        .expect("the relay's end closes the connection");
-    assert!(matches!(r, Ok(0)), "closed in order: {r:?}");
-    let closed = common::eventually(Duration::from_secs(2), || {
-        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(50)).is_err()
-    })
-    .await;
-    assert!(closed, "the relay still accepts after drop");
 }

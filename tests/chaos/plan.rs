@@ -46,12 +46,13 @@ impl Rng {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Faults: the plan, the lanes that inject them, the timeline
+// Faults: the plan and the timeline
 // ---------------------------------------------------------------------------------------------
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
-    Redis,
+    /// The store: named after it on the timeline ([`StoreKind::name`]).
+    Store,
     Proxy,
     Upstream,
 }
@@ -59,7 +60,7 @@ pub(crate) enum Lane {
 impl std::fmt::Display for Lane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.pad(match self {
-            Lane::Redis => "redis",
+            Lane::Store => "store",
             Lane::Proxy => "proxy-b",
             Lane::Upstream => "upstream",
         })
@@ -68,13 +69,16 @@ impl std::fmt::Display for Lane {
 
 #[derive(Debug, Clone)]
 pub(crate) enum Fault {
-    RedisPause(Duration),
-    RedisKill {
+    /// SIGSTOP of the store's server (PostgreSQL: every process of it), SIGCONT after this.
+    StorePause(Duration),
+    /// Redis: SIGKILL; PostgreSQL: a crash (`pg_ctl stop -m immediate`). Started again after
+    /// `down`.
+    StoreKill {
         down: Duration,
     },
-    RedisBlackhole(Duration),
-    RedisReset,
-    RedisLatency {
+    StoreBlackhole(Duration),
+    StoreReset,
+    StoreLatency {
         each_way: Duration,
         lasting: Duration,
     },
@@ -99,11 +103,11 @@ pub(crate) enum Fault {
 impl Fault {
     pub(crate) fn lane(&self) -> Lane {
         match self {
-            Fault::RedisPause(_)
-            | Fault::RedisKill { .. }
-            | Fault::RedisBlackhole(_)
-            | Fault::RedisReset
-            | Fault::RedisLatency { .. } => Lane::Redis,
+            Fault::StorePause(_)
+            | Fault::StoreKill { .. }
+            | Fault::StoreBlackhole(_)
+            | Fault::StoreReset
+            | Fault::StoreLatency { .. } => Lane::Store,
             Fault::ProxyKill { .. } => Lane::Proxy,
             _ => Lane::Upstream,
         }
@@ -112,26 +116,31 @@ impl Fault {
     /// How long it lasts (as planned).
     pub(crate) fn lasting(&self) -> Duration {
         match self {
-            Fault::RedisPause(d)
-            | Fault::RedisBlackhole(d)
+            Fault::StorePause(d)
+            | Fault::StoreBlackhole(d)
             | Fault::UpstreamBlackhole(d)
             | Fault::UpstreamRefuse(d) => *d,
-            Fault::RedisKill { down } | Fault::ProxyKill { down } => *down,
-            Fault::RedisLatency { lasting, .. }
+            Fault::StoreKill { down } | Fault::ProxyKill { down } => *down,
+            Fault::StoreLatency { lasting, .. }
             | Fault::UpstreamLatency { lasting, .. }
             | Fault::UpstreamCut { lasting, .. } => *lasting,
-            Fault::RedisReset | Fault::UpstreamReset => Duration::ZERO,
+            Fault::StoreReset | Fault::UpstreamReset => Duration::ZERO,
         }
     }
 
-    pub(crate) fn describe(&self) -> String {
+    /// What it does, in words; a store fault names the run's `store`.
+    pub(crate) fn describe(&self, store: StoreKind) -> String {
+        let name = store.name();
         match self {
-            Fault::RedisPause(d) => format!("pause redis (SIGSTOP) for {d:?}"),
-            Fault::RedisKill { down } => format!("kill redis (SIGKILL), restart after {down:?}"),
-            Fault::RedisBlackhole(d) => format!("blackhole the redis relay for {d:?}"),
-            Fault::RedisReset => "reset every redis connection".into(),
-            Fault::RedisLatency { each_way, lasting } => {
-                format!("redis relay latency {each_way:?} each way for {lasting:?}")
+            Fault::StorePause(d) => format!("pause {name} (SIGSTOP) for {d:?}"),
+            Fault::StoreKill { down } if store == StoreKind::Postgres => {
+                format!("crash postgres (pg_ctl stop -m immediate), restart after {down:?}")
+            }
+            Fault::StoreKill { down } => format!("kill {name} (SIGKILL), restart after {down:?}"),
+            Fault::StoreBlackhole(d) => format!("blackhole the {name} relay for {d:?}"),
+            Fault::StoreReset => format!("reset every {name} connection"),
+            Fault::StoreLatency { each_way, lasting } => {
+                format!("{name} relay latency {each_way:?} each way for {lasting:?}")
             }
             Fault::ProxyKill { down } => format!("kill proxy B (SIGKILL), restart after {down:?}"),
             Fault::UpstreamLatency { up, down, lasting } => {
@@ -155,9 +164,11 @@ impl Fault {
 pub(crate) struct Planned {
     pub(crate) at: Duration,
     pub(crate) fault: Fault,
+    /// [`Fault::describe`], for the run's store.
+    pub(crate) what: String,
 }
 
-/// The faults of a run, from its seed. Within a lane faults never overlap; Redis faults are at
+/// The faults of a run, from its seed. Within a lane faults never overlap; store faults are at
 /// least `lock_ttl` apart, so that short stalls stay short.
 pub(crate) fn plan_faults(spec: &RunSpec, rng: &mut Rng) -> Vec<Planned> {
     let end = spec.chaos;
@@ -167,43 +178,66 @@ pub(crate) fn plan_faults(spec: &RunSpec, rng: &mut Rng) -> Vec<Planned> {
     let mut t = rng.ms(1000, 2000);
     loop {
         let short = rng.ms(120, 400);
-        let long = rng.ms(2300, 3300);
+        // At least lock_ttl: every lease lapses meanwhile (the store's clock runs on).
+        let long = spec.lock_ttl + rng.ms(300, 1300);
         let roll = rng.between(0, 99);
-        let fault = if spec.persistent {
+        let fault = match spec.store {
             // Restarts keep the data; every stall stays well under lock_ttl / 3.
-            match roll {
-                0..=29 => Fault::RedisPause(short),
-                30..=49 => Fault::RedisKill {
+            StoreKind::PersistentRedis => match roll {
+                0..=29 => Fault::StorePause(short),
+                30..=49 => Fault::StoreKill {
                     down: Duration::ZERO,
                 },
-                50..=64 => Fault::RedisBlackhole(short),
-                65..=84 => Fault::RedisReset,
-                _ => Fault::RedisLatency {
+                50..=64 => Fault::StoreBlackhole(short),
+                65..=84 => Fault::StoreReset,
+                _ => Fault::StoreLatency {
                     each_way: rng.ms(50, 200),
                     lasting: rng.ms(500, 1500),
                 },
-            }
-        } else {
-            match roll {
-                0..=17 => Fault::RedisPause(short),
-                18..=29 => Fault::RedisPause(long),
-                30..=45 => Fault::RedisKill {
+            },
+            StoreKind::Redis => match roll {
+                0..=17 => Fault::StorePause(short),
+                18..=29 => Fault::StorePause(long),
+                30..=45 => Fault::StoreKill {
                     down: rng.ms(100, 1500),
                 },
-                46..=57 => Fault::RedisBlackhole(short),
-                58..=67 => Fault::RedisBlackhole(long),
-                68..=84 => Fault::RedisReset,
-                _ => Fault::RedisLatency {
+                46..=57 => Fault::StoreBlackhole(short),
+                58..=67 => Fault::StoreBlackhole(long),
+                68..=84 => Fault::StoreReset,
+                _ => Fault::StoreLatency {
                     each_way: rng.ms(50, 200),
                     lasting: rng.ms(500, 2000),
                 },
-            }
+            },
+            // A crash keeps every record; its down time stays short, so that the whole outage
+            // (stop, down time, restart with WAL replay) stays under `crash_outage_bound` and
+            // the crash explains nothing (see `store.rs`). Latency stays low enough that a
+            // fresh connection (start-up, prepare, execute: three round trips) still fits in
+            // store.timeout, so renewals land through it.
+            StoreKind::Postgres => match roll {
+                0..=13 => Fault::StorePause(short),
+                14..=25 => Fault::StorePause(long),
+                26..=55 => Fault::StoreKill {
+                    down: rng.ms(0, 150),
+                },
+                56..=65 => Fault::StoreBlackhole(short),
+                66..=74 => Fault::StoreBlackhole(long),
+                75..=87 => Fault::StoreReset,
+                _ => Fault::StoreLatency {
+                    each_way: rng.ms(10, 30),
+                    lasting: rng.ms(500, 2000),
+                },
+            },
         };
         if t + fault.lasting() + margin > end {
             break;
         }
-        let next = t + fault.lasting() + LOCK_TTL + rng.ms(300, 2000);
-        out.push(Planned { at: t, fault });
+        let next = t + fault.lasting() + spec.lock_ttl + rng.ms(300, 2000);
+        out.push(Planned {
+            at: t,
+            fault,
+            what: String::new(),
+        });
         t = next;
     }
 
@@ -215,6 +249,7 @@ pub(crate) fn plan_faults(spec: &RunSpec, rng: &mut Rng) -> Vec<Planned> {
                 fault: Fault::ProxyKill {
                     down: rng.ms(200, 1500),
                 },
+                what: String::new(),
             });
             t += rng.ms(6000, 10_000);
         }
@@ -245,10 +280,17 @@ pub(crate) fn plan_faults(spec: &RunSpec, rng: &mut Rng) -> Vec<Planned> {
             break;
         }
         let next = t + fault.lasting() + rng.ms(800, 3000);
-        out.push(Planned { at: t, fault });
+        out.push(Planned {
+            at: t,
+            fault,
+            what: String::new(),
+        });
         t = next;
     }
     out.sort_by_key(|p| p.at);
+    for p in &mut out {
+        p.what = p.fault.describe(spec.store);
+    }
     out
 }
 
@@ -288,16 +330,22 @@ pub(crate) fn secs(d: Duration) -> String {
 pub(crate) enum Loss {
     /// Redis restarted without persistence: every claim and record is gone.
     RecordsLost,
+    /// PostgreSQL crashed and started again: every committed claim and record is kept. The
+    /// database was unreachable meanwhile, so the span merges with its neighbours like
+    /// [`Loss::Unavailable`], but never makes a merged span claim-losing by itself: a crash
+    /// whose outage stays under `crash_outage_bound` cannot lose a lease (see `store.rs`).
+    Crash,
     /// Proxy B died: the claims it held are no longer renewed and expire.
     ClaimsOfB,
-    /// Redis could not be reached (paused, blackholed, down, connections reset): leases are
-    /// not renewed meanwhile. Merged with its neighbours; claim-losing from `lock_ttl / 3`.
+    /// The store could not be reached (paused, blackholed, down, connections reset): leases
+    /// are not renewed meanwhile. Merged with its neighbours; claim-losing from `lock_ttl / 3`.
     Unavailable,
     /// The machine stalled, not the plan: this process was not scheduled (CPU starvation; the
-    /// relays run here, so Redis and the upstream stalled for both proxies), or Redis itself
-    /// stopped answering outside any injected fault (an `fsync` under `appendfsync always` on
-    /// a busy disk). Measured by the watchdogs. Counts like [`Loss::Unavailable`]; the only
-    /// thing that can excuse a re-execution in the persistent run.
+    /// relays run here, so the store and the upstream stalled for both proxies), or the store
+    /// itself stopped answering outside any injected fault (an `fsync` under `appendfsync
+    /// always` on a busy disk, a starved PostgreSQL backend, a restart that overran its bound).
+    /// Measured by the watchdogs. Counts like [`Loss::Unavailable`]; the only thing that can
+    /// excuse a re-execution in the persistent run.
     Machine,
     /// The upstream relay delayed requests by up to this much (no loss; widens the gap between
     /// a claim and its execution).
@@ -357,251 +405,5 @@ impl Timeline {
             let _ = writeln!(out, "  +{:>7}  {:<8} {}", secs(at), lane, text);
         }
         out
-    }
-}
-
-/// How late a watchdog's answer must be to count as a stall of the machine.
-pub(crate) const MACHINE_STALL: Duration = Duration::from_millis(250);
-
-/// Watches this process's scheduling: a wake-up due every 20ms that comes [`MACHINE_STALL`]
-/// late or more is a stall of the whole process (a loaded machine), recorded as a window. Runs
-/// until aborted.
-pub(crate) async fn process_watchdog(clock: Clock, tl: Arc<Timeline>) {
-    let tick = Duration::from_millis(20);
-    loop {
-        let before = clock.now();
-        tokio::time::sleep(tick).await;
-        let after = clock.now();
-        let late = (after - before).saturating_sub(tick);
-        if late >= MACHINE_STALL {
-            tl.note(
-                before,
-                "-",
-                format!("this process stalled for {late:?} (CPU starvation)"),
-            );
-            tl.window(before, after, Loss::Machine, "process stalled".into());
-        }
-    }
-}
-
-/// Watches Redis itself, on a direct connection (not through the relay): a PING every 50ms
-/// that takes [`MACHINE_STALL`] or more while no fault is injected into Redis (`disturbed` is
-/// odd during a pause or a restart, and moves on at each start and end) is a stall of Redis,
-/// recorded as a window. Runs until aborted.
-pub(crate) async fn redis_watchdog(
-    url: String,
-    clock: Clock,
-    tl: Arc<Timeline>,
-    disturbed: Arc<AtomicU64>,
-) {
-    let client = ::redis::Client::open(url).expect("redis url");
-    let mut conn: Option<::redis::aio::MultiplexedConnection> = None;
-    loop {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let Some(c) = conn.as_mut() else {
-            let connect = client.get_multiplexed_async_connection();
-            conn = tokio::time::timeout(Duration::from_secs(1), connect)
-                .await
-                .ok()
-                .and_then(Result::ok);
-            continue;
-        };
-        let epoch = disturbed.load(Ordering::SeqCst);
-        let sent = clock.now();
-        let cmd = ::redis::cmd("PING");
-        let ping = cmd.query_async::<String>(c);
-        let answered = tokio::time::timeout(Duration::from_secs(2), ping).await;
-        let took = clock.now() - sent;
-        if !matches!(answered, Ok(Ok(_))) {
-            conn = None;
-        }
-        let undisturbed = epoch.is_multiple_of(2) && disturbed.load(Ordering::SeqCst) == epoch;
-        if undisturbed && took >= MACHINE_STALL {
-            tl.note(
-                sent,
-                "redis",
-                format!("redis stalled for {took:?} (not injected)"),
-            );
-            tl.window(sent, sent + took, Loss::Machine, "redis stalled".into());
-        }
-    }
-}
-
-/// Runs the Redis faults; returns the server (for the final scan).
-pub(crate) async fn redis_lane(
-    plan: Vec<Planned>,
-    mut redis: RedisServer,
-    disturbed: Arc<AtomicU64>,
-    relay: Arc<Relay>,
-    persistent: bool,
-    clock: Clock,
-    tl: Arc<Timeline>,
-) -> RedisServer {
-    let lane = "redis";
-    for p in plan {
-        tokio::time::sleep_until(clock.at(p.at)).await;
-        let start = clock.now();
-        match p.fault {
-            Fault::RedisPause(d) => {
-                disturbed.fetch_add(1, Ordering::SeqCst);
-                redis.pause();
-                tl.note(start, lane, format!("SIGSTOP (planned {d:?})"));
-                tokio::time::sleep(d).await;
-                redis.resume();
-                disturbed.fetch_add(1, Ordering::SeqCst);
-                let end = clock.now();
-                tl.note(end, lane, format!("SIGCONT after {:?}", end - start));
-                tl.window(start, end, Loss::Unavailable, "redis paused".into());
-            }
-            Fault::RedisKill { down } => {
-                disturbed.fetch_add(1, Ordering::SeqCst);
-                tokio::task::block_in_place(|| redis.kill());
-                tl.note(start, lane, "SIGKILL".into());
-                tokio::time::sleep(down).await;
-                tokio::task::block_in_place(|| redis.restart());
-                disturbed.fetch_add(1, Ordering::SeqCst);
-                let end = clock.now();
-                let how = if persistent {
-                    "restarted from its AOF"
-                } else {
-                    "restarted EMPTY (no persistence)"
-                };
-                tl.note(end, lane, format!("{how}, down {:?}", end - start));
-                if persistent {
-                    tl.window(start, end, Loss::Unavailable, "redis restarted".into());
-                } else {
-                    tl.window(
-                        start,
-                        end,
-                        Loss::RecordsLost,
-                        "redis restarted empty".into(),
-                    );
-                }
-            }
-            Fault::RedisBlackhole(d) => {
-                relay.blackhole();
-                tl.note(start, lane, format!("relay blackhole (planned {d:?})"));
-                tokio::time::sleep(d).await;
-                relay.pass();
-                let end = clock.now();
-                tl.note(
-                    end,
-                    lane,
-                    format!(
-                        "relay passes again after {:?}; its connections reset",
-                        end - start
-                    ),
-                );
-                tl.window(start, end, Loss::Unavailable, "redis blackholed".into());
-            }
-            Fault::RedisReset => {
-                relay.reset_all();
-                tl.note(start, lane, "relay resets every connection".into());
-                // Commands in flight fail; the client reconnects at once.
-                tl.window(
-                    start,
-                    start + Duration::from_millis(200),
-                    Loss::Unavailable,
-                    "redis connections reset".into(),
-                );
-            }
-            Fault::RedisLatency { each_way, lasting } => {
-                relay.set_latency(each_way, each_way);
-                tl.note(start, lane, format!("relay latency {each_way:?} each way"));
-                tokio::time::sleep(lasting).await;
-                relay.set_latency(Duration::ZERO, Duration::ZERO);
-                tl.note(clock.now(), lane, "relay latency off".into());
-                // Commands still run (late): renewals land, so no lease is lost by latency
-                // under lock_ttl / 3. Not a window.
-            }
-            other => unreachable!("not a redis fault: {other:?}"),
-        }
-    }
-    redis
-}
-
-/// Runs the proxy-B faults; returns the running process and the logs of those killed.
-pub(crate) async fn proxy_lane(
-    plan: Vec<Planned>,
-    mut b: ProxyProcess,
-    yaml: String,
-    port: u16,
-    clock: Clock,
-    tl: Arc<Timeline>,
-) -> (ProxyProcess, Vec<String>) {
-    let lane = "proxy-b";
-    let mut logs = Vec::new();
-    for p in plan {
-        let Fault::ProxyKill { down } = p.fault else {
-            unreachable!("not a proxy fault: {:?}", p.fault);
-        };
-        tokio::time::sleep_until(clock.at(p.at)).await;
-        let start = clock.now();
-        b.signal("-KILL");
-        tl.note(start, lane, "SIGKILL".into());
-        tl.window(start, start, Loss::ClaimsOfB, "proxy B killed".into());
-        tokio::task::block_in_place(|| b.wait(Duration::from_secs(5)));
-        logs.push(b.log());
-        tokio::time::sleep(down).await;
-        b = tokio::task::block_in_place(|| ProxyProcess::spawn_on(&yaml, port));
-        let end = clock.now();
-        tl.note(
-            end,
-            lane,
-            format!("restarted on the same port, down {:?}", end - start),
-        );
-    }
-    (b, logs)
-}
-
-/// Runs the upstream faults.
-pub(crate) async fn upstream_lane(
-    plan: Vec<Planned>,
-    relay: Arc<Relay>,
-    clock: Clock,
-    tl: Arc<Timeline>,
-) {
-    let lane = "upstream";
-    for p in plan {
-        tokio::time::sleep_until(clock.at(p.at)).await;
-        let start = clock.now();
-        tl.note(start, lane, p.fault.describe());
-        match p.fault {
-            Fault::UpstreamLatency { up, down, lasting } => {
-                relay.set_latency(up, down);
-                tl.window(
-                    start,
-                    start + lasting,
-                    Loss::Delay(up),
-                    "upstream delayed".into(),
-                );
-                tokio::time::sleep(lasting).await;
-                relay.set_latency(Duration::ZERO, Duration::ZERO);
-            }
-            Fault::UpstreamBlackhole(d) => {
-                relay.blackhole();
-                tokio::time::sleep(d).await;
-                relay.pass();
-            }
-            Fault::UpstreamReset => relay.reset_all(),
-            Fault::UpstreamRefuse(d) => {
-                relay.refuse();
-                tokio::time::sleep(d).await;
-                relay.pass();
-            }
-            Fault::UpstreamCut {
-                dir,
-                after,
-                lasting,
-            } => {
-                relay.cut_after(dir, Some(after));
-                tokio::time::sleep(lasting).await;
-                relay.cut_after(dir, None);
-            }
-            other => unreachable!("not an upstream fault: {other:?}"),
-        }
-        if p.fault.lasting() > Duration::ZERO {
-            tl.note(clock.now(), lane, "healthy again".into());
-        }
     }
 }

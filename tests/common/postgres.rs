@@ -338,16 +338,21 @@ impl PgServer {
         found
     }
 
-    /// `sig` to the postmaster first (so it forks nobody new meanwhile), then to every child.
+    /// `sig` to the postmaster first (so it forks nobody new meanwhile), then to every child,
+    /// all in one `kill`: one process per backend would stretch a short pause by a process
+    /// start each on a loaded machine.
     fn signal_server(&self, sig: &str) {
         self.signal_group(sig);
-        for child in self.children() {
-            // A child may have exited since it was listed.
-            let _ = Command::new("kill")
-                .args([sig, &child.to_string()])
-                .stderr(Stdio::null())
-                .status();
+        let children: Vec<String> = self.children().iter().map(u32::to_string).collect();
+        if children.is_empty() {
+            return;
         }
+        // A child may have exited since it was listed: `kill` still signals the others.
+        let _ = Command::new("kill")
+            .arg(sig)
+            .args(&children)
+            .stderr(Stdio::null())
+            .status();
     }
 
     /// SIGSTOP to the postmaster and every backend: the database hangs, connections stay open.
