@@ -174,8 +174,10 @@ impl RedisCluster {
         let ports = free_ports(2);
         let dir = tempfile::tempdir().expect("temp dir for the cluster node");
         let (port, bus) = (ports[0], ports[1]);
+        // The watchdog first: a binary that exits between the spawn and the watchdog would
+        // leave the node running.
+        reap_on_exit(port, dir.path());
         let child = spawn_node(dir.path(), port, bus, SINGLE_NODE_TIMEOUT_MS);
-        reap_on_exit(child.id(), dir.path());
         let cluster = RedisCluster {
             nodes: vec![ClusterNode {
                 port,
@@ -474,6 +476,8 @@ fn spawn_node(dir: &std::path::Path, port: u16, bus: u16, node_timeout_ms: u32) 
             &node_timeout_ms.to_string(),
             "--dir",
             &dir.display().to_string(),
+            "--pidfile",
+            &pidfile(dir, port).display().to_string(),
         ])
         .args(super::REDIS_EPHEMERAL)
         .stdout(Stdio::null())
@@ -527,14 +531,25 @@ pub(crate) fn parse_nodes(text: &str) -> Vec<NodeLine> {
         .collect()
 }
 
+/// Where the node on `port` writes its process id (for [`reap_on_exit`]).
+fn pidfile(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
+    dir.join(format!("redis-{port}.pid"))
+}
+
 /// A spare node lives in a `static`, which is never dropped: a watchdog process kills it and
-/// removes its directory once this test binary has exited. It leaves as soon as the node is gone
-/// (a test took it and killed it), so it never signals a process id that is no longer the node.
-fn reap_on_exit(pid: u32, dir: &std::path::Path) {
+/// removes its directory once this test binary has exited. Started before the node, it finds
+/// the node by its pidfile, and kills that process only if it is still the node on `port`
+/// (Redis names itself `redis-server 127.0.0.1:PORT`). It leaves as soon as the directory is
+/// gone: a test took the node and dropped it.
+fn reap_on_exit(port: u16, dir: &std::path::Path) {
     let me = std::process::id();
-    let dir = dir.display();
+    let pidfile = pidfile(dir, port);
+    let (dir, pidfile) = (dir.display(), pidfile.display());
     let script = format!(
-        "while kill -0 {me} 2>/dev/null; do kill -0 {pid} 2>/dev/null || exit 0; sleep 0.2; done; kill -KILL {pid} 2>/dev/null; rm -rf '{dir}'"
+        "while kill -0 {me} 2>/dev/null; do [ -d '{dir}' ] || exit 0; sleep 0.2; done; \
+         sleep 0.5; \
+         pid=$(cat '{pidfile}' 2>/dev/null) && tr '\\0' ' ' < /proc/$pid/cmdline 2>/dev/null | grep -q ':{port}\\b' && kill -KILL $pid; \
+         rm -rf '{dir}'"
     );
     let _ = Command::new("sh")
         .args(["-c", &script])
