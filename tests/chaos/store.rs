@@ -92,15 +92,7 @@ impl StoreServer {
                     &dir,
                 ]))
             }
-            StoreKind::Postgres => StoreServer::Postgres(PgServer::start_with(&[
-                "fsync=off",
-                "logging_collector=on",
-                "log_directory=/tmp/pglogs",
-                "log_connections=on",
-                "log_disconnections=on",
-                "log_min_messages=log",
-                "log_line_prefix=%m [%p] %a ",
-            ])),
+            StoreKind::Postgres => StoreServer::Postgres(PgServer::start()),
         }
     }
 
