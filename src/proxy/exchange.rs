@@ -9,22 +9,21 @@ use bytes::Bytes;
 use http::Response;
 use http::header;
 use tokio::time::Instant;
-use tokio_util::task::TaskTracker;
 
 use super::admission::Admitted;
 use super::detach::Attachment;
 use super::lease::Lease;
-use super::pending::PendingCompletions;
 use super::replay::replay;
 use super::resolved::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
+use super::shared::Shared;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Record, new_token};
 use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
-use crate::store::{Claim, Held, StoreError, StoreHandle};
+use crate::store::{Claim, Held, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
 
 /// How long a 409 asks the client to wait (`Retry-After`).
@@ -34,14 +33,6 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead).
 pub(super) const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
 pub(super) const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
-
-/// What every exchange shares with the proxy: the store, the tracker of the background tasks
-/// (detached exchanges, completions) that shutdown waits for, and the completions being retried.
-pub(super) struct Shared {
-    pub store: StoreHandle,
-    pub tasks: TaskTracker,
-    pub pending: Arc<PendingCompletions>,
-}
 
 /// One admitted request, from its claim to its answer.
 pub(super) struct Exchange {

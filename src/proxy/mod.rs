@@ -52,6 +52,7 @@ mod reload;
 mod replay;
 mod resolved;
 mod settle;
+mod shared;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,11 +75,12 @@ use crate::route::IdempotencySettings;
 use crate::store::StoreHandle;
 
 use self::detach::{Detachable, Panicked};
-use self::exchange::{Exchange, Shared};
+use self::exchange::Exchange;
 use self::generation::Generation;
 use self::pending::PendingCompletions;
 use self::reload::Reloading;
 use self::resolved::{Answer, Route, RouteNumbers, forward_plain, refuse};
+use self::shared::Shared;
 
 pub use keys::{KeyResolver, Lookup, LookupError};
 pub use reload::{Changes, Reloaded};

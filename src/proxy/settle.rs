@@ -11,10 +11,10 @@
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::exchange::Shared;
 use super::lease::Lease;
 use super::replay::saved_headers;
 use super::resolved::Route;
+use super::shared::Shared;
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;

@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio_rustls::TlsAcceptor;
 
@@ -120,7 +120,29 @@ impl ConnectionSettings {
     fn new(limits: ListenerLimits) -> ConnectionSettings {
         ConnectionSettings {
             limits,
-            builder: super::listener::builder(&limits),
+            builder: builder(&limits),
         }
     }
+}
+
+/// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
+const MIN_HEAD_BYTES: usize = 8192;
+
+/// The builder the connections share: hyper's own limits.
+fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
+    let head_bytes = limits.max_head_bytes.max(MIN_HEAD_BYTES);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // Bounds each request head; for an idle keep-alive connection, hyper's deadline and
+        // the connection task's are the same.
+        .header_read_timeout(limits.header_read_timeout)
+        .max_headers(limits.max_headers)
+        .max_buf_size(head_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(head_bytes).unwrap_or(u32::MAX));
+    builder
 }

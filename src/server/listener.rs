@@ -38,8 +38,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
@@ -49,9 +47,6 @@ use super::accept::Backoff;
 use super::connection::{self, Stop};
 use super::handler::Shared;
 pub use super::handler::{Handler, ListenerLimits, LiveLimits, Peer};
-
-/// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
-const MIN_HEAD_BYTES: usize = 8192;
 
 /// A bound socket, ready to serve.
 pub struct Listener {
@@ -153,25 +148,6 @@ impl Listener {
         drop(self.tcp);
         Drain { connections, stop }
     }
-}
-
-/// The builder the connections share: hyper's own limits.
-pub(super) fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
-    let head_bytes = limits.max_head_bytes.max(MIN_HEAD_BYTES);
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        // Bounds each request head; for an idle keep-alive connection, hyper's deadline and
-        // the connection task's are the same.
-        .header_read_timeout(limits.header_read_timeout)
-        .max_headers(limits.max_headers)
-        .max_buf_size(head_bytes);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(head_bytes).unwrap_or(u32::MAX));
-    builder
 }
 
 /// The connections of a listener that has stopped accepting.

@@ -32,10 +32,11 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL, Shared};
+use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
 use super::super::lease::Lease;
 use super::super::resolved::Route;
 use super::super::settle::Settlement;
+use super::super::shared::Shared;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::{ObservedMetrics, Would};
