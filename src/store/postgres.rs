@@ -32,6 +32,9 @@
 //!   the first operation that reaches the database: at start when it answers, else by the first
 //!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile). A
 //!   schema of a newer version refuses the start, or fails every operation if found later.
+//! - **Warmer** (`postgres/warm.rs`): connections opened ahead of requests, with ten seconds
+//!   to open, and every statement prepared on them, so that a database whose round trips are
+//!   long still serves requests after every pooled connection was lost.
 //! - **Sweep** (`postgres/sweep.rs`): expired rows deleted in small batches every `sweep_interval`,
 //!   by every instance, skipping rows that claims hold locked.
 //! - **TLS** (`postgres/tls.rs`): rustls, the roots of `store.ca_file` or the Mozilla set, when the
@@ -43,6 +46,7 @@ mod schema;
 mod sql;
 mod sweep;
 mod tls;
+mod warm;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,7 +108,7 @@ impl PostgresStore {
     ) -> Result<PostgresStore, StoreError> {
         let pool = pool::build(settings, timeout)?;
         let inner = Arc::new(Inner {
-            connections: Connections::new(pool, metrics.clone()),
+            connections: Connections::new(pool, timeout, metrics.clone()),
             sql: Statements::new(&settings.schema),
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
@@ -127,6 +131,7 @@ impl PostgresStore {
             ),
         }
         sweep::spawn(Arc::downgrade(&inner), settings.sweep_interval);
+        warm::spawn(Arc::downgrade(&inner));
         Ok(PostgresStore { inner })
     }
 }

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
 
 use super::error;
 use crate::config::PostgresSettings;
@@ -82,14 +82,45 @@ pub(super) fn build(settings: &PostgresSettings, timeout: Duration) -> Result<Po
 /// The pool and the gauges that show it.
 pub(super) struct Connections {
     pool: Pool,
+    /// `store.timeout`: how long a returned connection's check may take.
+    timeout: Duration,
     metrics: Arc<Metrics>,
 }
 
 impl Connections {
-    pub(super) fn new(pool: Pool, metrics: Arc<Metrics>) -> Connections {
-        let connections = Connections { pool, metrics };
+    pub(super) fn new(pool: Pool, timeout: Duration, metrics: Arc<Metrics>) -> Connections {
+        let connections = Connections {
+            pool,
+            timeout,
+            metrics,
+        };
         connections.show();
         connections
+    }
+
+    /// Whether the pool has room for one more connection and none idle: requests would open
+    /// their own (see `warm.rs`).
+    pub(super) fn wants_one(&self) -> bool {
+        let status = self.pool.status();
+        status.available == 0 && status.size < status.max_size
+    }
+
+    /// A connection for the warmer: an idle one if there is one, else a new one with
+    /// [`super::warm::OPEN_WITHIN`] to open, and only if the pool has room now (it never waits
+    /// for a request's connection to come back).
+    pub(super) async fn open(&self, op: &'static str) -> Result<Conn<'_>, StoreError> {
+        let timeouts = Timeouts {
+            wait: Some(Duration::ZERO),
+            create: Some(super::warm::OPEN_WITHIN),
+            recycle: Some(self.timeout),
+        };
+        let got = self.pool.timeout_get(&timeouts).await;
+        self.show();
+        Ok(Conn {
+            object: Some(got.map_err(error::pool(op))?),
+            finished: false,
+            connections: self,
+        })
     }
 
     /// A connection for `op`, within `store.timeout`.

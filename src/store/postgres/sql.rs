@@ -173,4 +173,21 @@ impl Statements {
             ping: "SELECT 1",
         }
     }
+
+    /// Every statement the store runs on a request's behalf: what a fresh connection prepares
+    /// before it serves one (`warm.rs`).
+    pub(super) fn all(&self) -> [&str; 10] {
+        [
+            &self.claim,
+            &self.renew,
+            &self.complete,
+            &self.completed,
+            &self.release,
+            &self.get,
+            &self.inspect,
+            &self.forget,
+            &self.sweep,
+            self.ping,
+        ]
+    }
 }
