@@ -5,18 +5,26 @@
 //! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
 //! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
 //! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
-//! when not installed), all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
-//! for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines,
-//! then one table with each scenario's throughput, latency quantiles, errors, the CPU time the
-//! server under test spent per request, and its ratios to nginx and to the pass-through route:
-//! this machine is shared and noisy, the ratios are what to read (`--rounds N` repeats the
-//! whole selection and keeps medians). See BENCHMARKS.md, or run `cargo bench --bench load -- --help`.
+//! when not installed), all on 127.0.0.1. The load generator runs here: a fixed number of
+//! keep-alive connections for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines, then one table with each scenario's throughput,
+//! latency quantiles, errors, the CPU time the server under test spent per request, and its
+//! ratios to nginx and to the pass-through route: this machine is shared and noisy, the ratios
+//! are what to read (`--rounds N` repeats the whole selection and keeps medians).
+//!
+//! Each timed row also says what held it back (the `limit` column, see `cores`): the cores the
+//! server, the upstream, the load generator and the database each used over the row's window
+//! (CPU seconds over wall seconds), and the rest of the machine's (`other`). `cores` when all
+//! together used at least 90% of the cores (`cores, mostly other programs'` when `other` is
+//! half of that); else `NAME saturates a core` when a single-threaded process (redis-server)
+//! used at least 0.9 core; else `no core saturated, latency-bound`. See BENCHMARKS.md, or run
+//! `cargo bench --bench load -- --help`.
 //!
 //! # Layout
 //! - `args`: the flags and their environment variables.
 //! - `scenario`: the catalogue, in run order, and choosing from a comma list of globs.
 //! - `procs`: the child processes (killed on drop) and their config files.
 //! - `client`: the load generator and one-shot requests.
+//! - `cores`: the cores each process of a row used, and what limited the row.
 //! - `storm`: the conflict storm and its invariants.
 //! - `fill`: filling the memory store with many keys, RSS before and after.
 //! - `pg`: the run's PostgreSQL server.
@@ -27,6 +35,7 @@
 mod args;
 mod churn;
 mod client;
+mod cores;
 mod fill;
 mod pg;
 mod pgbench;
@@ -49,6 +58,7 @@ use tokio::runtime::Runtime;
 
 use args::Args;
 use client::{Expect, Key, LoadPlan, RequestSpec};
+use cores::Part;
 use pg::Postgres;
 use procs::{
     CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
@@ -118,7 +128,7 @@ impl Done {
 /// The server a timed run loads: a proxy of this run (checked afterwards), or another process.
 enum Server<'a> {
     Proxy(&'a mut Proxy),
-    Other(u32),
+    Other(Part),
 }
 
 /// One run's world. Children are dropped (killed) before the directory their logs are in.
@@ -305,6 +315,15 @@ fn run(args: Args) -> Result<bool, String> {
          errors: answers other than the expected ones (notes), in the measured window.",
         bench.args.connections
     );
+    println!(
+        "Limit: the cores each process used over the row's load run (CPU s / wall s, warm-up \
+         included; other = the rest of the machine): `cores` when all together used >= {:.0}% \
+         of the {cores} cores (`mostly other programs'` when other is half of that), else `NAME \
+         saturates a core` when a single-threaded process (redis-server) used >= {} core, else \
+         latency-bound.",
+        cores::BUSY * 100.0,
+        cores::BUSY
+    );
     bench.finish(all.failed);
     Ok(!all.failed)
 }
@@ -323,12 +342,12 @@ impl Bench {
     fn run_scenario(&self, s: &Scenario) -> Result<Done, String> {
         match s.target {
             Target::Direct => {
-                let server = Server::Other(self.mock.pid());
+                let server = Server::Other(Part::process("mock", self.mock.pid()));
                 self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, server)
             }
             Target::Nginx => match &self.nginx {
                 Some(nginx) => {
-                    let server = Server::Other(nginx.pid());
+                    let server = Server::Other(Part::process("nginx", nginx.pid()));
                     self.timed(s, nginx.addr, PASSTHROUGH_PATH, Key::None, server)
                 }
                 None => Ok(Done::skipped(s, "nginx is not installed")),
@@ -481,13 +500,30 @@ impl Bench {
         )
     }
 
-    /// The database server working for the proxy on the same cores, for the notes.
-    fn database(&self, store: Option<Store>) -> Option<(&'static str, u32)> {
+    /// The database server working for the proxy on the same cores, for the notes and the
+    /// `limit` column.
+    fn database(&self, store: Option<Store>) -> Option<Part> {
         match (store, &self.redis, &self.postgres) {
-            (Some(Store::Redis), Some(redis), _) => Some(("redis-server", redis.pid())),
-            (Some(Store::Postgres), _, Some(pg)) => Some(("postgres", pg.pid())),
+            // One thread runs every Redis command.
+            (Some(Store::Redis), Some(redis), _) => Some(Part {
+                single_threaded: true,
+                ..Part::process("redis-server", redis.pid())
+            }),
+            (Some(Store::Postgres), _, Some(pg)) => Some(Part::process("postgres", pg.pid())),
             _ => None,
         }
+    }
+
+    /// The processes a load run of `s` keeps busy: the server under test, the upstream (unless
+    /// it is the server: `direct`), the load generator and the store's database.
+    fn parts(&self, s: &Scenario, server: Part) -> Vec<Part> {
+        let mut parts = vec![server];
+        if s.target != Target::Direct {
+            parts.push(Part::process("mock", self.mock.pid()));
+        }
+        parts.push(Part::client());
+        parts.extend(self.database(s.store()));
+        parts
     }
 
     /// A new key on every request, from a key space no other load run of this run uses:
@@ -550,21 +586,24 @@ impl Bench {
         let replayed = matches!(key, Key::Fixed(_));
         let expect = self.expect(s, replayed);
         let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
-        let pid = match &server {
-            Server::Proxy(proxy) => proxy.process.pid(),
-            Server::Other(pid) => *pid,
+        let server_part = match &server {
+            Server::Proxy(proxy) => Part::process("proxy", proxy.process.pid()),
+            Server::Other(part) => *part,
         };
         // Redis or PostgreSQL works for the proxy on the same cores: its CPU per request goes
         // in the notes.
-        let database = self.database(s.store());
+        let db_cpu = self
+            .database(s.store())
+            .and_then(|db| Some((db.name, CpuMeter::start(db.pid()?))));
         let answered = Arc::new(AtomicU64::new(0));
-        let server_cpu = CpuMeter::start(pid);
-        let db_cpu = database.map(|(name, pid)| (name, CpuMeter::start(pid)));
+        let server_cpu = server_part.pid().map(CpuMeter::start);
+        let meter = cores::Meter::start(self.parts(s, server_part));
         let mut stats = self
             .rt
             .block_on(client::run(Arc::new(plan), answered.clone()));
+        stats.cores = meter.finish();
         let requests = answered.load(Ordering::Relaxed);
-        stats.cpu_per_request = server_cpu.per_request(requests);
+        stats.cpu_per_request = server_cpu.and_then(|m| m.per_request(requests));
         let db_cpu = db_cpu.and_then(|(name, m)| Some((name, m.per_request(requests)?)));
         let fmt = |q| {
             stats
@@ -734,6 +773,7 @@ impl Bench {
         let report = self.rt.block_on(churn::run(churn::ChurnPlan {
             load,
             proxy_pid: proxy.process.pid(),
+            parts: self.parts(s, Part::process("proxy", proxy.process.pid())),
             every: self.args.churn_sample,
             sample,
         }))?;
@@ -759,6 +799,7 @@ impl Bench {
         let plan = fill::FillPlan {
             load: self.plan(proxy.addr, spec, self.expect(s, false)),
             proxy_pid: proxy.process.pid(),
+            parts: self.parts(s, Part::process("proxy", proxy.process.pid())),
             mock: self.mock.addr,
             keys,
             timeout: self.args.fill_timeout,

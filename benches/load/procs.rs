@@ -176,14 +176,31 @@ pub(crate) fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
+/// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
+const TICKS_PER_SECOND: u64 = 100;
+
+pub(crate) fn ticks_to_duration(ticks: u64) -> Duration {
+    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+}
+
+/// The fields of a `/proc/*/stat` line after the parenthesised command name: state, ppid, ...,
+/// utime (11th), stime (12th), cutime (13th), cstime (14th).
+fn stat_fields(stat: &str) -> Option<Vec<u64>> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // The state is a letter: a 0 keeps the indexes of the numbers after it.
+    Some(
+        rest.split_whitespace()
+            .map(|f| f.parse().unwrap_or(0))
+            .collect(),
+    )
+}
+
 /// The CPU time (user + system, every thread) used so far by the process `pid` and by its
 /// children (nginx's workers, PostgreSQL's backends), from `/proc/*/stat`, including the
 /// children it has already reaped (a PostgreSQL backend whose connection closed): their time
 /// moves into its own `cutime`/`cstime` then, so the sum never goes backwards. `None` where
 /// `/proc` cannot be read.
 pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
-    /// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
-    const TICKS_PER_SECOND: u64 = 100;
     let mut ticks = 0;
     let mut found = false;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -193,27 +210,34 @@ pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        // After the parenthesised command name: state, ppid, ..., utime (11th), stime (12th).
-        let Some((_, rest)) = stat.rsplit_once(')') else {
+        let Some(fields) = stat_fields(&stat) else {
             continue;
         };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ppid = fields.get(1).and_then(|f| f.parse::<u32>().ok());
+        let ppid = fields.get(1).and_then(|f| u32::try_from(*f).ok());
         if this != pid && ppid != Some(pid) {
             continue;
         }
-        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
-        if let (Some(user), Some(system)) = (field(11), field(12)) {
+        if let (Some(user), Some(system)) = (fields.get(11), fields.get(12)) {
             ticks += user + system;
             found |= this == pid;
         }
         if this == pid
-            && let (Some(user), Some(system)) = (field(13), field(14))
+            && let (Some(user), Some(system)) = (fields.get(13), fields.get(14))
         {
             ticks += user + system;
         }
     }
-    found.then(|| Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND))
+    found.then(|| ticks_to_duration(ticks))
+}
+
+/// This process's own CPU time (every thread: the load generator; not its running children),
+/// and that of the children it has reaped (pgbench, once its `output()` returned), from
+/// `/proc/self/stat`.
+pub(crate) fn own_cpu_time() -> Option<(Duration, Duration)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields = stat_fields(&stat)?;
+    let sum = |a: usize, b: usize| Some(ticks_to_duration(fields.get(a)? + fields.get(b)?));
+    Some((sum(11, 12)?, sum(13, 14)?))
 }
 
 /// The CPU time a process (and its children) uses over a stretch of load, per request.
