@@ -4,7 +4,7 @@
 //! The processes, each named in the column as here:
 //! - the server under test: `proxy`, `nginx` (the reference proxy, master and workers), or the
 //!   upstream itself for `direct`;
-//! - the upstream: `mock` (`mock-upstream`);
+//! - the upstream: `mock` (`mock-upstream`), or `nginx-upstream` with `--upstream nginx`;
 //! - `client`: the load generator, that is this process's own threads (`/proc/self/stat`; the
 //!   children it starts are not in it);
 //! - the database: `redis-server`, or `postgres` with its backends and helpers;

@@ -5,8 +5,10 @@
 //! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
 //! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
 //! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
-//! when not installed), all on 127.0.0.1. The load generator runs here: a fixed number of
-//! keep-alive connections for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines, then one table with each scenario's throughput,
+//! when not installed), all on 127.0.0.1. `--upstream nginx` puts a second nginx, answering a
+//! fixed small JSON body, in the mock's place (see `upstream`). The load generator runs here: a
+//! fixed number of keep-alive connections for a fixed time after a warm-up, latencies into HDR
+//! histograms. It prints progress lines, then one table with each scenario's throughput,
 //! latency quantiles, errors, the CPU time the server under test spent per request, and its
 //! ratios to nginx and to the pass-through route: this machine is shared and noisy, the ratios
 //! are what to read (`--rounds N` repeats the whole selection and keeps medians).
@@ -23,6 +25,7 @@
 //! - `args`: the flags and their environment variables.
 //! - `scenario`: the catalogue, in run order, and choosing from a comma list of globs.
 //! - `procs`: the child processes (killed on drop) and their config files.
+//! - `upstream`: what every proxy forwards to, the mock or a fixed-answer nginx.
 //! - `client`: the load generator and one-shot requests.
 //! - `cores`: the cores each process of a row used, and what limited the row.
 //! - `storm`: the conflict storm and its invariants.
@@ -43,6 +46,7 @@ mod procs;
 mod report;
 mod scenario;
 mod storm;
+mod upstream;
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -61,11 +65,12 @@ use client::{Expect, Key, LoadPlan, RequestSpec};
 use cores::Part;
 use pg::Postgres;
 use procs::{
-    CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
+    CpuMeter, IDEMPOTENT_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
     StoreConfig,
 };
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
+use upstream::Upstream;
 
 /// The request body of every scenario: 31 bytes of JSON.
 const BODY: &[u8] = br#"{"from":"DEL","to":"BOM","p":2}"#;
@@ -142,7 +147,7 @@ struct Bench {
     nginx: Option<Nginx>,
     redis: Option<Redis>,
     postgres: Option<Postgres>,
-    mock: Mock,
+    upstream: Upstream,
     dir: tempfile::TempDir,
 }
 
@@ -151,9 +156,10 @@ fn run(args: Args) -> Result<bool, String> {
     let selected = scenario::select(list.as_deref().unwrap_or(""), !args.no_baselines)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "load bench: {} scenario(s), {cores} cores; per scenario {:?} warm-up + {:?} measured over \
-         {} connections; proxy processes run with RUST_LOG={} (--proxy-log)",
+        "load bench: {} scenario(s), {cores} cores, upstream {}; per scenario {:?} warm-up + {:?} \
+         measured over {} connections; proxy processes run with RUST_LOG={} (--proxy-log)",
         selected.len(),
+        Upstream::describe(args.upstream),
         args.warmup,
         args.duration,
         args.connections,
@@ -179,8 +185,7 @@ fn run(args: Args) -> Result<bool, String> {
         }
         std::process::exit(130);
     });
-    let mock = Mock::start(Path::new(env!("CARGO_BIN_EXE_mock-upstream")), dir.path())?;
-    println!("mock-upstream on http://{}", mock.addr);
+    let upstream = Upstream::start(args.upstream, dir.path())?;
     let redis = match selected.iter().any(|s| s.store() == Some(Store::Redis)) {
         false => None,
         true => match procs::find_binary("redis-server", "REDIS_SERVER") {
@@ -222,7 +227,8 @@ fn run(args: Args) -> Result<bool, String> {
         false => None,
         true => match procs::find_binary("nginx", "NGINX") {
             Some(bin) => {
-                let nginx = Nginx::start(&bin, dir.path(), mock.addr)?;
+                let site = NginxSite::Proxy(upstream.addr());
+                let nginx = Nginx::start(&bin, dir.path(), "nginx", site)?;
                 println!("nginx proxy_pass on http://{}", nginx.addr);
                 Some(nginx)
             }
@@ -246,7 +252,7 @@ fn run(args: Args) -> Result<bool, String> {
         nginx,
         redis,
         postgres,
-        mock,
+        upstream,
         dir,
     };
 
@@ -324,15 +330,26 @@ fn run(args: Args) -> Result<bool, String> {
         cores::BUSY * 100.0,
         cores::BUSY
     );
+    if bench.upstream.mock().is_none() {
+        println!(
+            "Upstream: nginx return 200 with a fixed body; the scenarios that need the mock are \
+             skipped, and replay checks the first answer only (no upstream call count)."
+        );
+    }
     bench.finish(all.failed);
     Ok(!all.failed)
 }
 
 impl Bench {
     fn scenario(&self, s: &Scenario) -> Result<Done, String> {
+        if let Some(reason) = self.upstream.lacks(s) {
+            return Ok(Done::skipped(s, reason));
+        }
         // Zeroed counters: each scenario's checks read only its own calls, and the mock's
         // per-key map stays small.
-        self.rt.block_on(storm::reset_mock(self.mock.addr))?;
+        if let Some(mock) = self.upstream.mock() {
+            self.rt.block_on(storm::reset_mock(mock.addr))?;
+        }
         let done = self.run_scenario(s);
         // Each scenario starts from an empty store; the 64 KiB ones leave gigabytes behind.
         self.clean_durable()?;
@@ -342,8 +359,8 @@ impl Bench {
     fn run_scenario(&self, s: &Scenario) -> Result<Done, String> {
         match s.target {
             Target::Direct => {
-                let server = Server::Other(Part::process("mock", self.mock.pid()));
-                self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, server)
+                let server = Server::Other(self.upstream.part());
+                self.timed(s, self.upstream.addr(), PASSTHROUGH_PATH, Key::None, server)
             }
             Target::Nginx => match &self.nginx {
                 Some(nginx) => {
@@ -494,10 +511,19 @@ impl Bench {
             self.dir.path(),
             label,
             config,
-            self.mock.addr,
+            self.upstream.addr(),
             ttl,
             &self.args.proxy_log,
         )
+    }
+
+    /// The mock's address; only the scenarios [`Upstream::lacks`] lets through on another
+    /// upstream get here without it.
+    fn mock_addr(&self) -> Result<SocketAddr, String> {
+        self.upstream
+            .mock()
+            .map(|mock| mock.addr)
+            .ok_or_else(|| "this scenario needs the mock upstream".to_owned())
     }
 
     /// The database server working for the proxy on the same cores, for the notes and the
@@ -519,7 +545,7 @@ impl Bench {
     fn parts(&self, s: &Scenario, server: Part) -> Vec<Part> {
         let mut parts = vec![server];
         if s.target != Target::Direct {
-            parts.push(Part::process("mock", self.mock.pid()));
+            parts.push(self.upstream.part());
         }
         parts.push(Part::client());
         parts.extend(self.database(s.store()));
@@ -638,7 +664,8 @@ impl Bench {
         Ok(Done::row(s, Outcome::Timed(stats), note))
     }
 
-    /// One finished key, then every request replays it; the upstream must see it once.
+    /// One finished key, then every request replays it; the upstream must see it once (counted
+    /// by the mock; another upstream counts nothing, so only the first answer is checked).
     fn replay(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
         let key = format!("replay-{:016x}-{}", self.nonce, s.name);
         let value = HeaderValue::try_from(key.as_str()).map_err(|e| e.to_string())?;
@@ -657,7 +684,13 @@ impl Bench {
             spec.key,
             Server::Proxy(proxy),
         )?;
-        let forwarded = self.rt.block_on(storm::mock_stats(self.mock.addr))?["total"]
+        let Some(mock) = self.upstream.mock() else {
+            done.rows[0]
+                .note
+                .push_str("; upstream calls not counted (not the mock)");
+            return Ok(done);
+        };
+        let forwarded = self.rt.block_on(storm::mock_stats(mock.addr))?["total"]
             .as_u64()
             .unwrap_or(0);
         if forwarded != 1 {
@@ -674,7 +707,7 @@ impl Bench {
     fn storm(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
         let plan = storm::StormPlan {
             proxy: proxy.addr,
-            mock: self.mock.addr,
+            mock: self.mock_addr()?,
             keys: self.args.storm_keys.max(1),
             duplicates: self.args.storm_duplicates,
             delay: self.args.storm_delay,
@@ -800,7 +833,7 @@ impl Bench {
             load: self.plan(proxy.addr, spec, self.expect(s, false)),
             proxy_pid: proxy.process.pid(),
             parts: self.parts(s, Part::process("proxy", proxy.process.pid())),
-            mock: self.mock.addr,
+            mock: self.mock_addr()?,
             keys,
             timeout: self.args.fill_timeout,
             fill_keys: self.new_keys(),
@@ -841,11 +874,11 @@ impl Bench {
             nginx,
             redis,
             postgres,
-            mock,
+            upstream,
             dir,
             ..
         } = self;
-        drop((nginx, redis, postgres, mock));
+        drop((nginx, redis, postgres, upstream));
         if args.keep_logs || failed {
             let path = dir.keep();
             println!("Configs and logs kept in {}", path.display());

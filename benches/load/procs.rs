@@ -509,25 +509,45 @@ impl Redis {
     }
 }
 
-/// nginx as a plain reverse proxy to the mock: the reference a proxy is compared with.
+/// What an nginx of the run serves.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum NginxSite {
+    /// `proxy_pass` to this upstream over a keep-alive pool: the reference reverse proxy.
+    Proxy(SocketAddr),
+    /// `return 200` with [`NGINX_BODY`] on every path, whatever the method: the cheapest
+    /// upstream there is (`--upstream nginx`).
+    Fixed,
+}
+
+/// The answer of the [`NginxSite::Fixed`] nginx: small, JSON, the same on every path. No `'`
+/// (it is quoted with them in the config) and no `$` (nginx would read a variable).
+pub(crate) const NGINX_BODY: &str =
+    r#"{"booking":"fixed","status":"confirmed","from":"DEL","to":"BOM"}"#;
+
+/// An nginx of the run's own: the reference proxy, or the fixed upstream.
 pub(crate) struct Nginx {
     process: ChildProcess,
     pub addr: SocketAddr,
 }
 
 impl Nginx {
-    /// Runs `nginx -p DIR/nginx -c nginx.conf` in the foreground (`daemon off`), with a
-    /// keep-alive pool to the mock and every temp path under its own prefix.
-    pub(crate) fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx, String> {
-        let prefix = dir.join("nginx");
+    /// Runs `nginx -p DIR/NAME -c nginx.conf` in the foreground (`daemon off`), every temp path
+    /// under its own prefix, so two of them can run side by side.
+    pub(crate) fn start(
+        bin: &Path,
+        dir: &Path,
+        name: &str,
+        site: NginxSite,
+    ) -> Result<Nginx, String> {
+        let prefix = dir.join(name);
         std::fs::create_dir_all(&prefix)
             .map_err(|e| format!("create {}: {e}", prefix.display()))?;
         let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let conf = prefix.join("nginx.conf");
-        let text = nginx_conf(&prefix, addr, upstream, &missing_modules(bin));
+        let text = nginx_conf(&prefix, addr, site, &missing_modules(bin));
         std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
         let mut process = ChildProcess::spawn(
-            "nginx".to_owned(),
+            name.to_owned(),
             Command::new(bin)
                 .arg("-p")
                 .arg(&prefix)
@@ -536,7 +556,7 @@ impl Nginx {
                 .arg("-e")
                 .arg(prefix.join("error.log"))
                 .stdout(Stdio::null()),
-            dir.join("nginx.stderr.log"),
+            dir.join(format!("{name}.stderr.log")),
             Some("-TERM"),
         )?;
         process.wait_listening(addr)?;
@@ -558,7 +578,7 @@ fn missing_modules(bin: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn nginx_conf(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, build: &str) -> String {
+fn nginx_conf(prefix: &Path, listen: SocketAddr, site: NginxSite, build: &str) -> String {
     let p = prefix.display();
     let mut temp_paths =
         format!("    client_body_temp_path {p}/client_body;\n    proxy_temp_path {p}/proxy;\n");
@@ -567,19 +587,9 @@ fn nginx_conf(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, build: &s
             temp_paths.push_str(&format!("    {module}_temp_path {p}/{module};\n"));
         }
     }
-    format!(
-        "worker_processes auto;
-daemon off;
-pid {p}/nginx.pid;
-error_log {p}/error.log warn;
-events {{
-    worker_connections 4096;
-}}
-http {{
-    access_log off;
-{temp_paths}    keepalive_requests 1000000;
-    keepalive_timeout 75s;
-    upstream mock {{
+    let site = match site {
+        NginxSite::Proxy(upstream) => format!(
+            "    upstream mock {{
         server {upstream};
         keepalive 64;
         keepalive_requests 1000000;
@@ -597,7 +607,33 @@ http {{
             proxy_max_temp_file_size 0;
         }}
     }}
+"
+        ),
+        // `return` answers before any body is read; nginx discards the request body itself.
+        NginxSite::Fixed => format!(
+            "    server {{
+        listen {listen};
+        default_type application/json;
+        location / {{
+            return 200 '{NGINX_BODY}';
+        }}
+    }}
+"
+        ),
+    };
+    format!(
+        "worker_processes auto;
+daemon off;
+pid {p}/nginx.pid;
+error_log {p}/error.log warn;
+events {{
+    worker_connections 4096;
 }}
+http {{
+    access_log off;
+{temp_paths}    keepalive_requests 1000000;
+    keepalive_timeout 75s;
+{site}}}
 "
     )
 }
