@@ -2,12 +2,13 @@
 //! over the claim by the fenced script, so that no large value ever passes through Lua.
 //!
 //! Why: Redis's Lua turns every script argument into a Lua string, and Redis's copy of Lua
-//! hashes *every byte* of a string it creates (upstream Lua samples long strings; Redis hashes
-//! them whole, against collision attacks), in a loop that cannot go faster than a few cycles a
-//! byte. `redis.call('SET', …)` then copies the value once more into a Redis object. A 64 KiB
-//! completion cost redis-server about 170 µs of CPU that way, against about 75 µs for a plain
-//! `SET` of the same bytes (BENCHMARKS.md, "Large records on Redis"), two thirds of it in that
-//! hash.
+//! hashes *every byte* of a string it creates (upstream Lua 5.1 samples about 32 bytes of a long
+//! string; `deps/lua/src/lstring.c` in Redis sets the step to 1), in a serial loop of a few
+//! cycles a byte. `redis.call('SET', …)` then copies the value once more into a Redis object. A new key
+//! with a 64 KiB response cost redis-server about 170 µs of CPU that way, against about 65 µs
+//! for a plain `SET` of the same bytes; staged, about 95 µs (BENCHMARKS.md, "Large records on
+//! Redis": two thirds of the inline script's cost was making its arguments Lua strings, half
+//! of it that hash).
 //!
 //! How, for a record of at least [`STAGE_FROM`] bytes:
 //! 1. `SET <staging key> <record> PX ttl` — a plain command: Redis keeps a large argument's
@@ -32,8 +33,8 @@
 //!
 //! On a Redis Cluster, both keys must be in one slot (a script's keys must be). The staging key
 //! takes the record key's hash tag when it has one, and otherwise makes the whole record key
-//! its tag (`…{<record key>}`), which hashes to the record key's own slot. A record key whose
-//! braces would make either impossible (a `key_prefix` with a `}` but no tag) completes inline.
+//! its tag (`…{<record key>}`), which hashes to the record key's own slot. A record key with
+//! braces that form no tag (from its `key_prefix`) allows neither, and completes inline.
 
 use std::time::Duration;
 
@@ -45,9 +46,10 @@ use super::millis;
 use crate::record::Record;
 use crate::store::Held;
 
-/// Records of this many bytes or more are staged; smaller ones complete inline. Measured (both
-/// ways, one round trip each, redis-server CPU per completion): at 4 KiB the two cost the same,
-/// at 8 KiB staging saves about a third, at 64 KiB nearly half.
+/// Records of this many bytes or more are staged; smaller ones complete inline. Measured
+/// (redis-server CPU per claim and completion, both one round trip): staging costs a few µs more
+/// at 1 KiB (its second command), about the same at 4–8 KiB, a third less at 16 KiB, half at
+/// 64 KiB. Below 8 KiB the proxy's second command would buy Redis nothing.
 pub(crate) const STAGE_FROM: usize = 8 * 1024;
 
 /// The staging key of `held`'s completion under `key`: `<key>:staged:<token hex>`, plus a hash
