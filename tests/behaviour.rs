@@ -32,6 +32,7 @@ every_store!(
     custom_key_prefix_is_honoured,
     // §4.2 outcomes
     replay_is_byte_identical,
+    large_response_replays_byte_identical,
     repeat_in_flight_is_409_with_retry_after,
     on_conflict_wait_replays_the_first_response,
     on_conflict_wait_gives_409_after_wait_timeout,
@@ -527,6 +528,50 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
 
 // ---------------------------------------------------------------------------------------------
 // §4.2 Outcomes.
+
+/// A 64 KiB response (on Redis a staged record: written to a key of its own, then moved under
+/// the record key) replays byte for byte, from one key that holds all of it with the route's
+/// TTL: no staging key is left beside it.
+async fn large_response_replays_byte_identical(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&env.config("ttl: 1h\nmax_response_body: 1MiB"))
+        .await;
+    let size = 64 * 1024;
+    let req = || {
+        post(&proxy, "/bookings", "large-1", SEAT)
+            .header("X-Mock-Body-Size", size.to_string())
+            .header("X-Mock-Header", "X-Custom: large")
+    };
+    let first = send(req()).await;
+    assert_fresh(&first, 201);
+    assert!(first.body[..] == idemproxy_mock::body_pattern(size)[..]);
+    for _ in 0..2 {
+        let again = send(req()).await;
+        assert_replay_of(&first, &again);
+        assert_eq!(again.header("x-custom"), "large");
+        assert_eq!(again.header("content-length"), size.to_string());
+    }
+    assert_eq!(env.mock.calls("large-1"), 1, "run once");
+
+    if backend != Backend::Memory {
+        let keys = env.stored_keys();
+        let expected = common::store_key(
+            "idemproxy:",
+            "create-booking",
+            &[HeaderName::from_static("authorization")],
+            &http::HeaderMap::new(),
+            "large-1",
+        );
+        let names: Vec<&str> = keys.iter().map(|k| k.key.as_str()).collect();
+        assert_eq!(names, [expected.as_str()], "the record key alone");
+        let ttl = ttl_of(&keys[0]);
+        assert!(
+            ttl > Duration::from_secs(3500) && ttl <= Duration::from_secs(3600),
+            "the record expires after ttl (1h): {ttl:?}"
+        );
+    }
+}
 
 async fn replay_is_byte_identical(backend: Backend) {
     let env = Env::new(backend).await;

@@ -3,9 +3,9 @@
 //! failover). The representative behaviour rules of tests/behaviour.rs and tests/faults.rs run
 //! here with the same assertions (running all of them a third time would triple the suite's
 //! time), then what only a cluster has: keys spread over every primary, scripts reloaded per
-//! node, a slot moved while requests run (MOVED and ASK followed) and a coordinated failover
-//! while requests run — never a duplicate forward, a bounded number of 503s, and traffic
-//! that recovers.
+//! node, a slot moved while requests run (MOVED and ASK followed; large records among them),
+//! a large completion while its slot moves, and a coordinated failover while requests run —
+//! never a duplicate forward, a bounded number of 503s, and traffic that recovers.
 
 mod common;
 
@@ -20,8 +20,9 @@ use common::{
 };
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::store::StoreHandle;
+use idemproxy::record::Record;
 use idemproxy::store::redis::RedisStore;
+use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
 
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
@@ -492,8 +493,9 @@ struct Tally {
 
 /// Sends rounds of requests through `proxy` until `stop` is set: the hot key each round, fresh
 /// keys `{prefix}-{round}-{i}` (i < 6) sent twice at once, and every fourth round the next of
-/// `in_slot` (keys of one slot) twice at once. Any answer but 201 (fresh or replayed), 409 and
-/// 503 fails the test.
+/// `in_slot` (keys of one slot) twice at once, with a 64 KiB response (saved as a staged
+/// record: written to a staging key in the slot, then moved under the record key, both while
+/// the slot moves). Any answer but 201 (fresh or replayed), 409 and 503 fails the test.
 async fn traffic(
     proxy: &TestProxy,
     prefix: &str,
@@ -502,6 +504,7 @@ async fn traffic(
     stop: &AtomicBool,
 ) -> Tally {
     let mut tally = Tally::default();
+    let in_slot_keys = in_slot;
     let mut in_slot = in_slot.iter();
     let mut round = 0;
     while !stop.load(Ordering::Relaxed) {
@@ -515,8 +518,15 @@ async fn traffic(
             tally.keys.push(k.clone());
             keys.push(k);
         }
-        let replies =
-            futures_util::future::join_all(keys.iter().map(|k| post(proxy, k, &[]))).await;
+        let replies = futures_util::future::join_all(keys.iter().map(|k| {
+            let large: &[(&str, &str)] = if in_slot_keys.contains(k) {
+                &[("X-Mock-Body-Size", "65536")]
+            } else {
+                &[]
+            };
+            post(proxy, k, large)
+        }))
+        .await;
         for r in replies {
             match r.status {
                 201 => tally.ok += 1,
@@ -643,6 +653,119 @@ async fn slot_migration_during_traffic() {
         tally.unavailable <= 10,
         "at most a few 503s while the slot moved: {tally:?}"
     );
+}
+
+/// A large completion while its slot moves, for a claim taken before the move: the staging key
+/// is new, so the old primary sends its `SET` on to the new one (ASK); the script names the
+/// claim, still on the old primary, and the staging key, already on the new one, and is told
+/// to try again (TRYAGAIN) until the claim has moved too; then it runs on the new primary
+/// (ASK) and moves the record under its key there. Done once, whole, on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_completion_while_its_slot_moves() {
+    let w = Arc::new(World::new(0).await);
+    let timeout = Duration::from_secs(3);
+    let inner = RedisStore::cluster(&w.cluster.seeds(), &RedisAccess::default(), timeout)
+        .expect("cluster store");
+    let store = StoreHandle::new(Arc::new(inner), timeout, Arc::new(Metrics::new()));
+    let key = StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [61; 32],
+    );
+    let held = Held::new(Record::InFlight {
+        token: [1; 16],
+        fingerprint: [7; 32],
+    });
+    assert_eq!(
+        store
+            .claim(&key, &held, Duration::from_secs(30))
+            .await
+            .expect("claim"),
+        Claim::Claimed
+    );
+    let slot = w.cluster.slot_of(&key.text());
+    let from = w.cluster.owner_of(slot);
+    let to: NodeLine = w
+        .cluster
+        .masters()
+        .into_iter()
+        .find(|m| m.id != from.id)
+        .expect("another primary");
+
+    // The slot is marked migrating; its keys move once the completion has been sent.
+    let (migrating, marked) = std::sync::mpsc::channel();
+    let (go, sent) = std::sync::mpsc::channel::<()>();
+    let mover = {
+        let (w, from, to) = (w.clone(), from.clone(), to.clone());
+        tokio::task::spawn_blocking(move || {
+            w.cluster.migrate_slot(slot, &from, &to, |stage| {
+                if stage == 1 {
+                    migrating.send(()).expect("the test waits");
+                    sent.recv().expect("the completion was sent");
+                    // The script meets the split slot for a while.
+                    std::thread::sleep(Duration::from_millis(150));
+                }
+            });
+        })
+    };
+    tokio::task::spawn_blocking(move || marked.recv().expect("the slot is migrating"))
+        .await
+        .expect("wait for the migration");
+    let record = common::store_checks::large(b'm');
+    let completion = {
+        let (store, key, held, encoded) =
+            (store.clone(), key.clone(), held.clone(), record.encode());
+        tokio::spawn(async move {
+            store
+                .complete(&key, &held, &encoded, Duration::from_secs(3600))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    go.send(()).expect("the mover waits");
+    let done = completion.await.expect("completion task");
+    mover.await.expect("slot moved");
+    assert!(
+        done.as_ref().is_ok_and(|d| *d),
+        "the completion lands while the slot moves: {done:?}"
+    );
+    assert_eq!(w.cluster.owner_of(slot).id, to.id, "the slot moved");
+    let mut on_new = w.cluster.conn(to.port);
+    let stored: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(key.text())
+        .query(&mut on_new)
+        .expect("GET");
+    assert!(
+        stored.as_deref() == Some(&record.encode()[..]),
+        "the whole record, on the new primary"
+    );
+    let keys: Vec<String> = redis::cmd("CLUSTER")
+        .arg("GETKEYSINSLOT")
+        .arg(slot)
+        .arg(10)
+        .query(&mut on_new)
+        .expect("GETKEYSINSLOT");
+    assert_eq!(keys, [key.text()], "no staging key is left in the slot");
+    assert_eq!(
+        store.get(&key).await.expect("get"),
+        Some(record),
+        "read through the cluster client"
+    );
+    let split: u64 = [from.port, to.port]
+        .into_iter()
+        .map(|port| {
+            let stats: String = redis::cmd("INFO")
+                .arg("errorstats")
+                .query(&mut w.cluster.conn(port))
+                .expect("INFO errorstats");
+            stats
+                .lines()
+                .find_map(|l| l.strip_prefix("errorstat_TRYAGAIN:count="))
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(split > 0, "the script met the split slot (TRYAGAIN)");
 }
 
 /// `CLUSTER FAILOVER` sent to the replica of the hot key's primary while requests run: the

@@ -1,11 +1,13 @@
 //! The stores under faults of their own: a Redis that restarted or dropped an idle connection
 //! between two requests (the first store operation afterwards must not be a 503), a reply lost
-//! after a release landed (the release sent again must not count as a lost lease), on one
-//! Redis, a Redis with `wait_replicas` and a Redis Cluster.
+//! after a release or a large completion landed (the operation sent again must not count as a
+//! lost lease), on one Redis, a Redis with `wait_replicas` and a Redis Cluster; and what a large
+//! record leaves in Redis on its way in (a staging key with a TTL, then nothing beside it).
 
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::cluster::{RedisCluster, wait_for};
@@ -16,7 +18,7 @@ use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::record::Record;
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::redis::RedisStore;
-use idemproxy::store::{Claim, Held, Store, StoreError, StoreHandle, StoreKey};
+use idemproxy::store::{Claim, Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
 
 const BODY: &str = r#"{"seat":"12A"}"#;
 
@@ -372,5 +374,275 @@ async fn a_claim_sent_again_still_waits_for_the_replicas() {
     assert!(
         matches!(claim, Err(StoreError::ReplicasMissing { acked: 0, .. })),
         "the stopped replica never acknowledged the claim: {claim:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large records on Redis: staged under a key of their own, then moved under the record key
+// ---------------------------------------------------------------------------------------------
+
+/// The keyspace events (`(event, key)`) of one Redis server, from [`KeyEvents::start`] until
+/// [`KeyEvents::stop`], read by a subscriber on a thread of its own.
+struct KeyEvents {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(String, String)>>,
+}
+
+impl KeyEvents {
+    /// Turns on the events of generic and string commands (`SET`, `EXPIRE`, `RENAME`, `DEL`
+    /// …) on the server of `conn`, and subscribes to them on `listener`, a connection to the
+    /// same server.
+    fn start(mut conn: redis::Connection, mut listener: redis::Connection) -> KeyEvents {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("notify-keyspace-events")
+            .arg("Eg$")
+            .query(&mut conn)
+            .expect("CONFIG SET notify-keyspace-events");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready, subscribed) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                let mut pubsub = listener.as_pubsub();
+                pubsub.psubscribe("__keyevent@*__:*").expect("PSUBSCRIBE");
+                pubsub
+                    .set_read_timeout(Some(Duration::from_millis(200)))
+                    .expect("read timeout");
+                ready.send(()).expect("the test waits");
+                let mut events = Vec::new();
+                loop {
+                    match pubsub.get_message() {
+                        Ok(msg) => {
+                            let event = msg
+                                .get_channel_name()
+                                .rsplit_once("__:")
+                                .map(|(_, e)| e.to_owned())
+                                .unwrap_or_default();
+                            let key: String = msg.get_payload().expect("a key name");
+                            events.push((event, key));
+                        }
+                        // Quiet for a read timeout: everything sent before `stop` is in.
+                        Err(e) if e.is_timeout() => {
+                            if stop.load(Ordering::Relaxed) {
+                                return events;
+                            }
+                        }
+                        Err(e) => panic!("reading keyspace events: {e}"),
+                    }
+                }
+            }
+        });
+        subscribed.recv().expect("the subscriber is ready");
+        KeyEvents { stop, thread }
+    }
+
+    /// Every event since the start, in order.
+    fn stop(self) -> Vec<(String, String)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("the subscriber")
+    }
+}
+
+/// The events of `events` about `key`, in order.
+fn events_of<'a>(events: &'a [(String, String)], key: &str) -> Vec<&'a str> {
+    events
+        .iter()
+        .filter(|(_, k)| k == key)
+        .map(|(e, _)| e.as_str())
+        .collect()
+}
+
+/// On Redis and on a Redis Cluster, as the store sees them: a large record is first written to
+/// a staging key of its own with a TTL (`set`, then `expire`: a staging key left behind by a
+/// proxy that died between the two steps expires by itself), named by the claim's token; the
+/// holder's is moved under the record key (`rename`), a lapsed holder's is deleted and never
+/// becomes the key's record. Afterwards the record key alone is left, with the record's TTL,
+/// and `forget` leaves nothing.
+async fn a_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind(backend: Backend) {
+    let env = Env::new(backend).await;
+    let raw = env.store().await;
+    let store = common::store_checks::handle(raw.clone());
+    let events = KeyEvents::start(env.redis_conn(), env.redis_conn());
+    let key = &store_key(51);
+    let (a, b) = (held(1), held(2));
+    let (from_a, from_b) = (
+        common::store_checks::large(b'a'),
+        common::store_checks::large(b'b'),
+    );
+    let hour = Duration::from_secs(3600);
+
+    assert_eq!(
+        store
+            .claim(key, &a, Duration::from_millis(200))
+            .await
+            .expect("A claims"),
+        Claim::Claimed
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.get(key).await.expect("get").is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "A's lease did not lapse"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        store.claim(key, &b, hour).await.expect("B claims"),
+        Claim::Claimed
+    );
+    assert!(
+        !store
+            .complete(key, &a, &from_a.encode(), hour)
+            .await
+            .expect("A completes late"),
+        "A's lease is lost"
+    );
+    assert!(
+        store
+            .complete(key, &b, &from_b.encode(), hour)
+            .await
+            .expect("B completes")
+    );
+    let events = events.stop();
+
+    let staged = |token: u8| format!("{}:staged:{}", key.text(), hex(&[token; 16]));
+    let staging: Vec<&str> = {
+        let mut keys: Vec<&str> = events
+            .iter()
+            .map(|(_, k)| k.as_str())
+            .filter(|k| k.starts_with(&format!("{}:staged:", key.text())))
+            .collect();
+        keys.dedup();
+        keys
+    };
+    assert_eq!(staging.len(), 2, "one staging key per holder: {events:?}");
+    let (a_staged, b_staged) = (staging[0], staging[1]);
+    assert!(
+        a_staged.starts_with(&staged(1)),
+        "{a_staged} names A's token"
+    );
+    assert!(
+        b_staged.starts_with(&staged(2)),
+        "{b_staged} names B's token"
+    );
+    assert_eq!(
+        events_of(&events, a_staged),
+        ["set", "expire", "del"],
+        "A's record: staged with a TTL, then deleted by the fenced script"
+    );
+    assert_eq!(
+        events_of(&events, b_staged),
+        ["set", "expire", "rename_from"],
+        "B's record: staged with a TTL, then moved"
+    );
+    let record = events_of(&events, &key.text());
+    assert!(
+        record.ends_with(&["rename_to", "expire"]),
+        "the record key: B's claim, then B's record with the record's TTL: {record:?}"
+    );
+
+    let keys = env.stored_keys();
+    assert_eq!(keys.len(), 1, "the record key alone: {keys:?}");
+    assert_eq!(keys[0].key, key.text());
+    let ttl = keys[0].ttl.expect("a TTL");
+    assert!(
+        ttl > hour - Duration::from_secs(60) && ttl <= hour,
+        "the record's TTL: {ttl:?}"
+    );
+    assert_eq!(
+        store.get(key).await.expect("get"),
+        Some(from_b),
+        "B's record, whole"
+    );
+    assert_eq!(raw.forget(key).await.expect("forget"), Forgotten::Forgotten);
+    assert_eq!(env.stored_key_names(), Some(Vec::new()), "nothing is left");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind() {
+    a_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind() {
+    common::warm_up();
+    a_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind(Backend::RedisCluster).await;
+}
+
+/// The connection breaks after Redis ran a staged completion whole (the `SET` and the move)
+/// and before the script's answer came back: the store sends both again on a new connection;
+/// the script finds the very record under the key, deletes the second staged copy and answers
+/// done. Saved once, moved once, nothing left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_large_completion_whose_answer_was_lost_is_done() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.addr()).await;
+    let timeout = Duration::from_secs(2);
+    let inner = Arc::new(
+        RedisStore::new(&format!("redis://{}/0", relay.addr()), timeout).expect("redis store"),
+    );
+    let store = StoreHandle::new(inner.clone(), timeout, Arc::new(Metrics::new()));
+    let a = held(1);
+    let long = Duration::from_secs(30);
+
+    // A first staged completion loads the script (no NOSCRIPT answer below).
+    let warm = &store_key(52);
+    assert_eq!(
+        store.claim(warm, &a, long).await.expect("claim"),
+        Claim::Claimed
+    );
+    let record = common::store_checks::large(b'w').encode();
+    assert!(store.complete(warm, &a, &record, long).await.expect("warm"));
+
+    let key = &store_key(53);
+    assert_eq!(
+        store.claim(key, &a, long).await.expect("claim"),
+        Claim::Claimed
+    );
+    // Enough bytes down this connection that a new one never reaches the cut below.
+    let filler = store_key(54);
+    let _: () = redis::cmd("SET")
+        .arg(filler.text())
+        .arg(vec![b'x'; 16 * 1024])
+        .query(&mut redis.conn())
+        .expect("SET filler");
+    let filler = inner.get(&filler).await.expect("read the filler");
+    assert_eq!(filler.map(|f| f.len()), Some(16 * 1024));
+    assert_eq!(relay.stats().accepted, 1, "one connection so far");
+    // The `SET`'s `+OK` passes; the script's answer is cut off.
+    relay.cut_after(Direction::Down, Some(relay.stats().bytes_down + 5));
+
+    let record = common::store_checks::large(b'x').encode();
+    let done = store.complete(key, &a, &record, long).await;
+    assert_eq!(relay.stats().resets, 1, "the script's answer was cut off");
+    assert!(
+        done.as_ref().is_ok_and(|d| *d),
+        "sent again, the completion finds its own record: done, got {done:?}"
+    );
+    let stored: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(key.text())
+        .query(&mut redis.conn())
+        .expect("GET");
+    assert!(stored.as_deref() == Some(&record[..]), "the record, whole");
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .expect("INFO commandstats");
+    assert!(
+        stats.contains("cmdstat_rename:calls=2,"),
+        "moved once for each key: the second try found the record in place\n{stats}"
+    );
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query(&mut redis.conn())
+        .expect("KEYS");
+    assert!(
+        keys.iter().all(|k| !k.contains(":staged:")),
+        "no staging key is left: {keys:?}"
     );
 }

@@ -132,6 +132,36 @@ async fn acknowledged_claims_forward_and_replay() {
     assert_eq!(acks_missing(&proxy, StoreOp::Complete), 0.0);
 }
 
+/// A large response is saved in two writes on the dedicated connection (the staging `SET`,
+/// then the script that moves it under the key), and the save's `WAIT` covers both: by the
+/// time the client has its response, the replica holds the whole record under the key and no
+/// staging key; nothing came up short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_large_record_is_whole_on_the_replica() {
+    let r = Replicated::new().await;
+    let proxy = r.proxy("max_response_body: 1MiB", "wait_replicas: 1").await;
+    let large = [("X-Mock-Body-Size", "65536")];
+    let first = post(&proxy, "wr-large", &large).await;
+    assert_forwarded(&first);
+    assert_eq!(first.body.len(), 65536);
+    let key = booking_store_key("wr-large");
+    let on_replica = value_at(r.replica.port(), &key).expect("the record is on the replica");
+    assert_eq!(
+        Some(on_replica),
+        value_at(r.env.redis().port(), &key),
+        "the replica holds the primary's record, whole"
+    );
+    let mut replica = r.replica.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query(&mut replica)
+        .expect("KEYS");
+    assert_eq!(keys, [key], "no staging key on the replica");
+    assert_replay_of(&post(&proxy, "wr-large", &[]).await, &first);
+    assert_eq!(r.env.mock.calls("wr-large"), 1);
+    assert_eq!(acks_missing(&proxy, StoreOp::Complete), 0.0);
+}
+
 /// The replica stopped (SIGSTOP): the claim is not acknowledged within `store.timeout`, so it
 /// is released and the request gets 503 — with `on_store_error: forward` too — and nothing is
 /// forwarded. The key is free again: once the replica is back, the same key is forwarded,

@@ -10,9 +10,14 @@
 //!   claim. Scripts run by `EVALSHA` and are reloaded on `NOSCRIPT` ([`redis::Script`] does it;
 //!   on a cluster the reload goes to every node, so a promoted replica that never saw the
 //!   script gets it too).
-//! - Every command names exactly one key, so on a Redis Cluster each one is routed by its
-//!   key's slot and follows `MOVED` and `ASK` redirections like any single-key command: the
-//!   store is generic over the connection ([`RedisConnection`]), the same code on both.
+//! - A large finished record (from [`staged::STAGE_FROM`] bytes) is not passed to the script:
+//!   Lua would hash every byte of it. It goes to a staging key of its own by a plain `SET`, and
+//!   the script moves it over the claim with `RENAME` ([`staged`] says why that fences as
+//!   strongly); the record key then holds the whole record, as after an inline completion.
+//! - Every command names one record key (the staged completion's script also its staging key,
+//!   in the same slot), so on a Redis Cluster each one is routed by its key's slot and follows
+//!   `MOVED` and `ASK` redirections like any single-key command: the store is generic over the
+//!   connection ([`RedisConnection`]), the same code on both.
 //! - One multiplexed connection (a [`ConnectionManager`], or the cluster client's connection
 //!   per node), created lazily so the proxy starts while Redis is down, and reconnecting by
 //!   itself after Redis comes back. Deadlines are applied by [`super::StoreHandle`], because a
@@ -22,15 +27,17 @@
 //! - A command whose connection had dropped (Redis restarted, or closed it idle) is sent once
 //!   more on a new connection, within the same deadline ([`resend`] says when that is safe).
 //!
-//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`resend`] the second try
-//! after a dropped connection, [`connect`] builds clients from the configuration,
-//! [`replicas`] the `WAIT` machinery, [`check`] the start-up checks of the servers.
+//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`staged`] the completion
+//! of large records, [`resend`] the second try after a dropped connection, [`connect`] builds
+//! clients from the configuration, [`replicas`] the `WAIT` machinery, [`check`] the start-up
+//! checks of the servers.
 
 mod check;
 mod connect;
 mod replicas;
 mod resend;
 mod scripts;
+mod staged;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +51,7 @@ use redis::{AsyncCommands, RedisResult, Script, Value};
 
 pub(crate) use self::connect::{client, cluster_client};
 use self::replicas::Replicas;
-use self::scripts::{COMPLETE, FORGET, INSPECT, RELEASE, RENEW};
+use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreOp};
@@ -137,6 +144,7 @@ pub struct RedisStore<C = ConnectionManager> {
     timeout: Duration,
     renew: Script,
     complete: Script,
+    complete_staged: Script,
     release: Script,
     inspect: Script,
     forget: Script,
@@ -241,6 +249,7 @@ impl<C: RedisConnection> RedisStore<C> {
             timeout,
             renew: Script::new(RENEW),
             complete: Script::new(COMPLETE),
+            complete_staged: Script::new(COMPLETE_STAGED),
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             forget: Script::new(FORGET),
@@ -334,21 +343,30 @@ impl<C: RedisConnection> RedisStore<C> {
         }
     }
 
+    /// The compare-and-set of a completion on `conn`: inline (the record is an argument of the
+    /// script), or, for a large record, staged ([`staged`]).
     async fn complete_on(
         &self,
-        conn: &mut impl ConnectionLike,
+        mut conn: impl ConnectionLike + Clone + Send,
         key: &StoreKey,
         held: &Held,
         done: &Bytes,
         ttl: Duration,
     ) -> RedisResult<bool> {
+        let key = key.text();
+        if done.len() >= staged::STAGE_FROM
+            && let Some(staging) = staged::staging_key(&key, held)
+        {
+            return staged::complete(&self.complete_staged, conn, &key, &staging, held, done, ttl)
+                .await;
+        }
         let n: i64 = self
             .complete
-            .key(key.text())
+            .key(key)
             .arg(held.encoded.as_ref())
             .arg(done.as_ref())
             .arg(millis(ttl))
-            .invoke_async(conn)
+            .invoke_async(&mut conn)
             .await?;
         Ok(n == 1)
     }
@@ -419,8 +437,8 @@ impl<C: RedisConnection> RedisStore<C> {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let (dedicated, saved) = replicas
-            .write("complete", |mut conn| async move {
-                self.complete_on(&mut conn, key, held, done, ttl).await
+            .write("complete", |conn| async move {
+                self.complete_on(conn, key, held, done, ttl).await
             })
             .await?;
         if !saved {
@@ -514,8 +532,8 @@ impl<C: RedisConnection> Store for RedisStore<C> {
             }
             None => {
                 let done = &done;
-                self.shared("complete", |mut conn| async move {
-                    self.complete_on(&mut conn, key, held, done, ttl).await
+                self.shared("complete", |conn| async move {
+                    self.complete_on(conn, key, held, done, ttl).await
                 })
                 .await
             }

@@ -252,6 +252,19 @@ impl Env {
         }
     }
 
+    /// A connection to the Redis of a Redis test, or to the node of a one-node Redis Cluster
+    /// test (which holds every key).
+    pub(crate) fn redis_conn(&self) -> redis::Connection {
+        match &self.store {
+            TestStore::Redis(r) => r.conn(),
+            TestStore::RedisCluster(c) => c.conn(c.nodes[0].port),
+            _ => panic!(
+                "a Redis or Redis Cluster test (this one runs on {})",
+                self.backend.name()
+            ),
+        }
+    }
+
     /// The SQLite file of an SQLite test.
     pub(crate) fn sqlite(&self) -> &SqliteFile {
         match &self.store {

@@ -548,6 +548,97 @@ pub(crate) async fn a_record_of_several_mib_round_trips(raw: Arc<dyn Store>) {
     );
 }
 
+/// A finished record with a 64 KiB body of `fill` bytes: large enough that Redis stages it
+/// (a key of its own, moved under the record key by the fenced script), and of the same length
+/// whatever `fill` is, so that two of them differ only in their bytes.
+pub(crate) fn large(fill: u8) -> Record {
+    done_with([7; 32], Bytes::from(vec![fill; 64 * 1024]))
+}
+
+/// A large record is fenced exactly like a small one (SPEC §4.4): a holder whose lease lapsed
+/// writes nothing, whether the key is free or a newer holder has it; the newer holder's large
+/// record lands, counts as done when sent again, is never replaced by another record of the
+/// same length, and reads back byte for byte with its TTL.
+pub(crate) async fn a_large_record_is_fenced_like_a_small_one(raw: Arc<dyn Store>) {
+    let store = handle(raw.clone());
+    let (a, b) = (claim(1), claim(2));
+    let (from_a, from_b, other_b) = (large(b'a'), large(b'b'), large(b'c'));
+    assert_eq!(
+        store
+            .claim(&key(13), &a, Duration::from_millis(200))
+            .await
+            .expect("A claims"),
+        Claim::Claimed
+    );
+    until_absent(&store, &key(13), "A's lease").await;
+    assert!(
+        !store
+            .complete(&key(13), &a, &from_a.encode(), LONG)
+            .await
+            .expect("A completes after its lease"),
+        "a lapsed lease never completes"
+    );
+    assert_eq!(
+        store.get(&key(13)).await.expect("get"),
+        None,
+        "nothing was written"
+    );
+
+    assert_eq!(
+        store.claim(&key(13), &b, LONG).await.expect("B claims"),
+        Claim::Claimed
+    );
+    assert!(
+        !store
+            .complete(&key(13), &a, &from_a.encode(), LONG)
+            .await
+            .expect("A completes over B's claim"),
+        "A's large save must not land"
+    );
+    assert_eq!(
+        store.get(&key(13)).await.expect("get"),
+        Some(b.record.clone()),
+        "B's claim is untouched"
+    );
+
+    assert!(
+        store
+            .complete(&key(13), &b, &from_b.encode(), LONG)
+            .await
+            .expect("B completes")
+    );
+    assert!(
+        store
+            .complete(&key(13), &b, &from_b.encode(), LONG)
+            .await
+            .expect("B's completion sent again"),
+        "the same large completion again counts as done"
+    );
+    for (what, held, record) in [("A, late", &a, &from_a), ("B, another", &b, &other_b)] {
+        assert!(
+            !store
+                .complete(&key(13), held, &record.encode(), LONG)
+                .await
+                .expect("a completion"),
+            "{what}: a record of the same length is another record"
+        );
+    }
+    assert_eq!(
+        store
+            .claim(&key(13), &claim(3), LONG)
+            .await
+            .expect("C claims"),
+        Claim::Existing(from_b.clone()),
+        "B's record is what every claim reads, byte for byte"
+    );
+    let (record, ttl) = inspect(&raw, &key(13)).await.expect("the record");
+    assert_eq!(record, from_b);
+    assert!(
+        ttl > LONG - Duration::from_secs(10) && ttl <= LONG,
+        "the record's TTL: {ttl:?} left of {LONG:?}"
+    );
+}
+
 /// `wait_change` returns by its bound at the latest, whether or not the key changes.
 pub(crate) async fn wait_change_returns_by_its_bound(raw: Arc<dyn Store>) {
     let store = handle(raw.clone());

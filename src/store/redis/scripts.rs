@@ -1,6 +1,10 @@
-//! The Lua scripts of the store. Each reads and writes exactly one key (`KEYS[1]`), so on a
-//! Redis Cluster it runs on the node that serves the key's slot, and compares the key's whole
-//! value with the caller's before it changes anything (the token's compare-and-set).
+//! The Lua scripts of the store. Each reads and writes one record key (`KEYS[1]`; the staged
+//! completion also its staging key, `KEYS[2]`, in the same slot), so on a Redis Cluster it
+//! runs on the node that serves the key's slot, and compares the key's whole value with the
+//! caller's before it changes anything (the token's compare-and-set).
+//!
+//! Large values never go through these scripts: every argument becomes a Lua string, which
+//! Redis hashes byte by byte ([`super::staged`] says what that costs and how it is avoided).
 
 /// Extends the holder's claim (ARGV[1]) by ARGV[2] milliseconds. 1: extended; 0: the key holds
 /// something else (or nothing), left alone.
@@ -20,6 +24,39 @@ if v == ARGV[1] then
   return 1
 end
 if v == ARGV[2] then
+  return 1
+end
+return 0";
+
+/// Moves a staged finished record (KEYS[2], written by a plain `SET`) over the holder's claim
+/// (ARGV[1]) under KEYS[1], kept for ARGV[2] milliseconds. `RENAME` moves the value without
+/// copying it. 1: the record is in place; 0: the key holds something else (the lease was
+/// lost), and the staging key is deleted — it is this claim's alone, nobody else will move it;
+/// 3: the staging key is not there yet (this ran before the `SET`), nothing changed.
+///
+/// The claim is compared length first, so that a large record already under the key (a
+/// completion sent again after its first try landed, or a newer holder's) is not copied into
+/// Lua just to differ. Such a record counts as done when it is exactly the staged one: the
+/// one place where a large value is read into Lua, on a path that follows a lost answer or a
+/// lost lease.
+pub(crate) const COMPLETE_STAGED: &str = r"
+local held = ARGV[1]
+if redis.call('STRLEN', KEYS[1]) == #held and redis.call('GET', KEYS[1]) == held then
+  if redis.call('EXISTS', KEYS[2]) == 0 then
+    return 3
+  end
+  redis.call('RENAME', KEYS[2], KEYS[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+local n = redis.call('STRLEN', KEYS[2])
+if n == 0 then
+  return 3
+end
+local same = redis.call('STRLEN', KEYS[1]) == n
+  and redis.call('GET', KEYS[1]) == redis.call('GET', KEYS[2])
+redis.call('DEL', KEYS[2])
+if same then
   return 1
 end
 return 0";
