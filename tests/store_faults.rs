@@ -229,6 +229,24 @@ async fn cluster_release_answers() {
     release_answers(&handle(store, timeout)).await;
 }
 
+/// Sends enough bytes down the store's one connection (a 16 KiB value under `filler`, read back
+/// through the store) that a connection opened after it could never reach a byte count cut
+/// later on this one; and checks that it is still the one connection.
+async fn fill_the_connection(
+    redis: &RedisServer,
+    inner: &RedisStore,
+    relay: &Relay,
+    filler: StoreKey,
+) {
+    let _: () = redis::cmd("SET")
+        .arg(filler.text())
+        .arg(vec![b'x'; 16 * 1024])
+        .query(&mut redis.conn())
+        .expect("SET filler");
+    let filler = inner.get(&filler).await.expect("read the filler");
+    assert_eq!(filler.map(|f| f.len()), Some(16 * 1024));
+    assert_eq!(relay.stats().accepted, 1, "one connection so far");
+}
 /// The connection breaks after Redis ran a release and before its answer came back: the store
 /// sends the release again on a new connection, which finds the key gone — released, not a
 /// store error and not a lost lease.
@@ -250,16 +268,7 @@ async fn redis_release_whose_answer_was_lost_is_released() {
             .expect("claim"),
         Claim::Claimed
     );
-    // Enough bytes down this connection that a new one never reaches the cut below.
-    let filler = store_key(23);
-    let _: () = redis::cmd("SET")
-        .arg(filler.text())
-        .arg(vec![b'x'; 16 * 1024])
-        .query(&mut redis.conn())
-        .expect("SET filler");
-    let filler = inner.get(&filler).await.expect("read the filler");
-    assert_eq!(filler.map(|f| f.len()), Some(16 * 1024));
-    assert_eq!(relay.stats().accepted, 1, "one connection so far");
+    fill_the_connection(&redis, &inner, &relay, store_key(23)).await;
     relay.cut_after(Direction::Down, Some(relay.stats().bytes_down));
 
     let released = store.release(key, &a).await;
@@ -604,16 +613,7 @@ async fn redis_large_completion_whose_answer_was_lost_is_done() {
         store.claim(key, &a, long).await.expect("claim"),
         Claim::Claimed
     );
-    // Enough bytes down this connection that a new one never reaches the cut below.
-    let filler = store_key(54);
-    let _: () = redis::cmd("SET")
-        .arg(filler.text())
-        .arg(vec![b'x'; 16 * 1024])
-        .query(&mut redis.conn())
-        .expect("SET filler");
-    let filler = inner.get(&filler).await.expect("read the filler");
-    assert_eq!(filler.map(|f| f.len()), Some(16 * 1024));
-    assert_eq!(relay.stats().accepted, 1, "one connection so far");
+    fill_the_connection(&redis, &inner, &relay, store_key(54)).await;
     // The `SET`'s `+OK` passes; the script's answer is cut off.
     relay.cut_after(Direction::Down, Some(relay.stats().bytes_down + 5));
 
