@@ -247,6 +247,7 @@ async fn fill_the_connection(
     assert_eq!(filler.map(|f| f.len()), Some(16 * 1024));
     assert_eq!(relay.stats().accepted, 1, "one connection so far");
 }
+
 /// The connection breaks after Redis ran a release and before its answer came back: the store
 /// sends the release again on a new connection, which finds the key gone — released, not a
 /// store error and not a lost lease.
