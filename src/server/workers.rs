@@ -19,7 +19,6 @@
 //! 0's store connections — readiness pings the very connections requests use, and no extra
 //! thread or pool exists only to idle. With `workers: 1` the proxy is one thread.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
@@ -56,8 +55,9 @@ impl Workers {
     /// Builds the store(s) and the proxy and starts `config.workers` workers on `listener`'s
     /// address: worker 0 on `listener`, here; each other on a thread of its own, on a socket
     /// bound to the same address (the port `listener` has, when it asked for port 0). Returns
-    /// once every worker accepts. A worker that cannot bind or open its store fails the start,
-    /// and the workers already started are stopped first.
+    /// once every worker's socket listens (connections queue there until its accept loop
+    /// takes them). A worker that cannot bind or open its store fails the start, and the
+    /// workers already started are stopped first.
     pub async fn start(
         listener: TcpListener,
         config: Config,
@@ -65,9 +65,24 @@ impl Workers {
     ) -> Result<Workers, RunError> {
         let workers = config.workers.max(1);
         let addr = listener.local_addr()?;
+        // Every worker's series from the start, at 0.
+        for worker in 0..workers {
+            let _ = metrics.worker_connections(worker);
+        }
         let max_connections = usize::try_from(config.limits.max_connections).unwrap_or(usize::MAX);
         let slots = Arc::new(Semaphore::new(max_connections.max(1)));
         let stop = CancellationToken::new();
+        // Every worker's socket first, before anything slow: until a worker's socket is bound,
+        // every new connection lands on the sockets already there.
+        let mut sockets = Vec::with_capacity(workers - 1);
+        for worker in 1..workers {
+            let socket = bind_shared(addr).and_then(TcpListener::into_std);
+            sockets.push(socket.map_err(|error| RunError::Worker {
+                worker,
+                what: "cannot bind a socket of its own to the listen address (SO_REUSEPORT)",
+                error,
+            })?);
+        }
         // A shared store is opened once, here; each worker of a per-worker backend opens its
         // own, on its own runtime.
         let shared = match stores::is_shared(&config.store.backend) {
@@ -75,11 +90,11 @@ impl Workers {
             false => None,
         };
         let mut starting = Vec::with_capacity(workers - 1);
-        for worker in 1..workers {
+        for (worker, socket) in (1..workers).zip(sockets) {
             let seed = Seed {
                 worker,
                 workers,
-                addr,
+                socket,
                 config: config.clone(),
                 metrics: metrics.clone(),
                 shared: shared.clone(),
@@ -216,8 +231,9 @@ async fn abandon(starting: Vec<Starting>) {
 struct Seed {
     worker: usize,
     workers: usize,
-    /// The address worker 0's socket is bound to (its port resolved).
-    addr: SocketAddr,
+    /// Its socket, bound to worker 0's address and listening; registered with its runtime
+    /// once that runs.
+    socket: std::net::TcpListener,
     config: Config,
     metrics: Arc<Metrics>,
     /// The store every worker shares, if the backend is one.
@@ -243,7 +259,8 @@ impl Seed {
         let (proxy, proxy_rx) = oneshot::channel();
         let (done_tx, done) = oneshot::channel();
         std::thread::Builder::new()
-            .name(format!("idemproxy-worker-{worker}"))
+            // Short: Linux keeps 15 bytes of a thread's name (`top -H`, `/proc/PID/task`).
+            .name(format!("worker-{worker}"))
             .spawn(move || self.run(ready_tx, proxy_rx, done_tx))
             .map_err(|error| RunError::Worker {
                 worker,
@@ -258,8 +275,8 @@ impl Seed {
         })
     }
 
-    /// The worker thread: its runtime; on it, its socket and its store; then, once the proxy
-    /// is built, its accept loop until the drain. `done` is sent after the runtime is dropped,
+    /// The worker thread: its runtime; on it, its store; then, once the proxy is built, its
+    /// accept loop until the drain. `done` is sent after the runtime is dropped,
     /// so that the worker's connections are closed by then.
     fn run(
         self,
@@ -283,14 +300,12 @@ impl Seed {
             }
         };
         let drained = runtime.block_on(async move {
-            // The socket first: a port that cannot be shared is reported before a slow
-            // store connect.
-            let listener = match bind_shared(self.addr) {
+            let listener = match TcpListener::from_std(self.socket) {
                 Ok(listener) => listener,
                 Err(error) => {
                     let _ = ready.send(Err(RunError::Worker {
                         worker,
-                        what: "cannot bind a socket of its own to the listen address (SO_REUSEPORT)",
+                        what: "cannot register its socket with its runtime",
                         error,
                     }));
                     return None;
@@ -308,7 +323,16 @@ impl Seed {
             }
             // No proxy: the start failed elsewhere.
             let proxy = proxy.await.ok()?;
-            Some(serve_worker(listener, proxy, worker, self.slots, self.stop.cancelled_owned()).await)
+            Some(
+                serve_worker(
+                    listener,
+                    proxy,
+                    worker,
+                    self.slots,
+                    self.stop.cancelled_owned(),
+                )
+                .await,
+            )
         });
         drop(runtime);
         if let Some(drained) = drained {
