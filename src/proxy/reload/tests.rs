@@ -179,3 +179,43 @@ async fn the_listeners_hear_of_each_applied_reload_and_pending_bounds_follow() {
     );
     assert!(!second.downgrade.is_cancelled());
 }
+
+#[tokio::test]
+async fn every_worker_has_its_own_clients_and_one_reload_reaches_them_all() {
+    let metrics = Arc::new(Metrics::new());
+    let store = StoreHandle::new(
+        Arc::new(MemoryStore::new(1000)),
+        Duration::from_secs(1),
+        metrics.clone(),
+    );
+    let p = Proxy::with_workers(config("", TWO), store.clone(), vec![store], metrics);
+    assert_eq!(p.workers(), 2);
+    let before = p.current.load_full();
+    let (first, second) = (&before.tables[0], &before.tables[1]);
+    assert!(
+        !Arc::ptr_eq(&first.upstreams["a"], &second.upstreams["a"]),
+        "a client (and its pool) a worker"
+    );
+    let mut changed = config("", TWO);
+    if let Some(b) = changed.upstreams.get_mut("b") {
+        b.timeout = Duration::from_secs(7);
+    }
+    assert!(matches!(p.reload(changed), Reloaded::Applied(_)));
+    let after = p.current.load_full();
+    for worker in 0..2 {
+        let (was, now) = (&before.tables[worker], &after.tables[worker]);
+        assert!(
+            Arc::ptr_eq(&was.upstreams["a"], &now.upstreams["a"]),
+            "kept"
+        );
+        assert!(
+            !Arc::ptr_eq(&was.upstreams["b"], &now.upstreams["b"]),
+            "new"
+        );
+        let two = now.routes.iter().find(|r| &*r.name == "two").expect("two");
+        assert!(Arc::ptr_eq(&two.upstream, &now.upstreams["b"]), "its own");
+        // The same route numbers on every worker: the memory store is theirs together.
+        let numbers: Vec<u32> = now.routes.iter().map(|r| r.number).collect();
+        assert_eq!(numbers, [0, 1]);
+    }
+}
