@@ -85,9 +85,10 @@ impl Workers {
         }
         // A shared store is opened once, here; each worker of a per-worker backend opens its
         // own, on its own runtime.
-        let shared = match stores::is_shared(&config.store.backend) {
-            true => Some(stores::open(&config, metrics.clone(), 0, workers).await?),
-            false => None,
+        let shared = if stores::is_shared(&config.store.backend) {
+            Some(stores::open(&config, metrics.clone(), 0, workers).await?)
+        } else {
+            None
         };
         let mut starting = Vec::with_capacity(workers - 1);
         for (worker, socket) in (1..workers).zip(sockets) {
