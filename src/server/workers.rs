@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{RunError, begin_drain, bind_shared, serve_worker, stores};
-use crate::config::Config;
+use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreHandle};
@@ -82,6 +82,15 @@ impl Workers {
                 what: "cannot bind a socket of its own to the listen address (SO_REUSEPORT)",
                 error,
             })?);
+        }
+        if let BackendSettings::Postgres(pg) = &config.store.backend
+            && usize::try_from(pg.pool_size).is_ok_and(|pool| pool < workers)
+        {
+            tracing::warn!(
+                pool_size = pg.pool_size,
+                workers,
+                "store.pool_size is below workers: every worker opens one PostgreSQL connection, {workers} in all"
+            );
         }
         // A shared store is opened once, here; each worker of a per-worker backend opens its
         // own, on its own runtime.
