@@ -116,6 +116,24 @@ impl Connections {
         status.available == 0 && status.size < status.max_size
     }
 
+    /// Drops the idle connections whose session has ended (reset by a failover or a network
+    /// fault, or closed by a restarted server). Left in the pool, each would be lent to the next
+    /// operation, which would find it closed and open a new connection inside its own
+    /// `store.timeout` — a 503 on a database far away — and the warmer, seeing an idle
+    /// connection, would open none ahead of it. With a pool a worker, that would be one such
+    /// request on every worker after every reset. One lock and a flag an idle connection.
+    pub(super) fn drop_closed(&self) {
+        let dropped = self
+            .pool
+            .retain(|client, _| !client.is_closed())
+            .removed
+            .len();
+        if dropped > 0 {
+            self.show();
+            tracing::debug!(dropped, "postgres: idle connections found closed; dropped");
+        }
+    }
+
     /// A connection for the warmer: an idle one if there is one, else a new one with
     /// [`super::warm::OPEN_WITHIN`] to open, and only if the pool has room now (it never waits
     /// for a request's connection to come back).
