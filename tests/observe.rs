@@ -535,6 +535,7 @@ async fn a_client_that_leaves_still_gets_its_result_saved_and_the_detached_bound
 /// A proxy served in this process on a store of the test's choosing (two proxies, one after
 /// the other, on one store), stopped gracefully by [`Served::stop`].
 struct Served {
+    proxy: Arc<Proxy>,
     addr: SocketAddr,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -547,10 +548,19 @@ impl Served {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(idemproxy::server::serve(listener, proxy, async move {
-            let _ = stopped.await;
-        }));
-        Served { addr, stop, task }
+        let task = tokio::spawn(idemproxy::server::serve(
+            listener,
+            proxy.clone(),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Served {
+            proxy,
+            addr,
+            stop,
+            task,
+        }
     }
 
     fn base(&self) -> String {
@@ -576,6 +586,10 @@ async fn switching_to_enforce_keeps_the_records(backend: Backend) {
     let observer = Served::start(&observe_yaml, store.clone()).await;
     let first = book_with(&observer.base(), "obs-switch", SEAT, &[]).await;
     assert_forwarded(&first, 201);
+    // The claim runs beside the call: the repeat is sent once it has landed and the result is
+    // saved (a repeat sent sooner may meet no claim yet, or a claim that failed on a slow
+    // store: then the repeat's own claim would hold the key, as enforce's would).
+    until_saved(&observer.proxy, "obs-switch").await;
     let observed_repeat = book_with(&observer.base(), "obs-switch", SEAT, &[]).await;
     assert_forwarded(&observed_repeat, 201);
     assert_ne!(booking_id(&observed_repeat), booking_id(&first));

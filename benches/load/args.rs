@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
 use crate::scenario;
 
@@ -30,6 +30,12 @@ pub(crate) struct Args {
     /// with the median req/s, which steadies the ratios on a noisy machine.
     #[arg(long, env = "LOAD_ROUNDS", default_value_t = 1)]
     pub rounds: usize,
+    /// The upstream of every proxy and of the reference nginx: `mock` (mock-upstream, with its
+    /// call ledger and `X-Mock-*` headers) or `nginx` (a second nginx answering every request
+    /// with `return 200` and a fixed small JSON body: the cheapest upstream there is, so the
+    /// proxy's own cost stands out; the scenarios that need the mock are skipped).
+    #[arg(long, env = "LOAD_UPSTREAM", value_enum, default_value_t = UpstreamKind::Mock)]
+    pub upstream: UpstreamKind,
     /// Keep-alive connections, one request in flight on each.
     #[arg(long, env = "LOAD_CONNECTIONS", default_value_t = 32)]
     pub connections: usize,
@@ -80,4 +86,11 @@ pub(crate) struct Args {
     /// A scenario list given as a bare argument (`cargo bench --bench load new-key`).
     #[arg(hide = true)]
     pub filter: Option<String>,
+}
+
+/// `--upstream`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum UpstreamKind {
+    Mock,
+    Nginx,
 }

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::client::{self, LoadPlan, Stats};
+use crate::cores::{Meter, Part};
 use crate::procs::CpuMeter;
 
 /// The route's `ttl` and the store's `sweep_interval` in churn runs.
@@ -30,6 +31,8 @@ pub(crate) type Sampler = Arc<dyn Fn() -> Result<Sample, String> + Send + Sync>;
 pub(crate) struct ChurnPlan {
     pub load: LoadPlan,
     pub proxy_pid: u32,
+    /// The processes the `limit` column reads.
+    pub parts: Vec<Part>,
     pub every: Duration,
     pub sample: Sampler,
 }
@@ -96,6 +99,7 @@ impl ChurnReport {
 pub(crate) async fn run(plan: ChurnPlan) -> Result<ChurnReport, String> {
     let answered = Arc::new(AtomicU64::new(0));
     let cpu = CpuMeter::start(plan.proxy_pid);
+    let meter = Meter::start(plan.parts);
     let started = Instant::now();
     let load = tokio::spawn(client::run(Arc::new(plan.load), answered.clone()));
     let mut samples = Vec::new();
@@ -121,6 +125,7 @@ pub(crate) async fn run(plan: ChurnPlan) -> Result<ChurnReport, String> {
         samples.push((at, rows, bytes));
     }
     let mut stats = load.await.map_err(|e| format!("churn load: {e}"))?;
+    stats.cores = meter.finish();
     let written = answered.load(Ordering::Relaxed);
     stats.cpu_per_request = cpu.per_request(written);
     // One more look once the load has stopped.

@@ -21,6 +21,8 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
+use crate::cores::Cores;
+
 /// How long a TCP connect (and the HTTP/1 handshake) may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long one request may take, from writing it to the last byte of the answer.
@@ -251,6 +253,9 @@ pub(crate) struct Stats {
     /// CPU time of the server under test per answered request (warm-up included), when its
     /// process could be read.
     pub cpu_per_request: Option<Duration>,
+    /// The cores each process taking part used over the same window (the `limit` column), when
+    /// the caller measured them.
+    pub cores: Option<Cores>,
 }
 
 impl Stats {
@@ -265,6 +270,7 @@ impl Stats {
             window: Duration::ZERO,
             capped: false,
             cpu_per_request: None,
+            cores: None,
         }
     }
 

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::client::{self, Key, LoadPlan, Stats};
+use crate::cores::{Meter, Part};
 use crate::procs::{self, CpuMeter};
 use crate::storm::{mock_stats, reset_mock};
 
@@ -20,6 +21,8 @@ pub(crate) struct FillPlan {
     /// request and connections.
     pub load: LoadPlan,
     pub proxy_pid: u32,
+    /// The processes the `limit` column reads, for both measurements.
+    pub parts: Vec<Part>,
     pub mock: SocketAddr,
     /// Keys to add.
     pub keys: u64,
@@ -94,7 +97,7 @@ impl FillReport {
 pub(crate) async fn run(plan: FillPlan) -> Result<FillReport, String> {
     reset_mock(plan.mock).await?;
     println!("  fill: new-key on the empty store ...");
-    let empty = measured(plan.load.clone(), plan.proxy_pid).await;
+    let empty = measured(plan.load.clone(), plan.proxy_pid, &plan.parts).await;
     // Every call the upstream counted is a finished key in the store (the answers are 200s).
     let keys_before = forwarded(plan.mock).await?;
     reset_mock(plan.mock).await?;
@@ -127,7 +130,7 @@ pub(crate) async fn run(plan: FillPlan) -> Result<FillReport, String> {
     println!("  fill: new-key on the full store ...");
     let mut full = plan.load;
     full.spec.key = plan.full_keys;
-    let full = measured(full, plan.proxy_pid).await;
+    let full = measured(full, plan.proxy_pid, &plan.parts).await;
     Ok(FillReport {
         empty,
         full,
@@ -140,11 +143,13 @@ pub(crate) async fn run(plan: FillPlan) -> Result<FillReport, String> {
     })
 }
 
-/// A load run with the proxy's CPU time per request.
-async fn measured(load: LoadPlan, proxy_pid: u32) -> Stats {
+/// A load run with the proxy's CPU time per request and the cores of `parts`.
+async fn measured(load: LoadPlan, proxy_pid: u32, parts: &[Part]) -> Stats {
     let answered = Arc::new(AtomicU64::new(0));
     let cpu = CpuMeter::start(proxy_pid);
+    let meter = Meter::start(parts.to_vec());
     let mut stats = client::run(Arc::new(load), answered.clone()).await;
+    stats.cores = meter.finish();
     stats.cpu_per_request = cpu.per_request(answered.load(Ordering::Relaxed));
     stats
 }

@@ -5,18 +5,29 @@
 //! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
 //! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
 //! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
-//! when not installed), all on 127.0.0.1. The load generator runs here: a fixed number of keep-alive connections
-//! for a fixed time after a warm-up, latencies into HDR histograms. It prints progress lines,
-//! then one table with each scenario's throughput, latency quantiles, errors, the CPU time the
-//! server under test spent per request, and its ratios to nginx and to the pass-through route:
-//! this machine is shared and noisy, the ratios are what to read (`--rounds N` repeats the
-//! whole selection and keeps medians). See BENCHMARKS.md, or run `cargo bench --bench load -- --help`.
+//! when not installed), all on 127.0.0.1. `--upstream nginx` puts a second nginx, answering a
+//! fixed small JSON body, in the mock's place (see `upstream`). The load generator runs here: a
+//! fixed number of keep-alive connections for a fixed time after a warm-up, latencies into HDR
+//! histograms. It prints progress lines, then one table with each scenario's throughput,
+//! latency quantiles, errors, the CPU time the server under test spent per request, and its
+//! ratios to nginx and to the pass-through route: this machine is shared and noisy, the ratios
+//! are what to read (`--rounds N` repeats the whole selection and keeps medians).
+//!
+//! Each timed row also says what held it back (the `limit` column, see `cores`): the cores the
+//! server, the upstream, the load generator and the database each used over the row's window
+//! (CPU seconds over wall seconds), and the rest of the machine's (`other`). `cores` when all
+//! together used at least 90% of the cores (`cores, mostly other programs'` when `other` is
+//! half of that); else `NAME saturates a core` when a single-threaded process (redis-server)
+//! used at least 0.9 core; else `no core saturated, latency-bound`. See BENCHMARKS.md, or run
+//! `cargo bench --bench load -- --help`.
 //!
 //! # Layout
 //! - `args`: the flags and their environment variables.
 //! - `scenario`: the catalogue, in run order, and choosing from a comma list of globs.
 //! - `procs`: the child processes (killed on drop) and their config files.
+//! - `upstream`: what every proxy forwards to, the mock or a fixed-answer nginx.
 //! - `client`: the load generator and one-shot requests.
+//! - `cores`: the cores each process of a row used, and what limited the row.
 //! - `storm`: the conflict storm and its invariants.
 //! - `fill`: filling the memory store with many keys, RSS before and after.
 //! - `pg`: the run's PostgreSQL server.
@@ -27,6 +38,7 @@
 mod args;
 mod churn;
 mod client;
+mod cores;
 mod fill;
 mod pg;
 mod pgbench;
@@ -34,6 +46,7 @@ mod procs;
 mod report;
 mod scenario;
 mod storm;
+mod upstream;
 
 use std::cell::Cell;
 use std::net::SocketAddr;
@@ -49,13 +62,15 @@ use tokio::runtime::Runtime;
 
 use args::Args;
 use client::{Expect, Key, LoadPlan, RequestSpec};
+use cores::Part;
 use pg::Postgres;
 use procs::{
-    CpuMeter, IDEMPOTENT_PATH, Mock, Nginx, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
+    CpuMeter, IDEMPOTENT_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
     StoreConfig,
 };
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
+use upstream::Upstream;
 
 /// The request body of every scenario: 31 bytes of JSON.
 const BODY: &[u8] = br#"{"from":"DEL","to":"BOM","p":2}"#;
@@ -118,7 +133,7 @@ impl Done {
 /// The server a timed run loads: a proxy of this run (checked afterwards), or another process.
 enum Server<'a> {
     Proxy(&'a mut Proxy),
-    Other(u32),
+    Other(Part),
 }
 
 /// One run's world. Children are dropped (killed) before the directory their logs are in.
@@ -132,7 +147,7 @@ struct Bench {
     nginx: Option<Nginx>,
     redis: Option<Redis>,
     postgres: Option<Postgres>,
-    mock: Mock,
+    upstream: Upstream,
     dir: tempfile::TempDir,
 }
 
@@ -141,9 +156,10 @@ fn run(args: Args) -> Result<bool, String> {
     let selected = scenario::select(list.as_deref().unwrap_or(""), !args.no_baselines)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "load bench: {} scenario(s), {cores} cores; per scenario {:?} warm-up + {:?} measured over \
-         {} connections; proxy processes run with RUST_LOG={} (--proxy-log)",
+        "load bench: {} scenario(s), {cores} cores, upstream {}; per scenario {:?} warm-up + {:?} \
+         measured over {} connections; proxy processes run with RUST_LOG={} (--proxy-log)",
         selected.len(),
+        Upstream::describe(args.upstream),
         args.warmup,
         args.duration,
         args.connections,
@@ -169,8 +185,7 @@ fn run(args: Args) -> Result<bool, String> {
         }
         std::process::exit(130);
     });
-    let mock = Mock::start(Path::new(env!("CARGO_BIN_EXE_mock-upstream")), dir.path())?;
-    println!("mock-upstream on http://{}", mock.addr);
+    let upstream = Upstream::start(args.upstream, dir.path())?;
     let redis = match selected.iter().any(|s| s.store() == Some(Store::Redis)) {
         false => None,
         true => match procs::find_binary("redis-server", "REDIS_SERVER") {
@@ -212,7 +227,8 @@ fn run(args: Args) -> Result<bool, String> {
         false => None,
         true => match procs::find_binary("nginx", "NGINX") {
             Some(bin) => {
-                let nginx = Nginx::start(&bin, dir.path(), mock.addr)?;
+                let site = NginxSite::Proxy(upstream.addr());
+                let nginx = Nginx::start(&bin, dir.path(), "nginx", site)?;
                 println!("nginx proxy_pass on http://{}", nginx.addr);
                 Some(nginx)
             }
@@ -236,7 +252,7 @@ fn run(args: Args) -> Result<bool, String> {
         nginx,
         redis,
         postgres,
-        mock,
+        upstream,
         dir,
     };
 
@@ -305,15 +321,35 @@ fn run(args: Args) -> Result<bool, String> {
          errors: answers other than the expected ones (notes), in the measured window.",
         bench.args.connections
     );
+    println!(
+        "Limit: the cores each process used over the row's load run (CPU s / wall s, warm-up \
+         included; other = the rest of the machine): `cores` when all together used >= {:.0}% \
+         of the {cores} cores (`mostly other programs'` when other is half of that), else `NAME \
+         saturates a core` when a single-threaded process (redis-server) used >= {} core, else \
+         latency-bound.",
+        cores::BUSY * 100.0,
+        cores::BUSY
+    );
+    if bench.upstream.mock().is_none() {
+        println!(
+            "Upstream: nginx return 200 with a fixed body; the scenarios that need the mock are \
+             skipped, and replay checks the first answer only (no upstream call count)."
+        );
+    }
     bench.finish(all.failed);
     Ok(!all.failed)
 }
 
 impl Bench {
     fn scenario(&self, s: &Scenario) -> Result<Done, String> {
+        if let Some(reason) = self.upstream.lacks(s) {
+            return Ok(Done::skipped(s, reason));
+        }
         // Zeroed counters: each scenario's checks read only its own calls, and the mock's
         // per-key map stays small.
-        self.rt.block_on(storm::reset_mock(self.mock.addr))?;
+        if let Some(mock) = self.upstream.mock() {
+            self.rt.block_on(storm::reset_mock(mock.addr))?;
+        }
         let done = self.run_scenario(s);
         // Each scenario starts from an empty store; the 64 KiB ones leave gigabytes behind.
         self.clean_durable()?;
@@ -323,12 +359,12 @@ impl Bench {
     fn run_scenario(&self, s: &Scenario) -> Result<Done, String> {
         match s.target {
             Target::Direct => {
-                let server = Server::Other(self.mock.pid());
-                self.timed(s, self.mock.addr, PASSTHROUGH_PATH, Key::None, server)
+                let server = Server::Other(self.upstream.part());
+                self.timed(s, self.upstream.addr(), PASSTHROUGH_PATH, Key::None, server)
             }
             Target::Nginx => match &self.nginx {
                 Some(nginx) => {
-                    let server = Server::Other(nginx.pid());
+                    let server = Server::Other(Part::process("nginx", nginx.pid()));
                     self.timed(s, nginx.addr, PASSTHROUGH_PATH, Key::None, server)
                 }
                 None => Ok(Done::skipped(s, "nginx is not installed")),
@@ -475,19 +511,45 @@ impl Bench {
             self.dir.path(),
             label,
             config,
-            self.mock.addr,
+            self.upstream.addr(),
             ttl,
             &self.args.proxy_log,
         )
     }
 
-    /// The database server working for the proxy on the same cores, for the notes.
-    fn database(&self, store: Option<Store>) -> Option<(&'static str, u32)> {
+    /// The mock's address; only the scenarios [`Upstream::lacks`] lets through on another
+    /// upstream get here without it.
+    fn mock_addr(&self) -> Result<SocketAddr, String> {
+        self.upstream
+            .mock()
+            .map(|mock| mock.addr)
+            .ok_or_else(|| "this scenario needs the mock upstream".to_owned())
+    }
+
+    /// The database server working for the proxy on the same cores, for the notes and the
+    /// `limit` column.
+    fn database(&self, store: Option<Store>) -> Option<Part> {
         match (store, &self.redis, &self.postgres) {
-            (Some(Store::Redis), Some(redis), _) => Some(("redis-server", redis.pid())),
-            (Some(Store::Postgres), _, Some(pg)) => Some(("postgres", pg.pid())),
+            // One thread runs every Redis command.
+            (Some(Store::Redis), Some(redis), _) => Some(Part {
+                single_threaded: true,
+                ..Part::process("redis-server", redis.pid())
+            }),
+            (Some(Store::Postgres), _, Some(pg)) => Some(Part::process("postgres", pg.pid())),
             _ => None,
         }
+    }
+
+    /// The processes a load run of `s` keeps busy: the server under test, the upstream (unless
+    /// it is the server: `direct`), the load generator and the store's database.
+    fn parts(&self, s: &Scenario, server: Part) -> Vec<Part> {
+        let mut parts = vec![server];
+        if s.target != Target::Direct {
+            parts.push(self.upstream.part());
+        }
+        parts.push(Part::client());
+        parts.extend(self.database(s.store()));
+        parts
     }
 
     /// A new key on every request, from a key space no other load run of this run uses:
@@ -550,21 +612,24 @@ impl Bench {
         let replayed = matches!(key, Key::Fixed(_));
         let expect = self.expect(s, replayed);
         let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
-        let pid = match &server {
-            Server::Proxy(proxy) => proxy.process.pid(),
-            Server::Other(pid) => *pid,
+        let server_part = match &server {
+            Server::Proxy(proxy) => Part::process("proxy", proxy.process.pid()),
+            Server::Other(part) => *part,
         };
         // Redis or PostgreSQL works for the proxy on the same cores: its CPU per request goes
         // in the notes.
-        let database = self.database(s.store());
+        let db_cpu = self
+            .database(s.store())
+            .and_then(|db| Some((db.name, CpuMeter::start(db.pid()?))));
         let answered = Arc::new(AtomicU64::new(0));
-        let server_cpu = CpuMeter::start(pid);
-        let db_cpu = database.map(|(name, pid)| (name, CpuMeter::start(pid)));
+        let server_cpu = server_part.pid().map(CpuMeter::start);
+        let meter = cores::Meter::start(self.parts(s, server_part));
         let mut stats = self
             .rt
             .block_on(client::run(Arc::new(plan), answered.clone()));
+        stats.cores = meter.finish();
         let requests = answered.load(Ordering::Relaxed);
-        stats.cpu_per_request = server_cpu.per_request(requests);
+        stats.cpu_per_request = server_cpu.and_then(|m| m.per_request(requests));
         let db_cpu = db_cpu.and_then(|(name, m)| Some((name, m.per_request(requests)?)));
         let fmt = |q| {
             stats
@@ -599,7 +664,8 @@ impl Bench {
         Ok(Done::row(s, Outcome::Timed(stats), note))
     }
 
-    /// One finished key, then every request replays it; the upstream must see it once.
+    /// One finished key, then every request replays it; the upstream must see it once (counted
+    /// by the mock; another upstream counts nothing, so only the first answer is checked).
     fn replay(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
         let key = format!("replay-{:016x}-{}", self.nonce, s.name);
         let value = HeaderValue::try_from(key.as_str()).map_err(|e| e.to_string())?;
@@ -618,7 +684,13 @@ impl Bench {
             spec.key,
             Server::Proxy(proxy),
         )?;
-        let forwarded = self.rt.block_on(storm::mock_stats(self.mock.addr))?["total"]
+        let Some(mock) = self.upstream.mock() else {
+            done.rows[0]
+                .note
+                .push_str("; upstream calls not counted (not the mock)");
+            return Ok(done);
+        };
+        let forwarded = self.rt.block_on(storm::mock_stats(mock.addr))?["total"]
             .as_u64()
             .unwrap_or(0);
         if forwarded != 1 {
@@ -635,7 +707,7 @@ impl Bench {
     fn storm(&self, s: &Scenario, proxy: &mut Proxy) -> Result<Done, String> {
         let plan = storm::StormPlan {
             proxy: proxy.addr,
-            mock: self.mock.addr,
+            mock: self.mock_addr()?,
             keys: self.args.storm_keys.max(1),
             duplicates: self.args.storm_duplicates,
             delay: self.args.storm_delay,
@@ -734,6 +806,7 @@ impl Bench {
         let report = self.rt.block_on(churn::run(churn::ChurnPlan {
             load,
             proxy_pid: proxy.process.pid(),
+            parts: self.parts(s, Part::process("proxy", proxy.process.pid())),
             every: self.args.churn_sample,
             sample,
         }))?;
@@ -759,7 +832,8 @@ impl Bench {
         let plan = fill::FillPlan {
             load: self.plan(proxy.addr, spec, self.expect(s, false)),
             proxy_pid: proxy.process.pid(),
-            mock: self.mock.addr,
+            parts: self.parts(s, Part::process("proxy", proxy.process.pid())),
+            mock: self.mock_addr()?,
             keys,
             timeout: self.args.fill_timeout,
             fill_keys: self.new_keys(),
@@ -800,11 +874,11 @@ impl Bench {
             nginx,
             redis,
             postgres,
-            mock,
+            upstream,
             dir,
             ..
         } = self;
-        drop((nginx, redis, postgres, mock));
+        drop((nginx, redis, postgres, upstream));
         if args.keep_logs || failed {
             let path = dir.keep();
             println!("Configs and logs kept in {}", path.display());

@@ -17,6 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::client::{self, Stats};
+use crate::cores::{Meter, Part, Source};
 use crate::pg::{DATABASE, Postgres, ROLE};
 use crate::procs::CpuMeter;
 
@@ -111,6 +112,15 @@ pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>) -> Result<Ceiling, Stri
         .map_or(1, |n| n.get())
         .min(plan.connections.max(1));
     let cpu = CpuMeter::start(pg.pid());
+    // pgbench is this process's child: its CPU time is read once it has exited and been
+    // waited for, from what it leaves in this process's `cutime`. Nothing else of this run
+    // exits meanwhile.
+    let pgbench = Part {
+        name: "pgbench",
+        source: Source::Reaped,
+        single_threaded: threads == 1,
+    };
+    let mut meter = Meter::start(vec![pgbench, Part::process("postgres", pg.pid())]);
     let out = Command::new(pg.bin("pgbench"))
         .args(["-n", "-M", "prepared"])
         .args(["-c", &plan.connections.to_string()])
@@ -127,6 +137,7 @@ pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>) -> Result<Ceiling, Stri
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("run pgbench: {e}"))?;
+    meter.end();
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         return Err(format!(
@@ -156,6 +167,7 @@ pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>) -> Result<Ceiling, Stri
     let transactions =
         field("number of transactions actually processed: ").map_or(stats.ok, |n| n as u64);
     stats.cpu_per_request = cpu.per_request(transactions);
+    stats.cores = meter.finish();
     Ok(Ceiling { stats, failed })
 }
 

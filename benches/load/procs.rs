@@ -176,14 +176,31 @@ pub(crate) fn find_binary(name: &str, env_var: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
+/// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
+const TICKS_PER_SECOND: u64 = 100;
+
+pub(crate) fn ticks_to_duration(ticks: u64) -> Duration {
+    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+}
+
+/// The fields of a `/proc/*/stat` line after the parenthesised command name: state, ppid, ...,
+/// utime (11th), stime (12th), cutime (13th), cstime (14th).
+fn stat_fields(stat: &str) -> Option<Vec<u64>> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // The state is a letter: a 0 keeps the indexes of the numbers after it.
+    Some(
+        rest.split_whitespace()
+            .map(|f| f.parse().unwrap_or(0))
+            .collect(),
+    )
+}
+
 /// The CPU time (user + system, every thread) used so far by the process `pid` and by its
 /// children (nginx's workers, PostgreSQL's backends), from `/proc/*/stat`, including the
 /// children it has already reaped (a PostgreSQL backend whose connection closed): their time
 /// moves into its own `cutime`/`cstime` then, so the sum never goes backwards. `None` where
 /// `/proc` cannot be read.
 pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
-    /// `/proc` counts in USER_HZ, 100 on Linux whatever the kernel's own tick.
-    const TICKS_PER_SECOND: u64 = 100;
     let mut ticks = 0;
     let mut found = false;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -193,27 +210,34 @@ pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        // After the parenthesised command name: state, ppid, ..., utime (11th), stime (12th).
-        let Some((_, rest)) = stat.rsplit_once(')') else {
+        let Some(fields) = stat_fields(&stat) else {
             continue;
         };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ppid = fields.get(1).and_then(|f| f.parse::<u32>().ok());
+        let ppid = fields.get(1).and_then(|f| u32::try_from(*f).ok());
         if this != pid && ppid != Some(pid) {
             continue;
         }
-        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
-        if let (Some(user), Some(system)) = (field(11), field(12)) {
+        if let (Some(user), Some(system)) = (fields.get(11), fields.get(12)) {
             ticks += user + system;
             found |= this == pid;
         }
         if this == pid
-            && let (Some(user), Some(system)) = (field(13), field(14))
+            && let (Some(user), Some(system)) = (fields.get(13), fields.get(14))
         {
             ticks += user + system;
         }
     }
-    found.then(|| Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND))
+    found.then(|| ticks_to_duration(ticks))
+}
+
+/// This process's own CPU time (every thread: the load generator; not its running children),
+/// and that of the children it has reaped (pgbench, once its `output()` returned), from
+/// `/proc/self/stat`.
+pub(crate) fn own_cpu_time() -> Option<(Duration, Duration)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields = stat_fields(&stat)?;
+    let sum = |a: usize, b: usize| Some(ticks_to_duration(fields.get(a)? + fields.get(b)?));
+    Some((sum(11, 12)?, sum(13, 14)?))
 }
 
 /// The CPU time a process (and its children) uses over a stretch of load, per request.
@@ -485,25 +509,45 @@ impl Redis {
     }
 }
 
-/// nginx as a plain reverse proxy to the mock: the reference a proxy is compared with.
+/// What an nginx of the run serves.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum NginxSite {
+    /// `proxy_pass` to this upstream over a keep-alive pool: the reference reverse proxy.
+    Proxy(SocketAddr),
+    /// `return 200` with [`NGINX_BODY`] on every path, whatever the method: the cheapest
+    /// upstream there is (`--upstream nginx`).
+    Fixed,
+}
+
+/// The answer of the [`NginxSite::Fixed`] nginx: small, JSON, the same on every path. No `'`
+/// (it is quoted with them in the config) and no `$` (nginx would read a variable).
+pub(crate) const NGINX_BODY: &str =
+    r#"{"booking":"fixed","status":"confirmed","from":"DEL","to":"BOM"}"#;
+
+/// An nginx of the run's own: the reference proxy, or the fixed upstream.
 pub(crate) struct Nginx {
     process: ChildProcess,
     pub addr: SocketAddr,
 }
 
 impl Nginx {
-    /// Runs `nginx -p DIR/nginx -c nginx.conf` in the foreground (`daemon off`), with a
-    /// keep-alive pool to the mock and every temp path under its own prefix.
-    pub(crate) fn start(bin: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx, String> {
-        let prefix = dir.join("nginx");
+    /// Runs `nginx -p DIR/NAME -c nginx.conf` in the foreground (`daemon off`), every temp path
+    /// under its own prefix, so two of them can run side by side.
+    pub(crate) fn start(
+        bin: &Path,
+        dir: &Path,
+        name: &str,
+        site: NginxSite,
+    ) -> Result<Nginx, String> {
+        let prefix = dir.join(name);
         std::fs::create_dir_all(&prefix)
             .map_err(|e| format!("create {}: {e}", prefix.display()))?;
         let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let conf = prefix.join("nginx.conf");
-        let text = nginx_conf(&prefix, addr, upstream, &missing_modules(bin));
+        let text = nginx_conf(&prefix, addr, site, &missing_modules(bin));
         std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
         let mut process = ChildProcess::spawn(
-            "nginx".to_owned(),
+            name.to_owned(),
             Command::new(bin)
                 .arg("-p")
                 .arg(&prefix)
@@ -512,7 +556,7 @@ impl Nginx {
                 .arg("-e")
                 .arg(prefix.join("error.log"))
                 .stdout(Stdio::null()),
-            dir.join("nginx.stderr.log"),
+            dir.join(format!("{name}.stderr.log")),
             Some("-TERM"),
         )?;
         process.wait_listening(addr)?;
@@ -534,7 +578,7 @@ fn missing_modules(bin: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn nginx_conf(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, build: &str) -> String {
+fn nginx_conf(prefix: &Path, listen: SocketAddr, site: NginxSite, build: &str) -> String {
     let p = prefix.display();
     let mut temp_paths =
         format!("    client_body_temp_path {p}/client_body;\n    proxy_temp_path {p}/proxy;\n");
@@ -543,19 +587,9 @@ fn nginx_conf(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, build: &s
             temp_paths.push_str(&format!("    {module}_temp_path {p}/{module};\n"));
         }
     }
-    format!(
-        "worker_processes auto;
-daemon off;
-pid {p}/nginx.pid;
-error_log {p}/error.log warn;
-events {{
-    worker_connections 4096;
-}}
-http {{
-    access_log off;
-{temp_paths}    keepalive_requests 1000000;
-    keepalive_timeout 75s;
-    upstream mock {{
+    let site = match site {
+        NginxSite::Proxy(upstream) => format!(
+            "    upstream mock {{
         server {upstream};
         keepalive 64;
         keepalive_requests 1000000;
@@ -573,7 +607,33 @@ http {{
             proxy_max_temp_file_size 0;
         }}
     }}
+"
+        ),
+        // `return` answers before any body is read; nginx discards the request body itself.
+        NginxSite::Fixed => format!(
+            "    server {{
+        listen {listen};
+        default_type application/json;
+        location / {{
+            return 200 '{NGINX_BODY}';
+        }}
+    }}
+"
+        ),
+    };
+    format!(
+        "worker_processes auto;
+daemon off;
+pid {p}/nginx.pid;
+error_log {p}/error.log warn;
+events {{
+    worker_connections 4096;
 }}
+http {{
+    access_log off;
+{temp_paths}    keepalive_requests 1000000;
+    keepalive_timeout 75s;
+{site}}}
 "
     )
 }

@@ -1,9 +1,18 @@
 //! The table printed at the end: one row per scenario, with ratios to the baselines measured in
 //! the same run (nginx `proxy_pass` and the proxy's pass-through route, of the same body size).
+//!
+//! The `limit` column says what held a timed row back, from the cores each process taking part
+//! used over the row's window (see [`crate::cores`] for the processes and the rule): `cores`
+//! when together, with the rest of the machine (`other`), they used at least 90% of the cores
+//! (`cores, mostly other programs'` when `other` is half of that); else `NAME saturates a core`
+//! when a single-threaded process (redis-server) used at least 0.9 core; else `no core
+//! saturated, latency-bound`. Each verdict is followed by the total and every process's cores,
+//! biggest first.
 
 use std::time::Duration;
 
 use crate::client::Stats;
+use crate::cores::Cores;
 use crate::storm::StormReport;
 
 pub(crate) enum Outcome {
@@ -21,7 +30,9 @@ pub(crate) struct Row {
 }
 
 /// The table's columns.
-const COLUMNS: usize = 14;
+const COLUMNS: usize = 15;
+/// The `limit` column: text, aligned left like the scenario's name (numbers align right).
+const LIMIT: usize = COLUMNS - 2;
 
 const HEADERS: [&str; COLUMNS] = [
     "scenario",
@@ -37,6 +48,7 @@ const HEADERS: [&str; COLUMNS] = [
     "req/s vs pass",
     "p99 vs pass",
     "cpu vs pass",
+    "limit",
     "notes",
 ];
 
@@ -59,7 +71,7 @@ pub(crate) fn table(rows: &[Row]) -> Vec<String> {
             for (i, (cell, width)) in line.iter().zip(widths).enumerate() {
                 let pad = " ".repeat(width - cell.chars().count());
                 match i {
-                    0 => text.push_str(&format!("{cell}{pad}")),
+                    0 | LIMIT => text.push_str(&format!("{cell}{pad}")),
                     i if i == COLUMNS - 1 => text.push_str(cell),
                     _ => text.push_str(&format!("{pad}{cell}")),
                 }
@@ -112,6 +124,7 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; COLUMNS] {
                 rps_ratio(pass),
                 p99_ratio(pass),
                 cpu_ratio(pass),
+                stats.cores.as_ref().map_or_else(dash, Cores::limit),
                 row.note.clone(),
             ]
         }
@@ -126,6 +139,7 @@ fn cells_of(row: &Row, rows: &[Row]) -> [String; COLUMNS] {
                 fmt(q(0.99)),
                 fmt(q(0.999)),
                 storm.other.values().sum::<u64>().to_string(),
+                dash(),
                 dash(),
                 dash(),
                 dash(),

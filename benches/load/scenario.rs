@@ -114,7 +114,7 @@ const fn scenario(name: &'static str, target: Target, big: bool, about: &'static
 
 /// Every scenario, in the order a run executes them (baselines first).
 pub(crate) const ALL: &[Scenario] = &[
-    scenario("direct", Direct, false, "straight to the mock upstream"),
+    scenario("direct", Direct, false, "straight to the upstream"),
     scenario(
         "nginx",
         Nginx,

@@ -10,6 +10,8 @@
 //!   renewals, completions, releases and forgets in one transaction per batch (group commit),
 //!   and answers each operation only after its batch has committed: a claim is durable before
 //!   the request it admits is forwarded (SPEC §4.6).
+//! - **A checkpoint thread** (`checkpoint.rs`) copies the log back into the file every
+//!   second, beside the writer: the writer never stalls on a checkpoint's sync.
 //! - **Read threads** (`readers.rs`), each with its own connection, serve `get`, `inspect`,
 //!   `ping`'s read, and the first look of a claim, beside the writer (WAL).
 //! - **The SQL** (`ops.rs`): the claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE
@@ -21,6 +23,7 @@
 //! - **Waiters** (`waiters.rs`) for `on_conflict: wait` are woken in-process after the commit
 //!   of a completion or release: this process is the only one on the file.
 
+mod checkpoint;
 mod clock;
 mod file;
 mod ops;
@@ -37,6 +40,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use self::checkpoint::Checkpointer;
 use self::clock::{Clock, deadline, remaining};
 use self::readers::{Readers, Row};
 use self::waiters::Waiters;
@@ -56,6 +60,9 @@ pub struct SqliteStore {
 struct Inner {
     writer: Writer,
     readers: Readers,
+    /// Copies the log back into the file (after the writer and the readers have closed, the
+    /// last connection's close checkpoints what is left).
+    _checkpointer: Checkpointer,
     waiters: Arc<Waiters>,
     clock: Arc<Clock>,
     metrics: Arc<Metrics>,
@@ -98,9 +105,21 @@ impl SqliteStore {
                 source,
             })
         })?;
+        let checkpointer = file::open_checkpointer(path, sync)
+            .map_err(open_error)
+            .and_then(|conn| {
+                Checkpointer::start(conn, path).map_err(|source| {
+                    open_error(file::OpenError::Io {
+                        what: "cannot start the checkpoint thread for",
+                        path: path.to_owned(),
+                        source,
+                    })
+                })
+            })?;
         let inner = Arc::new(Inner {
             writer,
             readers,
+            _checkpointer: checkpointer,
             waiters,
             clock,
             metrics,

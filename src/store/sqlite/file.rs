@@ -162,7 +162,25 @@ pub(super) fn open_writer(path: &Path, sync: SqliteSync) -> Result<Connection, O
     // not leave a WAL of that size behind for ever.
     conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)
         .map_err(sqlite("cannot set journal_size_limit on", path))?;
+    // No checkpoint on the writer: a checkpoint copies the log into the file and syncs it, and
+    // that sync (hundreds of milliseconds on a busy disk) would stall every queued claim behind
+    // it. The checkpoint thread does it beside the writer (`checkpoint.rs`).
+    conn.pragma_update(None, "wal_autocheckpoint", 0)
+        .map_err(sqlite("cannot turn off the writer's checkpoints on", path))?;
     schema(&conn, path)?;
+    Ok(conn)
+}
+
+/// Opens the checkpoint connection, at the writer's `sync` level (a checkpoint syncs the log
+/// before it copies it, and the file after).
+pub(super) fn open_checkpointer(path: &Path, sync: SqliteSync) -> Result<Connection, OpenError> {
+    let conn = connect(path, OpenFlags::empty())?;
+    let synchronous = match sync {
+        SqliteSync::Normal => "NORMAL",
+        SqliteSync::Full => "FULL",
+    };
+    conn.pragma_update(None, "synchronous", synchronous)
+        .map_err(sqlite("cannot set synchronous on", path))?;
     Ok(conn)
 }
 

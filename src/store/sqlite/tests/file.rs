@@ -190,3 +190,46 @@ async fn the_file_is_in_wal_mode_with_the_agreed_layout() {
         .expect("index");
     assert_eq!(index, 1);
 }
+
+/// The writer never checkpoints; the checkpoint thread copies the log back into the file
+/// while the store is open, so the records reach the database file (and the log can start
+/// over) without a stall of the writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_copied_into_the_file_beside_the_writer() {
+    let f = Fixture::new();
+    let writer_checkpoints: i64 = f
+        .store
+        .inner
+        .writer
+        .submit("test", None, true, |ops, _| {
+            ops.conn()
+                .pragma_query_value(None, "wal_autocheckpoint", |r| r.get(0))
+        })
+        .await
+        .expect("read the writer's setting");
+    assert_eq!(writer_checkpoints, 0, "the writer does not checkpoint");
+    let file_size = || std::fs::metadata(&f.path).expect("the file").len();
+    let before = file_size();
+    for n in 0..2000u32 {
+        let mut id = [0u8; 32];
+        id[..4].copy_from_slice(&n.to_be_bytes());
+        let key = StoreKey::new(crate::key::namespace("idemproxy:", "r"), 0, id);
+        let h = held(1);
+        assert!(f.handle.claim(&key, &h, LEASE).await.is_ok());
+        assert!(
+            f.handle
+                .complete(&key, &h, &done(1).encode(), LEASE * 100)
+                .await
+                .is_ok()
+        );
+    }
+    // The file itself grows only by checkpoints (every second).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while file_size() <= before + 64 * 1024 {
+        assert!(
+            Instant::now() < deadline,
+            "the database file stayed at {before} bytes: nothing was checkpointed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
