@@ -32,10 +32,12 @@
 //! - [`reload`]: what triggers a reload (SIGHUP rereads the file); what a reload changes is
 //!   [`proxy::Proxy::reload`]'s. [`pid_file`]: where the process id is written, and how
 //!   `idemproxy reload` finds the process by it and signals it.
-//! - [`server`]: wiring and graceful shutdown ([`server::run`] is what `main` calls) on
-//!   [`server::listener`], the one listener type the proxy, admin and mock share: `accept`
-//!   (backoff), `connection` (TLS handshake, deadlines), `activity` and `io` (idle and
-//!   send timeouts), `handler` (what a listener serves).
+//! - [`server`]: wiring and graceful shutdown ([`server::run`] is what `main` calls);
+//!   [`server::workers`], a current-thread runtime, thread and accept loop a worker (what each
+//!   has of its own, what they share, and what stays single on worker 0), and `stores`, which
+//!   store each worker uses; all on [`server::listener`], the one listener type the proxy,
+//!   admin and mock share: `accept` (backoff), `connection` (TLS handshake, deadlines),
+//!   `activity` and `io` (idle and send timeouts), `handler` (what a listener serves).
 //! - [`tls`]: certificates and keys read at load — the listener's, and each upstream's roots.
 //! - [`shutdown`]: stop signals.
 //! - [`body`]: the body type that flows through all of it.

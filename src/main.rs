@@ -176,8 +176,10 @@ fn reload(path: &Path) -> ExitCode {
     }
 }
 
+/// Runs `fut` on a current-thread runtime: the main thread. Serving, it is worker 0, and the
+/// proxy starts the other workers' threads and runtimes itself (see `server::workers`).
 fn block_on(fut: impl Future<Output = ExitCode>) -> ExitCode {
-    match tokio::runtime::Builder::new_multi_thread()
+    match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

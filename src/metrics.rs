@@ -6,10 +6,17 @@
 //! operations have theirs in an array. The hot path then only increments: no label strings,
 //! no lookup in a family's map. An observed route (`mode: observe`) also gets its series of
 //! what enforce would have answered ([`Would`], from [`Metrics::observed`]).
+//!
+//! One registry serves every worker (`workers:`): counters and histograms sum across them by
+//! themselves, and so do gauges that only go up and down. A gauge a worker *sets* from its own
+//! resources (the PostgreSQL pool's) is set through a [`GaugePart`], so that the series is the
+//! sum over workers rather than the value of whichever wrote last.
 
 mod observed;
+mod summed;
 
 pub use observed::{ObservedMetrics, Unclaimed, Would};
+pub use summed::GaugePart;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -197,6 +204,11 @@ struct OpLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
     route: String,
 }
@@ -244,12 +256,17 @@ pub struct Metrics {
     pub sqlite_batch_size: Histogram,
     /// SQLite: how long each of the writer's commits took.
     pub sqlite_commit_duration: Histogram,
-    /// PostgreSQL: connections the pool holds open.
+    /// PostgreSQL: connections the pools hold open, every worker's together (each worker
+    /// sets its part through a [`GaugePart`]).
     pub postgres_pool_connections: Gauge,
-    /// PostgreSQL: connections lent out to an operation.
+    /// PostgreSQL: connections lent out to an operation, every worker's together.
     pub postgres_pool_in_use: Gauge,
-    /// PostgreSQL: operations waiting for a connection.
+    /// PostgreSQL: operations waiting for a connection, every worker's together.
     pub postgres_pool_waiting: Gauge,
+    /// Connections each worker's accept loop took on the main listener.
+    worker_connections: Family<WorkerLabel, Counter>,
+    /// Connections open on the main listener, every worker's together.
+    pub open_connections: Gauge,
 }
 
 /// The families labelled by route, from which [`Metrics::route`] hands out a route's series.
@@ -493,19 +510,31 @@ impl Metrics {
             postgres_pool_connections: register(
                 r,
                 "idemproxy_postgres_pool_connections",
-                "PostgreSQL connections the pool holds open (at most store.pool_size)",
+                "PostgreSQL connections the pools hold open, every worker's together (at most store.pool_size, or workers when that is larger)",
                 Gauge::default(),
             ),
             postgres_pool_in_use: register(
                 r,
                 "idemproxy_postgres_pool_in_use",
-                "PostgreSQL connections lent out to a store operation",
+                "PostgreSQL connections lent out to a store operation, every worker's together",
                 Gauge::default(),
             ),
             postgres_pool_waiting: register(
                 r,
                 "idemproxy_postgres_pool_waiting",
-                "Store operations waiting for a PostgreSQL connection",
+                "Store operations waiting for a PostgreSQL connection, every worker's together",
+                Gauge::default(),
+            ),
+            worker_connections: register(
+                r,
+                "idemproxy_worker_connections",
+                "Connections accepted on the main listener, by the worker whose accept loop took them",
+                Family::default(),
+            ),
+            open_connections: register(
+                r,
+                "idemproxy_open_connections",
+                "Connections open on the main listener, every worker's together",
                 Gauge::default(),
             ),
             routes,
@@ -561,6 +590,15 @@ impl Metrics {
         self.upstream_duration
             .get_or_create(&UpstreamLabel {
                 upstream: upstream.to_owned(),
+            })
+            .clone()
+    }
+
+    /// Registers the counter of the connections worker `worker` accepts and hands it out.
+    pub fn worker_connections(&self, worker: usize) -> Counter {
+        self.worker_connections
+            .get_or_create(&WorkerLabel {
+                worker: u64::try_from(worker).unwrap_or(u64::MAX),
             })
             .clone()
     }

@@ -145,6 +145,10 @@ fn table() -> Vec<Row> {
         row("header_read_timeout over 10 minutes", top("limits:\n  header_read_timeout: 1h"), "limits.header_read_timeout", &["too long", "10m"]),
         row("zero body_read_timeout", top("limits:\n  body_read_timeout: 0s"), "limits.body_read_timeout", &["greater than zero"]),
         row("zero max_connections", top("limits:\n  max_connections: 0"), "limits.max_connections", &["at least 1"]),
+        // workers.
+        row("zero workers", top("workers: 0"), "workers", &["0: must be from 1 to 256"]),
+        row("more workers than the bound", top("workers: 1000"), "workers", &["1000: must be from 1 to 256"]),
+        row("workers not a number", top("workers: all"), "workers", &["invalid type", "all"]),
         row("max_pending_save_bytes over 16GiB", top("limits:\n  max_pending_save_bytes: 17GiB"), "limits.max_pending_save_bytes", &["too large"]),
         row("unknown limits field", top("limits:\n  max_bananas: 3"), "limits.max_bananas", &["unknown field", "max_bananas"]),
         // key_from (SPEC 4.1).
@@ -462,6 +466,9 @@ fn a_minimal_file_gets_the_documented_defaults() {
     assert_eq!(c.log_format, LogFormat::Text);
     assert_eq!(c.pid_file, None);
     assert_eq!(c.shutdown_timeout, Duration::from_secs(30));
+    // workers: one a core the process may use.
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    assert_eq!(c.workers, cores.clamp(1, 256));
 
     // store: memory, 1,000,000 entries, "idemproxy:", 500ms.
     match c.store.backend {
@@ -638,6 +645,7 @@ fn the_example_file_is_valid_and_shows_the_defaults() {
         "log_format:",
         "pid_file:",
         "shutdown_timeout:",
+        "workers:",
         "store:",
         "backend:",
         "max_entries:",

@@ -224,6 +224,7 @@ fn zero_is_refused_wherever_it_makes_the_proxy_unusable() {
         // (section, line, field path, Some(words of the refusal) or None: accepted)
         ("", "shutdown_timeout: 0s", "shutdown_timeout", Some("greater than zero")),
         ("", "drain_delay: 0s", "drain_delay", None),
+        ("", "workers: 0", "workers", Some("from 1 to 256")),
         ("store", "timeout: 0s", "store.timeout", Some("greater than zero")),
         ("store", "max_entries: 0", "store.max_entries", Some("at least 1")),
         ("store", "wait_replicas: 0", "store.wait_replicas", None),

@@ -24,8 +24,9 @@
 //!    busy machine.
 //! 2. Else a single-threaded process used at least [`BUSY`] of a core: `NAME saturates a core`.
 //!    `redis-server` is one (one thread runs every command), and so is pgbench on a one-core
-//!    machine (`-j 1`); the mock, the proxy and the load generator run a thread per core (Tokio's
-//!    multi-threaded runtime), nginx a worker per core and PostgreSQL a backend per connection.
+//!    machine (`-j 1`); the mock and the load generator run a thread per core (Tokio's
+//!    multi-threaded runtime), the proxy a worker per core (`workers`, a current-thread runtime
+//!    each), nginx a worker per core and PostgreSQL a backend per connection.
 //! 3. Else `no core saturated, latency-bound`: the row waits (the store's round trips, its
 //!    fsyncs, the closed loop's fixed connections), it does not run out of CPU.
 

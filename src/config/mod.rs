@@ -131,6 +131,10 @@ pub(crate) struct RawConfig {
     /// load balancers polling readiness move traffic away before the listener closes. Default 0s.
     #[serde(default, with = "duration")]
     pub drain_delay: Duration,
+    /// Worker threads, each with its own runtime and accept loop on `listen`. Default: the
+    /// number of cores the process may use (at most [`bounds::WORKERS`]).
+    #[serde(default = "defaults::workers")]
+    pub workers: u32,
     /// The idempotency record store.
     #[serde(default)]
     pub store: RawStore,
@@ -174,6 +178,16 @@ mod defaults {
     pub(super) fn shutdown_timeout() -> Duration {
         Duration::from_secs(30)
     }
+
+    /// One worker a core the process may use (its CPU affinity and cgroup quota count, as
+    /// `std::thread::available_parallelism` reads them), within the bounds: a larger machine
+    /// than [`super::bounds::WORKERS`] cores gets that many.
+    pub(super) fn workers() -> u32 {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        u32::try_from(cores)
+            .unwrap_or(u32::MAX)
+            .clamp(1, super::bounds::WORKERS)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -197,6 +211,8 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     /// How long to keep accepting, unready, after a stop signal.
     pub drain_delay: Duration,
+    /// Worker threads serving `listen`, from 1 to [`bounds::WORKERS`].
+    pub workers: usize,
     pub store: StoreSettings,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamSettings>,
@@ -245,6 +261,7 @@ impl RawConfig {
         };
         let admin_token = self.admin_token(&mut err);
         self.check_shutdown(&mut err);
+        self.check_workers(&mut err);
         let pid_file = self.pid_file(&mut err);
         let limits = self.limits.validate(&mut err);
         let store = self.store.validate(&mut err);
@@ -269,6 +286,7 @@ impl RawConfig {
                 pid_file,
                 shutdown_timeout: self.shutdown_timeout,
                 drain_delay: self.drain_delay,
+                workers: usize::try_from(self.workers).unwrap_or(1),
                 store,
                 upstreams,
                 routes,
@@ -361,6 +379,19 @@ impl RawConfig {
                 None
             }
             path => path.map(PathBuf::from),
+        }
+    }
+
+    fn check_workers(&self, err: &mut impl FnMut(String, String)) {
+        if !(1..=bounds::WORKERS).contains(&self.workers) {
+            err(
+                "workers".into(),
+                format!(
+                    "{}: must be from 1 to {} (omit it for one worker a core)",
+                    self.workers,
+                    bounds::WORKERS
+                ),
+            );
         }
     }
 

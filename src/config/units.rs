@@ -127,6 +127,9 @@ pub mod bounds {
     pub(crate) const NODES: usize = 1000;
     /// `store.pool_size`.
     pub(crate) const POOL_SIZE: u32 = 1000;
+    /// `workers`: threads, each with a runtime, accept loop, upstream pools and (Redis,
+    /// PostgreSQL) store connections of its own.
+    pub const WORKERS: u32 = 256;
     /// `store.sweep_interval`.
     pub const SWEEP_INTERVAL: Duration = Duration::from_secs(DAY);
     /// `upstreams.*.connect_timeout`.

@@ -12,9 +12,15 @@
 //! Two things carry over from one generation to the next, because they outlive a reload:
 //! - A route's number follows its name ([`RouteNumbers`]): the memory store keys records by
 //!   it, and a route keeps its records as long as it keeps its name.
-//! - An upstream whose settings are unchanged keeps its client, and with it its pooled
-//!   connections. A changed or removed one gets a new client (or none); the old client is
-//!   dropped with the last request that holds it, which closes its idle connections.
+//! - An upstream whose settings are unchanged keeps its clients, and with them their pooled
+//!   connections. A changed or removed one gets new clients (or none); the old ones are
+//!   dropped with the last request that holds them, which closes their idle connections.
+//!
+//! Each worker has a client of its own for every upstream ([`Table`]): a pooled connection's
+//! task runs on the runtime that opened it, so a worker that borrowed another's connection
+//! would hop threads on every request, and lose it when that worker stopped. A generation
+//! holds one route table a worker, each over that worker's clients; every worker loads the
+//! same generation, so a reload reaches all of them at once.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,44 +34,81 @@ use crate::upstream::Upstream;
 /// One configuration, resolved.
 pub(super) struct Generation {
     pub config: Arc<Config>,
-    /// The routes, in file order (first match wins).
-    pub routes: Vec<Arc<Route>>,
-    /// The upstream clients by name, for the next reload to reuse.
-    pub upstreams: BTreeMap<String, Arc<Upstream>>,
+    /// Per worker, its routes and upstream clients. Never empty.
+    pub tables: Box<[Table]>,
     pub keys: Arc<KeyResolver>,
     /// The series of requests that match no route.
     pub unrouted: RouteMetrics,
 }
 
+/// One worker's routes, over its own upstream clients.
+pub(super) struct Table {
+    /// The routes, in file order (first match wins).
+    pub routes: Vec<Arc<Route>>,
+    /// The upstream clients by name, for the next reload to reuse.
+    pub upstreams: BTreeMap<String, Arc<Upstream>>,
+}
+
 impl Generation {
-    /// Resolves `config`. With `previous`, the generation it replaces, every upstream whose
-    /// settings are equal keeps its client; `numbers` gives every route its name's number.
+    /// Resolves `config` for `workers` workers (at least one). With `previous`, the generation
+    /// it replaces, every upstream whose settings are equal keeps each worker's client;
+    /// `numbers` gives every route its name's number.
     pub(super) fn build(
         config: Config,
         metrics: &Metrics,
         numbers: &mut RouteNumbers,
         previous: Option<&Generation>,
+        workers: usize,
     ) -> Generation {
+        let tables: Box<[Table]> = (0..workers.max(1))
+            .map(|worker| {
+                let before = previous.and_then(|p| p.tables.get(worker).map(|t| (p, t)));
+                Table::build(&config, metrics, numbers, before)
+            })
+            .collect();
+        let keys = Arc::new(KeyResolver::new(
+            tables.first().map_or(&[][..], |t| &t.routes),
+        ));
+        Generation {
+            keys,
+            unrouted: metrics.route(""),
+            config: Arc::new(config),
+            tables,
+        }
+    }
+
+    /// Worker `worker`'s routes.
+    pub(super) fn routes(&self, worker: usize) -> &[Arc<Route>] {
+        self.tables
+            .get(worker)
+            .or_else(|| self.tables.first())
+            .map_or(&[], |t| &t.routes)
+    }
+}
+
+impl Table {
+    /// One worker's table; `previous` is the generation replaced and that worker's table in it.
+    fn build(
+        config: &Config,
+        metrics: &Metrics,
+        numbers: &mut RouteNumbers,
+        previous: Option<(&Generation, &Table)>,
+    ) -> Table {
         let upstreams: BTreeMap<String, Arc<Upstream>> = config
             .upstreams
             .iter()
             .map(|(name, settings)| {
-                let kept = previous.and_then(|p| {
+                let kept = previous.and_then(|(p, table)| {
                     let same = p.config.upstreams.get(name) == Some(settings);
-                    same.then(|| p.upstreams.get(name).cloned()).flatten()
+                    same.then(|| table.upstreams.get(name).cloned()).flatten()
                 });
                 let client = kept
                     .unwrap_or_else(|| Arc::new(Upstream::new(settings, metrics.upstream(name))));
                 (name.clone(), client)
             })
             .collect();
-        let routes = Route::resolve_all(&config, metrics, &upstreams, numbers);
-        Generation {
-            keys: Arc::new(KeyResolver::new(&routes)),
-            unrouted: metrics.route(""),
-            config: Arc::new(config),
-            routes,
-            upstreams,
-        }
+        // The same numbers for every worker: a name's number is given once, by the first.
+        let routes = Route::resolve_all(config, metrics, &upstreams, numbers);
+        Table { routes, upstreams }
     }
 }

@@ -87,42 +87,81 @@ pub use reload::{Changes, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
 /// the tracker of background tasks (upstream calls and completions) that shutdown waits for.
+///
+/// One `Proxy` serves every worker (`workers:`, see `server::workers`): the configuration in
+/// force is one `ArcSwap` that they all load, so a reload swaps it once and the next request on
+/// any worker sees it. What a worker must not share with another — its upstream clients, whose
+/// pooled connections run on its runtime, and its Redis or PostgreSQL connections — it finds
+/// by its number: [`Generation`] holds a route table a worker, and `workers` a [`Shared`] a
+/// worker.
 pub struct Proxy {
     /// The configuration in force, resolved. Each request loads it once (one atomic load, no
     /// lock on the hot path); a reload swaps in a whole new one.
     current: ArcSwap<Generation>,
     /// What reloads carry over (route numbers) and who hears of them; locked by reloads only.
     reloading: Mutex<Reloading>,
-    /// The store and the background work, shared with every exchange.
-    shared: Arc<Shared>,
+    /// Per worker, what its exchanges share: its store handle, and the background work that
+    /// every worker shares (one tracker, one set of pending completions). Never empty.
+    workers: Box<[Arc<Shared>]>,
     metrics: Arc<Metrics>,
     /// Set when shutdown starts: readiness answers 503 from then on.
     draining: AtomicBool,
 }
 
 impl Proxy {
-    /// Builds the proxy over a store: resolves every route's upstream, policy and metrics.
+    /// Builds the proxy over a store, for one worker: resolves every route's upstream, policy
+    /// and metrics.
     pub fn new(config: Config, store: StoreHandle, metrics: Arc<Metrics>) -> Proxy {
+        Proxy::with_workers(config, store, Vec::new(), metrics)
+    }
+
+    /// Builds the proxy for `1 + more.len()` workers: worker 0 uses `first`, worker `i` uses
+    /// `more[i - 1]` (for a store every worker shares, each is a handle on the same backend).
+    /// Every worker gets a client of its own for each upstream.
+    pub(crate) fn with_workers(
+        config: Config,
+        first: StoreHandle,
+        more: Vec<StoreHandle>,
+        metrics: Arc<Metrics>,
+    ) -> Proxy {
         let mut numbers = RouteNumbers::default();
         let limits = config.limits;
-        let generation = Generation::build(config, &metrics, &mut numbers, None);
-        let shared = Arc::new(Shared {
-            store,
-            tasks: TaskTracker::new(),
-            pending: Arc::new(PendingCompletions::new(
-                limits.max_pending_saves,
-                limits.max_pending_save_bytes,
-                metrics.pending_completions.clone(),
-                metrics.pending_completion_bytes.clone(),
-            )),
-        });
+        let tasks = TaskTracker::new();
+        let pending = Arc::new(PendingCompletions::new(
+            limits.max_pending_saves,
+            limits.max_pending_save_bytes,
+            metrics.pending_completions.clone(),
+            metrics.pending_completion_bytes.clone(),
+        ));
+        let workers: Box<[Arc<Shared>]> = std::iter::once(first)
+            .chain(more)
+            .map(|store| {
+                Arc::new(Shared {
+                    store,
+                    tasks: tasks.clone(),
+                    pending: pending.clone(),
+                })
+            })
+            .collect();
+        let generation = Generation::build(config, &metrics, &mut numbers, None, workers.len());
         Proxy {
             current: ArcSwap::from_pointee(generation),
             reloading: Mutex::new(Reloading::new(numbers)),
-            shared,
+            workers,
             metrics,
             draining: AtomicBool::new(false),
         }
+    }
+
+    /// How many workers it serves.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// What worker `worker`'s exchanges share (worker 0's for a number past the last, which
+    /// no caller of the crate passes).
+    fn worker(&self, worker: usize) -> &Arc<Shared> {
+        &self.workers[worker.min(self.workers.len() - 1)]
     }
 
     /// Marks the start of the drain (readiness answers 503 from then on).
@@ -137,7 +176,7 @@ impl Proxy {
 
     /// The Prometheus text, with the gauges read at scrape time brought up to date.
     pub fn encode_metrics(&self) -> String {
-        if let Some((held, max)) = self.shared.store.fill() {
+        if let Some((held, max)) = self.store().fill() {
             self.metrics
                 .memory_records
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
@@ -156,20 +195,22 @@ impl Proxy {
     /// The background tasks (upstream calls, completions) that must finish before the process
     /// exits.
     pub(crate) fn tasks(&self) -> &TaskTracker {
-        &self.shared.tasks
+        &self.worker(0).tasks
     }
 
     /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
     pub(crate) fn log_pending_completions(&self) {
-        self.shared.pending.log_pending();
+        self.worker(0).pending.log_pending();
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
 
+    /// Worker 0's store: the one the admin listener (on worker 0) uses. With Redis or
+    /// PostgreSQL every worker has connections of its own to the same database.
     pub fn store(&self) -> &StoreHandle {
-        &self.shared.store
+        &self.worker(0).store
     }
 
     /// The configuration in force.
@@ -177,20 +218,23 @@ impl Proxy {
         self.current.load().config.clone()
     }
 
-    /// Handles one request. Never fails: every failure is an HTTP answer.
+    /// Handles one request on worker `worker` (the runtime it runs on: its upstream clients
+    /// and store connections are that worker's). Never fails: every failure is an HTTP answer.
     pub(crate) async fn handle(
         self: &Arc<Self>,
         req: Request<Incoming>,
         client: SocketAddr,
+        worker: usize,
     ) -> Response<Body> {
         let start = Instant::now();
         // Once per request: whatever a reload swaps in meanwhile, this request is served to
         // its end by the configuration it arrived under.
         let generation = self.current.load_full();
+        let shared = self.worker(worker);
         let method = req.method().clone();
         let uri = req.uri().clone();
         let Some(route) = generation
-            .routes
+            .routes(worker)
             .iter()
             .find(|r| r.settings.matches(&method, uri.path()))
         else {
@@ -208,7 +252,7 @@ impl Proxy {
                 forward_plain(route, parts, body, client, None).await
             }
             Some(idem) => {
-                self.idempotent(route, idem, parts, incoming, client, limits)
+                self.idempotent(shared, route, idem, parts, incoming, client, limits)
                     .await
             }
         };
@@ -235,9 +279,11 @@ impl Proxy {
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a
     /// key), then claimed and run to its end whether or not the client stays. `route`, `idem`
-    /// and `limits` come from the request's generation.
+    /// and `limits` come from the request's generation, `shared` from its worker.
+    #[allow(clippy::too_many_arguments)]
     async fn idempotent(
-        self: &Arc<Self>,
+        &self,
+        shared: &Arc<Shared>,
         route: &Arc<Route>,
         idem: &Arc<IdempotencySettings>,
         parts: Parts,
@@ -248,7 +294,7 @@ impl Proxy {
         if let Some(observed) = &route.observed {
             let req = Request::from_parts(parts, incoming);
             return self
-                .observed(route, idem, observed, req, client, limits)
+                .observed(shared, route, idem, observed, req, client, limits)
                 .await;
         }
         let admitted = match admission::admit(route, idem, parts, incoming, limits).await {
@@ -267,7 +313,7 @@ impl Proxy {
         }
         // Saves that could not be kept whole still hold their keys (and a little memory) until
         // the store takes their result-not-kept records; at their bound, claim nothing more.
-        if self.shared.pending.is_saturated() {
+        if shared.pending.is_saturated() {
             tracing::warn!(route = %route.name, "too many results waiting for the store to take them: 503");
             return refuse(Problem::Overloaded, Outcome::Overloaded);
         }
@@ -283,7 +329,7 @@ impl Proxy {
             route.metrics.derived_key();
         }
         let exchange = Exchange::new(
-            self.shared.clone(),
+            shared.clone(),
             route.clone(),
             idem.clone(),
             admitted,
@@ -293,7 +339,7 @@ impl Proxy {
         // Run here, in the request's task (no spawn, no hop to another thread); if the client
         // leaves first, the exchange moves to a task of its own and runs to its end. Either
         // way shutdown waits for it (the tracker).
-        let exchange = Detachable::new(self.shared.tasks.track_future(async move {
+        let exchange = Detachable::new(shared.tasks.track_future(async move {
             let _ended = ended;
             exchange.claim_and_run().await
         }));

@@ -54,8 +54,10 @@ use crate::upstream::{self, Bounded};
 impl Proxy {
     /// A request on an observed route (`observed`: its series): admitted as `enforce` would,
     /// counted, and forwarded whatever admission says.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn observed(
         &self,
+        shared: &Arc<Shared>,
         route: &Arc<Route>,
         idem: &Arc<IdempotencySettings>,
         observed: &ObservedMetrics,
@@ -110,7 +112,7 @@ impl Proxy {
         // observed route could pile up work that nobody waits for; past them the request is
         // forwarded without a claim.
         if self.metrics.detached_exchanges.get() >= i64::from(limits.max_detached_exchanges)
-            || self.shared.pending.is_saturated()
+            || shared.pending.is_saturated()
         {
             tracing::warn!(
                 route = %route.name,
@@ -125,7 +127,7 @@ impl Proxy {
             derived: admitted.derived,
         };
         let observation = Observation {
-            shared: self.shared.clone(),
+            shared: shared.clone(),
             route: route.clone(),
             idem: idem.clone(),
             observed: observed.clone(),
@@ -135,7 +137,7 @@ impl Proxy {
         // As on an enforced route: run here, moved to a task of its own if the client leaves
         // first, tracked either way (see `idempotent`).
         let (_attachment, ended, watch) = detach::guards(self.metrics.detached_exchanges.clone());
-        let exchange = Detachable::new(self.shared.tasks.track_future(async move {
+        let exchange = Detachable::new(shared.tasks.track_future(async move {
             let _ended = ended;
             observation.forward().await
         }));

@@ -13,6 +13,8 @@
 //! - `pid_file`: written at start, and how `idemproxy reload` finds the process.
 //! - `limits.max_connections`, `limits.max_admin_connections`: the bounds of the accept loops,
 //!   fixed when they start.
+//! - `workers`: the threads, their runtimes, sockets, upstream pools and store connections
+//!   are made at start.
 //!
 //! Everything else applies to the requests that arrive after the swap — routes, upstreams,
 //! policies, the other limits (`header_read_timeout` and `send_timeout` to connections
@@ -190,6 +192,7 @@ impl fmt::Display for Changes {
 fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
     let fields = [
         ("listen", old.listen != new.listen),
+        ("workers", old.workers != new.workers),
         ("admin_listen", old.admin_listen != new.admin_listen),
         ("tls", old.tls != new.tls),
         ("store", old.store != new.store),
@@ -256,14 +259,22 @@ impl Proxy {
         }
         let changes = Changes::between(&current.config, &config);
         let Reloading { numbers, hooks } = &mut *reloading;
-        let generation = Generation::build(config, &self.metrics, numbers, Some(&current));
+        let generation = Generation::build(
+            config,
+            &self.metrics,
+            numbers,
+            Some(&current),
+            self.workers(),
+        );
         let limits = generation.config.limits;
-        self.shared
+        // One set of pending completions for every worker: bounded once.
+        self.worker(0)
             .pending
             .set_bounds(limits.max_pending_saves, limits.max_pending_save_bytes);
         for hook in hooks.iter() {
             hook(&generation.config);
         }
+        // One swap that every worker sees: they all load this one `ArcSwap`.
         self.current.store(Arc::new(generation));
         self.metrics.config_reload(ReloadResult::Applied);
         tracing::info!(%changes, "configuration reloaded");

@@ -38,6 +38,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
@@ -52,11 +54,23 @@ pub use super::handler::{Handler, ListenerLimits, LiveLimits, Peer};
 pub struct Listener {
     tcp: TcpListener,
     name: &'static str,
-    /// The accept loop's bound, fixed for its life.
-    max_connections: usize,
+    /// The accept loop's bound, fixed for its life: one permit a connection. Several
+    /// listeners may share one (the workers' sockets on one address: the bound is the
+    /// address's, not each socket's).
+    slots: Arc<Semaphore>,
     /// Each connection's limits, which a reload may change (see [`Listener::live_limits`]).
     limits: Arc<LiveLimits>,
     tls: Option<TlsAcceptor>,
+    /// Counts the connections it accepts, and those open.
+    counted: Option<Counted>,
+}
+
+/// What a listener counts: connections accepted (its own counter), and open (a gauge that
+/// several listeners may move together).
+#[derive(Debug, Clone)]
+pub(crate) struct Counted {
+    pub accepted: Counter,
+    pub open: Gauge,
 }
 
 impl std::fmt::Debug for Listener {
@@ -76,10 +90,24 @@ impl Listener {
         Listener {
             tcp,
             name,
-            max_connections: limits.max_connections,
+            slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
             limits: Arc::new(LiveLimits::new(limits)),
             tls: None,
+            counted: None,
         }
+    }
+
+    /// Takes its connection slots from `slots`, shared with other listeners, instead of a
+    /// bound of its own.
+    pub(crate) fn share_slots(mut self, slots: Arc<Semaphore>) -> Listener {
+        self.slots = slots;
+        self
+    }
+
+    /// Counts what it accepts and holds open.
+    pub(crate) fn counted(mut self, counted: Counted) -> Listener {
+        self.counted = Some(counted);
+        self
     }
 
     /// The limits its connections will get, for a reload to change: connections accepted
@@ -103,7 +131,7 @@ impl Listener {
             tls: self.tls,
             name: self.name,
         });
-        let slots = Arc::new(Semaphore::new(self.max_connections.max(1)));
+        let slots = self.slots;
         let connections = TaskTracker::new();
         let stop = Stop::default();
         let mut backoff = Backoff::new(self.name);
@@ -136,17 +164,38 @@ impl Listener {
             if let Err(error) = tcp.set_nodelay(true) {
                 tracing::debug!(listener = self.name, %peer, %error, "set_nodelay failed");
             }
+            let open = self.counted.as_ref().map(|c| {
+                c.accepted.inc();
+                OpenConnection::new(c.open.clone())
+            });
             let shared = shared.clone();
             // Cloned before the task starts, so that a drain beginning during a TLS handshake
             // still reaches this connection.
             let stop = stop.clone();
             connections.spawn(async move {
                 let _slot = slot;
+                let _open = open;
                 connection::serve(shared, tcp, peer, stop).await;
             });
         }
         drop(self.tcp);
         Drain { connections, stop }
+    }
+}
+
+/// One connection counted open until it is dropped.
+struct OpenConnection(Gauge);
+
+impl OpenConnection {
+    fn new(open: Gauge) -> OpenConnection {
+        open.inc();
+        OpenConnection(open)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -1,11 +1,14 @@
 //! The proxy's servers: the main listener (HTTP/1.1 and h2c, or with `tls:` HTTP/1.1 and h2
-//! over TLS) and the wiring of the store, the admin listener and graceful shutdown.
+//! over TLS) served by every worker, and the wiring of the store, the admin listener and
+//! graceful shutdown.
 //!
 //! On shutdown it marks the proxy draining (readiness answers 503), keeps serving for
 //! `drain_delay`, then stops accepting, lets requests in flight finish, and waits for the
 //! background tasks (upstream calls whose client left, saves being retried) so that every
-//! result that can be saved is saved — all within `shutdown_timeout`.
+//! result that can be saved is saved — all within `shutdown_timeout`, on every worker.
 //!
+//! - [`workers`]: a runtime, a thread and an accept loop a worker; what stays single.
+//! - `stores`: which store each worker uses (shared, or its own connections).
 //! - [`listener`]: the one listener type every server uses, and its [`listener::Handler`].
 //! - `accept`: what to do when accept fails (backoff, one log line a burst).
 //! - `connection`: one connection's task — TLS handshake, deadlines, drain.
@@ -18,6 +21,8 @@ mod connection;
 mod handler;
 mod io;
 pub mod listener;
+mod stores;
+pub mod workers;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -26,20 +31,19 @@ use std::time::Duration;
 use http::{Request, Response, header};
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use crate::body::Body;
-use crate::config::{BackendSettings, Config, Limits};
+use crate::config::{Config, Limits};
 use crate::metrics::Metrics;
 use crate::pid_file::PidFile;
 use crate::problem::Problem;
 use crate::proxy::Proxy;
 use crate::reload::ReloadSource;
-use crate::store::memory::MemoryStore;
-use crate::store::postgres::PostgresStore;
-use crate::store::redis::RedisStore;
-use crate::store::sqlite::SqliteStore;
-use crate::store::{Store, StoreError, StoreHandle};
-use listener::{Handler, Listener, ListenerLimits, Peer};
+use crate::store::StoreError;
+use listener::{Counted, Handler, Listener, ListenerLimits, Peer};
+pub use stores::build_store;
+use workers::{Drained, Workers};
 
 /// At most this many request headers: 100 (hyper's and many servers' limit) less the three
 /// `X-Forwarded-*` the proxy adds. A request the upstream would refuse while parsing must be
@@ -67,69 +71,57 @@ pub enum RunError {
         path: std::path::PathBuf,
         error: std::io::Error,
     },
+    /// A worker could not start.
+    #[error("worker {worker} {what}: {error}")]
+    Worker {
+        worker: usize,
+        what: &'static str,
+        error: std::io::Error,
+    },
+    /// A worker's thread ended before it said whether it could start (it panicked).
+    #[error("worker {0} ended while starting")]
+    WorkerLost(usize),
 }
 
 /// Pending connections the listener queues (the kernel caps it at `net.core.somaxconn`):
 /// a burst of a thousand clients retrying at once must not be refused at the door.
 const LISTEN_BACKLOG: u32 = 4096;
 
-/// Binds a listener with a deep accept queue and `SO_REUSEADDR` (a restart does not wait for
-/// the old process's connections to leave TIME_WAIT).
+/// Binds the main listener with a deep accept queue, `SO_REUSEADDR` (a restart does not wait
+/// for the old process's connections to leave TIME_WAIT) and `SO_REUSEPORT`, so that every
+/// worker binds a socket of its own to the same address ([`bind_shared`]).
+///
+/// `SO_REUSEPORT` would also let *another* process of the same user bind the port and take a
+/// share of its connections — a second proxy started by mistake, with a memory store of its
+/// own, would run a key's duplicates once each. So a fixed port is first bound plainly, as
+/// only a free port can be: a port that anything listens on is refused (`AddrInUse`), as it
+/// was before the workers shared it.
 pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
+    if addr.port() != 0 {
+        let probe = new_socket(addr)?;
+        probe.set_reuseaddr(true)?;
+        probe.bind(addr)?;
+    }
+    bind_shared(addr)
+}
+
+/// Binds one more socket to `addr` — an address [`bind`] has bound, its port resolved — for a
+/// worker's accept loop: the kernel spreads new connections across the sockets of the port.
+pub(crate) fn bind_shared(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = new_socket(addr)?;
     socket.set_reuseaddr(true)?;
+    #[cfg(all(unix, not(target_os = "solaris"), not(target_os = "illumos")))]
+    socket.set_reuseport(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Builds the store the configuration names. With Redis, checks every server's eviction policy
-/// in the background (it must not delay start, and Redis may be down).
-pub async fn build_store(config: &Config, metrics: Arc<Metrics>) -> Result<StoreHandle, RunError> {
-    let s = &config.store;
-    let check_timeout = s.timeout.max(Duration::from_secs(2));
-    let backend: Arc<dyn Store> = match &s.backend {
-        BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
-        BackendSettings::Redis {
-            url,
-            access,
-            wait_replicas,
-        } => {
-            let redis = Arc::new(RedisStore::connect(
-                url,
-                access,
-                *wait_replicas,
-                s.timeout,
-                metrics.clone(),
-            )?);
-            let check = redis.clone();
-            tokio::spawn(async move { check.check_server(check_timeout).await });
-            redis
-        }
-        BackendSettings::Sqlite {
-            path,
-            sync,
-            sweep_interval,
-        } => Arc::new(SqliteStore::open(
-            path,
-            *sync,
-            *sweep_interval,
-            metrics.clone(),
-        )?),
-        BackendSettings::Postgres(settings) => {
-            Arc::new(PostgresStore::connect(settings, s.timeout, metrics.clone()).await?)
-        }
-        BackendSettings::RedisCluster { nodes, access } => {
-            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
-            let check = redis.clone();
-            tokio::spawn(async move { check.check_server(check_timeout).await });
-            redis
-        }
-    };
-    Ok(StoreHandle::new(backend, s.timeout, metrics))
+fn new_socket(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
 }
 
 /// How long admin requests in flight (a scrape, a key lookup) may run once the admin listener
@@ -178,6 +170,10 @@ impl Handler for AdminService {
 /// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
 /// `reloads` says what a SIGHUP rereads. With `pid_file` set, the process id is written
 /// there once everything listens (and SIGHUP is handled), and removed on the way out.
+///
+/// Serves with `config.workers` workers ([`workers`]): worker 0 on the runtime this is called
+/// on, with the signal handling, the reloads, the pid file and the admin listener; each other
+/// on a thread and runtime of its own, on a socket bound to `listener`'s address.
 pub async fn run(
     listener: TcpListener,
     config: Config,
@@ -192,13 +188,17 @@ pub async fn run(
         Some(addr) => Some(bind(addr)?),
         None => None,
     };
-    let store = build_store(&config, metrics.clone()).await?;
     let pid_file = config.pid_file.clone();
-    let proxy = Arc::new(Proxy::new(config, store, metrics));
+    let workers = Workers::start(listener, config, metrics).await?;
+    let proxy = workers.proxy().clone();
     let _pid_file = match pid_file {
-        Some(path) => {
-            Some(PidFile::write(&path).map_err(|error| RunError::PidFile { path, error })?)
-        }
+        Some(path) => match PidFile::write(&path) {
+            Ok(written) => Some(written),
+            Err(error) => {
+                workers.stop().await;
+                return Err(RunError::PidFile { path, error });
+            }
+        },
         None => None,
     };
     let reloader = tokio::spawn(hangups.serve(proxy.clone()));
@@ -209,13 +209,13 @@ pub async fn run(
             let _ = admin_stopped.await;
         }))
     });
-    let served = serve(listener, proxy, shutdown).await;
+    shutdown.await;
+    workers.drain().await;
     reloader.abort();
     let _ = admin_stop.send(());
     if let Some(admin) = admin {
         let _ = admin.await;
     }
-    served?;
     Ok(())
 }
 
@@ -241,43 +241,100 @@ fn reloaded(started: ListenerLimits, new: &Limits) -> ListenerLimits {
     }
 }
 
-/// Serves an already-built proxy (tests and benches use this to read its metrics).
+/// Serves an already-built proxy on this runtime, as one worker (tests use this with a
+/// store of their own, and to read its metrics), until `shutdown` completes; then drains it
+/// as [`Workers::drain`] drains every worker.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
+    let max_connections = proxy.config().limits.max_connections;
+    let slots = Arc::new(Semaphore::new(
+        usize::try_from(max_connections)
+            .unwrap_or(usize::MAX)
+            .max(1),
+    ));
+    let draining = proxy.clone();
+    let stop = async move {
+        shutdown.await;
+        begin_drain(&draining).await;
+        tracing::info!(
+            timeout = ?draining.config().shutdown_timeout,
+            "shutting down: no new connections; waiting for requests in flight"
+        );
+    };
+    let drained = serve_worker(listener, proxy.clone(), 0, slots, stop).await;
+    if drained.in_time {
+        tracing::info!("shutdown complete");
+    } else {
+        tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway");
+    }
+    proxy.log_pending_completions();
+    Ok(())
+}
+
+/// The start of the drain, once for every worker: readiness answers 503 from now on, while
+/// the workers still accept for `drain_delay`.
+async fn begin_drain(proxy: &Proxy) {
+    // Readiness says 503 from the signal on, while the listener still serves: a load
+    // balancer polling it moves traffic away before the socket closes.
+    proxy.start_draining();
+    // Read now: a reload may have changed it since start.
+    let drain_delay = proxy.config().drain_delay;
+    if !drain_delay.is_zero() {
+        tracing::info!(
+            ?drain_delay,
+            "draining: /readyz answers 503; still accepting for drain_delay"
+        );
+        tokio::time::sleep(drain_delay).await;
+    }
+}
+
+/// One worker's share of the main listener: its accept loop on `listener` until `stop`
+/// completes, then its drain — its connections finish their requests, and the background
+/// tasks of every worker (one tracker) finish — within `shutdown_timeout`. `slots` bounds the
+/// connections open on every worker together.
+async fn serve_worker(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    worker: usize,
+    slots: Arc<Semaphore>,
+    stop: impl Future<Output = ()>,
+) -> Drained {
     let config = proxy.config();
     let limits = client_limits(&config.limits, config.limits.max_connections);
     let tls = config.tls.as_ref().map(crate::tls::ServerTls::acceptor);
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "idemproxy listening on {scheme}://{addr}");
-    let listener = Listener::new(listener, "proxy", limits).tls(tls);
+    match listener.local_addr() {
+        Ok(addr) if worker == 0 => tracing::info!(
+            %addr,
+            workers = proxy.workers(),
+            "idemproxy listening on {scheme}://{addr}"
+        ),
+        Ok(addr) => tracing::debug!(%addr, worker, "worker accepting"),
+        Err(e) => tracing::warn!(worker, error = %e, "the listener has no address"),
+    }
+    let counted = Counted {
+        accepted: proxy.metrics().worker_connections(worker),
+        open: proxy.metrics().open_connections.clone(),
+    };
+    let listener = Listener::new(listener, "proxy", limits)
+        .tls(tls)
+        .share_slots(slots)
+        .counted(counted);
     let live = listener.live_limits();
     proxy.on_reload(move |c| live.set(reloaded(limits, &c.limits)));
-    let draining = proxy.clone();
-    let stop = async move {
-        shutdown.await;
-        // Readiness says 503 from the signal on, while the listener still serves: a load
-        // balancer polling it moves traffic away before the socket closes.
-        draining.start_draining();
-        // Read now: a reload may have changed it since start.
-        let drain_delay = draining.config().drain_delay;
-        if !drain_delay.is_zero() {
-            tracing::info!(
-                ?drain_delay,
-                "draining: /readyz answers 503; still accepting for drain_delay"
-            );
-            tokio::time::sleep(drain_delay).await;
-        }
+    let service = ProxyService {
+        proxy: proxy.clone(),
+        worker,
     };
-    let drain = listener.run(ProxyService(proxy.clone()), stop).await;
+    let drain = listener.run(service, stop).await;
     // Draining: no reload swaps in another configuration from here on.
     let shutdown_timeout = proxy.config().shutdown_timeout;
-    tracing::info!(
-        timeout = ?shutdown_timeout,
-        "shutting down: no new connections; waiting for requests in flight"
+    tracing::debug!(
+        worker,
+        "worker stopped accepting; waiting for its requests in flight"
     );
     proxy.tasks().close();
     let drained = tokio::time::timeout(shutdown_timeout, async {
@@ -285,19 +342,20 @@ pub async fn serve(
         proxy.tasks().wait().await;
     })
     .await;
-    match drained {
-        Ok(()) => tracing::info!("shutdown complete"),
-        Err(_) => {
-            drain.abort();
-            tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway")
-        }
+    if drained.is_err() {
+        drain.abort();
     }
-    proxy.log_pending_completions();
-    Ok(())
+    Drained {
+        in_time: drained.is_ok(),
+    }
 }
 
-/// The main listener's handler: the proxy, behind the checks hyper makes for HTTP/1.1 only.
-struct ProxyService(Arc<Proxy>);
+/// The main listener's handler on one worker: the proxy, behind the checks hyper makes for
+/// HTTP/1.1 only.
+struct ProxyService {
+    proxy: Arc<Proxy>,
+    worker: usize,
+}
 
 impl Handler for ProxyService {
     type Body = Body;
@@ -313,7 +371,7 @@ impl Handler for ProxyService {
             tracing::debug!(%client, headers = count, "too many request headers: refused");
             return Ok(Problem::HeadersTooLarge { limit: MAX_HEADERS }.response());
         }
-        Ok(self.0.handle(req, client).await)
+        Ok(self.proxy.handle(req, client, self.worker).await)
     }
 }
 

@@ -106,9 +106,22 @@ impl PostgresStore {
         timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Result<PostgresStore, StoreError> {
+        PostgresStore::connect_worker(settings, timeout, metrics, true).await
+    }
+
+    /// [`PostgresStore::connect`] for one worker of several: its pool holds at most
+    /// `settings.pool_size` connections (the worker's share), and it runs the sweep only if
+    /// `sweeps` — one sweep a process is enough (several instances already sweep side by side,
+    /// `SKIP LOCKED` splitting the rows), more would only cost round trips.
+    pub async fn connect_worker(
+        settings: &PostgresSettings,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+        sweeps: bool,
+    ) -> Result<PostgresStore, StoreError> {
         let pool = pool::build(settings, timeout)?;
         let inner = Arc::new(Inner {
-            connections: Connections::new(pool, timeout, metrics.clone()),
+            connections: Connections::new(pool, timeout, &metrics),
             sql: Statements::new(&settings.schema),
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
@@ -130,7 +143,9 @@ impl PostgresStore {
                 "PostgreSQL did not answer at start: starting anyway (the store answers 503 until it does); the first operation that reaches the database sets the schema up"
             ),
         }
-        sweep::spawn(Arc::downgrade(&inner), settings.sweep_interval);
+        if sweeps {
+            sweep::spawn(Arc::downgrade(&inner), settings.sweep_interval);
+        }
         warm::spawn(Arc::downgrade(&inner));
         Ok(PostgresStore { inner })
     }

@@ -325,7 +325,9 @@ impl Env {
     /// A whole configuration: `POST /bookings` (route `create-booking`) idempotent with the
     /// `idempotency:` lines in `idem` (indented freely; one setting a line), `/pay/*` (route
     /// `pay`) idempotent with `lock_ttl: 2s`, and every other path (route `rest`) passed
-    /// through.
+    /// through; served by two workers, whatever the machine (the default, one a core, would be
+    /// one on a one-core runner), so that every test on it — drains, reloads and chaos among
+    /// them — has connections on two workers.
     pub(crate) fn config(&self, idem: &str) -> String {
         self.config_with(idem, "")
     }
@@ -342,7 +344,7 @@ impl Env {
             idem_lines.push_str("      required: true\n");
         }
         format!(
-            "listen: 127.0.0.1:0\nshutdown_timeout: 10s\n{store}upstreams:\n  booking:\n    url: {up}\n    connect_timeout: 1s\n    timeout: 5s\nroutes:\n  - name: create-booking\n    methods: [POST]\n    path: /bookings\n    upstream: booking\n    idempotency:\n{idem_lines}  - name: pay\n    path: /pay/*\n    upstream: booking\n    idempotency:\n      lock_ttl: 2s\n  - name: rest\n    path: /*\n    upstream: booking\n",
+            "listen: 127.0.0.1:0\nworkers: 2\nshutdown_timeout: 10s\n{store}upstreams:\n  booking:\n    url: {up}\n    connect_timeout: 1s\n    timeout: 5s\nroutes:\n  - name: create-booking\n    methods: [POST]\n    path: /bookings\n    upstream: booking\n    idempotency:\n{idem_lines}  - name: pay\n    path: /pay/*\n    upstream: booking\n    idempotency:\n      lock_ttl: 2s\n  - name: rest\n    path: /*\n    upstream: booking\n",
             store = self.store_yaml(store),
             up = self.mock.url(),
         )

@@ -9,8 +9,9 @@
 //!   write-locked on command.
 //! - [`postgres::PgServer`]: a PostgreSQL server of the test binary's own (initdb in a temp
 //!   dir), shared by its tests, each in a schema of its own.
-//! - [`TestProxy`]: the proxy served in this process (so tests can read its metrics), stopped
-//!   gracefully on [`TestProxy::stop`] or dropped.
+//! - [`TestProxy`]: the proxy served in this process (so tests can read its metrics), with
+//!   the workers its file asks for (by default one a core), stopped gracefully on
+//!   [`TestProxy::stop`] or dropped.
 //! - [`ProxyProcess`]: the `idemproxy` binary as a child process, for what needs a process
 //!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
 //! - [`relay::Relay`]: a TCP relay in front of a store or the upstream that adds latency,
@@ -47,7 +48,7 @@ use std::time::{Duration, Instant};
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::proxy::Proxy;
-use tokio::net::TcpListener;
+use idemproxy::server::workers::Workers;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -68,28 +69,27 @@ pub(crate) struct TestProxy {
     pub addr: SocketAddr,
     pub proxy: Arc<Proxy>,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<std::io::Result<()>>>,
+    task: Option<JoinHandle<()>>,
 }
 
 impl TestProxy {
-    /// Parses `yaml`, binds 127.0.0.1:0 (the file's `listen` is ignored) and serves.
+    /// Parses `yaml`, binds 127.0.0.1:0 (the file's `listen` is ignored) and serves with the
+    /// file's `workers` (worker 0 on the test's runtime, the others on threads of their own),
+    /// as `idemproxy --config` would.
     pub(crate) async fn start(yaml: &str) -> TestProxy {
         let config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}\n{yaml}"));
         let metrics = Arc::new(Metrics::new());
-        let store = idemproxy::server::build_store(&config, metrics.clone())
-            .await
-            .expect("store");
-        let proxy = Arc::new(Proxy::new(config, store, metrics));
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = idemproxy::server::bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
         let addr = listener.local_addr().expect("addr");
+        let workers = Workers::start(listener, config, metrics)
+            .await
+            .expect("start the workers");
+        let proxy = workers.proxy().clone();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(idemproxy::server::serve(
-            listener,
-            proxy.clone(),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        let task = tokio::spawn(async move {
+            let _ = stopped.await;
+            workers.drain().await;
+        });
         // Warm the store connection (Redis connects lazily), so that a loaded machine's slow
         // first connect does not turn a test's first request into a 503. A store that is down
         // on purpose just fails these pings.

@@ -16,7 +16,12 @@ use crate::common::{Backend, Env, client, eventually, send};
 
 /// `GET {base}/echo/{n}` through the pass-through route: 200.
 async fn echo(base: &str, n: u32) {
-    let reply = send(client().get(format!("{base}/echo/{n}"))).await;
+    echo_on(&client(), base, n).await;
+}
+
+/// [`echo`] on `client`: on its kept-alive connection to the proxy, if it has one.
+async fn echo_on(client: &reqwest::Client, base: &str, n: u32) {
+    let reply = send(client.get(format!("{base}/echo/{n}"))).await;
     assert_eq!(reply.status, 200, "body: {:?}", reply.body);
 }
 
@@ -30,12 +35,15 @@ async fn an_unchanged_upstream_keeps_its_pool_and_a_changed_one_drains_its_own()
     let p = env
         .proxy(&yaml_to(&env, &url, "", pooled, &[BOOKINGS, REST]))
         .await;
-    echo(&p.url(""), 1).await;
+    // Every worker has a pool of its own for the upstream: the requests go over one
+    // connection to the proxy, so one worker (and one pool) serves them all.
+    let one = client();
+    echo_on(&one, &p.url(""), 1).await;
     assert_eq!(relay.stats().accepted, 1);
     // Routes change, the upstream does not: its client and idle connection are kept.
     let changes = reload(&p, &yaml_to(&env, &url, "", pooled, &[PAY, BOOKINGS, REST]));
     assert!(changes.upstreams_changed.is_empty(), "{changes}");
-    echo(&p.url(""), 2).await;
+    echo_on(&one, &p.url(""), 2).await;
     assert_eq!(
         relay.stats().accepted,
         1,
@@ -49,7 +57,7 @@ async fn an_unchanged_upstream_keeps_its_pool_and_a_changed_one_drains_its_own()
         &yaml_to(&env, &url, "", changed, &[PAY, BOOKINGS, REST]),
     );
     assert_eq!(changes.upstreams_changed, ["booking"], "{changes}");
-    echo(&p.url(""), 3).await;
+    echo_on(&one, &p.url(""), 3).await;
     assert_eq!(
         relay.stats().accepted,
         2,
@@ -60,8 +68,49 @@ async fn an_unchanged_upstream_keeps_its_pool_and_a_changed_one_drains_its_own()
         "the old pool's connection is closed: {:?}",
         relay.stats()
     );
-    echo(&p.url(""), 4).await;
+    echo_on(&one, &p.url(""), 4).await;
     assert_eq!(relay.stats().accepted, 2, "the new pool is reused in turn");
+}
+
+/// Each worker has its own client for an upstream, and keeps it across a reload that leaves
+/// the upstream as it was: one upstream connection a worker, reused before and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_keeps_its_own_pool_across_a_reload() {
+    let env = Env::new(Backend::Memory).await;
+    let relay = Relay::start(env.mock.addr()).await;
+    let url = format!("http://{}", relay.addr());
+    let pooled = "    pool_idle_timeout: 30s\n";
+    let p = env
+        .proxy(&yaml_to(&env, &url, "", pooled, &[BOOKINGS, REST]))
+        .await;
+    // Sixteen connections to the proxy, spread by the kernel over the workers; one request
+    // after another, so each worker's one upstream connection serves all of its requests.
+    let clients: Vec<reqwest::Client> = (0..16).map(|_| client()).collect();
+    for (n, c) in (0..).zip(&clients) {
+        echo_on(c, &p.url(""), n).await;
+    }
+    let workers_serving = (0..2)
+        .filter(|w| {
+            let worker = w.to_string();
+            p.metric("idemproxy_worker_connections_total", &[("worker", &worker)]) > 0.0
+        })
+        .count() as u64;
+    assert_eq!(workers_serving, 2, "both workers took connections");
+    assert_eq!(
+        relay.stats().accepted,
+        2,
+        "one upstream connection a worker"
+    );
+    let changes = reload(&p, &yaml_to(&env, &url, "", pooled, &[PAY, BOOKINGS, REST]));
+    assert!(changes.upstreams_changed.is_empty(), "{changes}");
+    for (n, c) in (100..).zip(&clients) {
+        echo_on(c, &p.url(""), n).await;
+    }
+    assert_eq!(
+        relay.stats().accepted,
+        2,
+        "every worker reused its pooled connection"
+    );
 }
 
 /// Whether the proxy closed `conn` within `within` (it sends nothing on a silent connection:

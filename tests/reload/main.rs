@@ -34,7 +34,7 @@ const REST: &str = "  - name: rest\n    path: /*\n    upstream: booking\n";
 /// `top` lines at the top level, `upstream` lines in the upstream and `routes` as the list.
 fn yaml_to(env: &Env, upstream_url: &str, top: &str, upstream: &str, routes: &[&str]) -> String {
     format!(
-        "listen: 127.0.0.1:0\nshutdown_timeout: 10s\n{top}{store}upstreams:\n  booking:\n    url: {upstream_url}\n    connect_timeout: 1s\n    timeout: 5s\n{upstream}routes:\n{routes}",
+        "listen: 127.0.0.1:0\nworkers: 2\nshutdown_timeout: 10s\n{top}{store}upstreams:\n  booking:\n    url: {upstream_url}\n    connect_timeout: 1s\n    timeout: 5s\n{upstream}routes:\n{routes}",
         store = env.store_yaml(""),
         routes = routes.concat(),
     )

@@ -28,7 +28,7 @@ fn proxy(config: Config) -> Proxy {
 
 fn number_of(proxy: &Proxy, name: &str) -> u32 {
     let current = proxy.current.load();
-    let route = current.routes.iter().find(|r| &*r.name == name);
+    let route = current.routes(0).iter().find(|r| &*r.name == name);
     route.map(|r| r.number).expect(name)
 }
 
@@ -66,6 +66,7 @@ async fn an_unchanged_upstream_keeps_its_client_and_a_changed_one_gets_a_new_one
         panic!("not applied");
     };
     let after = p.current.load_full();
+    let (before, after) = (&before.tables[0], &after.tables[0]);
     assert!(Arc::ptr_eq(&before.upstreams["a"], &after.upstreams["a"]));
     assert!(!Arc::ptr_eq(&before.upstreams["b"], &after.upstreams["b"]));
     assert_eq!(changes.upstreams_changed, ["b"]);
@@ -122,7 +123,13 @@ async fn a_file_that_needs_a_restart_is_refused_whole_and_counted() {
     }
     // Nothing of it applied: the old routes serve.
     assert_eq!(number_of(&p, "one"), 0);
-    assert!(p.current.load().routes.iter().all(|r| &*r.name != "other"));
+    assert!(
+        p.current
+            .load()
+            .routes(0)
+            .iter()
+            .all(|r| &*r.name != "other")
+    );
     let mut moved = config("", TWO);
     moved.listen = "127.0.0.1:8081".parse().expect("addr");
     assert!(matches!(p.reload(moved), Reloaded::NeedsRestart(f) if f == ["listen"]));
@@ -164,11 +171,51 @@ async fn the_listeners_hear_of_each_applied_reload_and_pending_bounds_follow() {
     assert!(matches!(p.reload(new), Reloaded::Applied(_)));
     assert_eq!(*heard.lock().expect("lock"), [Duration::from_secs(3)]);
     // The new count bound holds for the next save: one whole result at most.
-    let first = p.shared.pending.begin("one".into(), "k1".into(), 10);
-    let second = p.shared.pending.begin("one".into(), "k2".into(), 10);
+    let first = p.worker(0).pending.begin("one".into(), "k1".into(), 10);
+    let second = p.worker(0).pending.begin("one".into(), "k2".into(), 10);
     assert!(
         first.downgrade.is_cancelled(),
         "the oldest let go of its result"
     );
     assert!(!second.downgrade.is_cancelled());
+}
+
+#[tokio::test]
+async fn every_worker_has_its_own_clients_and_one_reload_reaches_them_all() {
+    let metrics = Arc::new(Metrics::new());
+    let store = StoreHandle::new(
+        Arc::new(MemoryStore::new(1000)),
+        Duration::from_secs(1),
+        metrics.clone(),
+    );
+    let p = Proxy::with_workers(config("", TWO), store.clone(), vec![store], metrics);
+    assert_eq!(p.workers(), 2);
+    let before = p.current.load_full();
+    let (first, second) = (&before.tables[0], &before.tables[1]);
+    assert!(
+        !Arc::ptr_eq(&first.upstreams["a"], &second.upstreams["a"]),
+        "a client (and its pool) a worker"
+    );
+    let mut changed = config("", TWO);
+    if let Some(b) = changed.upstreams.get_mut("b") {
+        b.timeout = Duration::from_secs(7);
+    }
+    assert!(matches!(p.reload(changed), Reloaded::Applied(_)));
+    let after = p.current.load_full();
+    for worker in 0..2 {
+        let (was, now) = (&before.tables[worker], &after.tables[worker]);
+        assert!(
+            Arc::ptr_eq(&was.upstreams["a"], &now.upstreams["a"]),
+            "kept"
+        );
+        assert!(
+            !Arc::ptr_eq(&was.upstreams["b"], &now.upstreams["b"]),
+            "new"
+        );
+        let two = now.routes.iter().find(|r| &*r.name == "two").expect("two");
+        assert!(Arc::ptr_eq(&two.upstream, &now.upstreams["b"]), "its own");
+        // The same route numbers on every worker: the memory store is theirs together.
+        let numbers: Vec<u32> = now.routes.iter().map(|r| r.number).collect();
+        assert_eq!(numbers, [0, 1]);
+    }
 }

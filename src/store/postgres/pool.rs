@@ -11,14 +11,13 @@
 //! A call that failed with an error is treated the same way: cheaper than telling which errors
 //! leave a connection fit.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
 
 use super::error;
 use crate::config::PostgresSettings;
-use crate::metrics::Metrics;
+use crate::metrics::{GaugePart, Metrics};
 use crate::store::StoreError;
 
 /// How long a socket's sent data may go unacknowledged before the kernel closes it
@@ -84,15 +83,27 @@ pub(super) struct Connections {
     pool: Pool,
     /// `store.timeout`: how long a returned connection's check may take.
     timeout: Duration,
-    metrics: Arc<Metrics>,
+    gauges: PoolGauges,
+}
+
+/// This pool's parts of the pool gauges: every worker has a pool of its own, and the series
+/// show the sum of them all.
+struct PoolGauges {
+    connections: GaugePart,
+    in_use: GaugePart,
+    waiting: GaugePart,
 }
 
 impl Connections {
-    pub(super) fn new(pool: Pool, timeout: Duration, metrics: Arc<Metrics>) -> Connections {
+    pub(super) fn new(pool: Pool, timeout: Duration, metrics: &Metrics) -> Connections {
         let connections = Connections {
             pool,
             timeout,
-            metrics,
+            gauges: PoolGauges {
+                connections: GaugePart::of(&metrics.postgres_pool_connections),
+                in_use: GaugePart::of(&metrics.postgres_pool_in_use),
+                waiting: GaugePart::of(&metrics.postgres_pool_waiting),
+            },
         };
         connections.show();
         connections
@@ -103,6 +114,24 @@ impl Connections {
     pub(super) fn wants_one(&self) -> bool {
         let status = self.pool.status();
         status.available == 0 && status.size < status.max_size
+    }
+
+    /// Drops the idle connections whose session has ended (reset by a failover or a network
+    /// fault, or closed by a restarted server). Left in the pool, each would be lent to the next
+    /// operation, which would find it closed and open a new connection inside its own
+    /// `store.timeout` — a 503 on a database far away — and the warmer, seeing an idle
+    /// connection, would open none ahead of it. With a pool a worker, that would be one such
+    /// request on every worker after every reset. One lock and a flag an idle connection.
+    pub(super) fn drop_closed(&self) {
+        let dropped = self
+            .pool
+            .retain(|client, _| !client.is_closed())
+            .removed
+            .len();
+        if dropped > 0 {
+            self.show();
+            tracing::debug!(dropped, "postgres: idle connections found closed; dropped");
+        }
     }
 
     /// A connection for the warmer: an idle one if there is one, else a new one with
@@ -139,15 +168,11 @@ impl Connections {
     fn show(&self) {
         let status = self.pool.status();
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.metrics
-            .postgres_pool_connections
-            .set(gauge(status.size));
-        self.metrics
-            .postgres_pool_in_use
+        self.gauges.connections.set(gauge(status.size));
+        self.gauges
+            .in_use
             .set(gauge(status.size.saturating_sub(status.available)));
-        self.metrics
-            .postgres_pool_waiting
-            .set(gauge(status.waiting));
+        self.gauges.waiting.set(gauge(status.waiting));
     }
 }
 
