@@ -229,6 +229,19 @@ async fn cluster_release_answers() {
     release_answers(&handle(store, timeout)).await;
 }
 
+/// A Redis of the test's own behind a relay, and a store on the relay (2 s timeout): the
+/// server, the relay, the store itself and the handle the proxy would put in front of it.
+async fn relayed_redis_store() -> (RedisServer, Relay, Arc<RedisStore>, StoreHandle) {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.addr()).await;
+    let timeout = Duration::from_secs(2);
+    let inner = Arc::new(
+        RedisStore::new(&format!("redis://{}/0", relay.addr()), timeout).expect("redis store"),
+    );
+    let store = StoreHandle::new(inner.clone(), timeout, Arc::new(Metrics::new()));
+    (redis, relay, inner, store)
+}
+
 /// Sends enough bytes down the store's one connection (a 16 KiB value under `filler`, read back
 /// through the store) that a connection opened after it could never reach a byte count cut
 /// later on this one; and checks that it is still the one connection.
@@ -253,13 +266,7 @@ async fn fill_the_connection(
 /// store error and not a lost lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_release_whose_answer_was_lost_is_released() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.addr()).await;
-    let timeout = Duration::from_secs(2);
-    let inner = Arc::new(
-        RedisStore::new(&format!("redis://{}/0", relay.addr()), timeout).expect("redis store"),
-    );
-    let store = StoreHandle::new(inner.clone(), timeout, Arc::new(Metrics::new()));
+    let (redis, relay, inner, store) = relayed_redis_store().await;
     let key = &store_key(22);
     let a = held(1);
     assert_eq!(
@@ -590,13 +597,7 @@ async fn cluster_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind() {
 /// done. Saved once, moved once, nothing left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_large_completion_whose_answer_was_lost_is_done() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.addr()).await;
-    let timeout = Duration::from_secs(2);
-    let inner = Arc::new(
-        RedisStore::new(&format!("redis://{}/0", relay.addr()), timeout).expect("redis store"),
-    );
-    let store = StoreHandle::new(inner.clone(), timeout, Arc::new(Metrics::new()));
+    let (redis, relay, inner, store) = relayed_redis_store().await;
     let a = held(1);
     let long = Duration::from_secs(30);
 
