@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::{BOOKINGS, PAY, REST, reload, reloads, yaml, yaml_to};
 use crate::common::relay::Relay;
-use crate::common::{Backend, Env, client, eventually, send};
+use crate::common::{Backend, Env, TestProxy, client, eventually, send};
 
 /// `GET {base}/echo/{n}` through the pass-through route: 200.
 async fn echo(base: &str, n: u32) {
@@ -25,23 +25,31 @@ async fn echo_on(client: &reqwest::Client, base: &str, n: u32) {
     assert_eq!(reply.status, 200, "body: {:?}", reply.body);
 }
 
+/// The upstream settings that keep idle connections pooled.
+const POOLED: &str = "    pool_idle_timeout: 30s\n";
+
+/// A proxy whose upstream is the mock behind a relay, which counts the connections the proxy
+/// opens to it: the relay, the upstream's URL and the proxy.
+async fn pooled_through_a_relay(env: &Env) -> (Relay, String, TestProxy) {
+    let relay = Relay::start(env.mock.addr()).await;
+    let url = format!("http://{}", relay.addr());
+    let p = env
+        .proxy(&yaml_to(env, &url, "", POOLED, &[BOOKINGS, REST]))
+        .await;
+    (relay, url, p)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unchanged_upstream_keeps_its_pool_and_a_changed_one_drains_its_own() {
     let env = Env::new(Backend::Memory).await;
-    // The relay counts the connections the proxy opens to the mock.
-    let relay = Relay::start(env.mock.addr()).await;
-    let url = format!("http://{}", relay.addr());
-    let pooled = "    pool_idle_timeout: 30s\n";
-    let p = env
-        .proxy(&yaml_to(&env, &url, "", pooled, &[BOOKINGS, REST]))
-        .await;
+    let (relay, url, p) = pooled_through_a_relay(&env).await;
     // Every worker has a pool of its own for the upstream: the requests go over one
     // connection to the proxy, so one worker (and one pool) serves them all.
     let one = client();
     echo_on(&one, &p.url(""), 1).await;
     assert_eq!(relay.stats().accepted, 1);
     // Routes change, the upstream does not: its client and idle connection are kept.
-    let changes = reload(&p, &yaml_to(&env, &url, "", pooled, &[PAY, BOOKINGS, REST]));
+    let changes = reload(&p, &yaml_to(&env, &url, "", POOLED, &[PAY, BOOKINGS, REST]));
     assert!(changes.upstreams_changed.is_empty(), "{changes}");
     echo_on(&one, &p.url(""), 2).await;
     assert_eq!(
@@ -77,12 +85,7 @@ async fn an_unchanged_upstream_keeps_its_pool_and_a_changed_one_drains_its_own()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_worker_keeps_its_own_pool_across_a_reload() {
     let env = Env::new(Backend::Memory).await;
-    let relay = Relay::start(env.mock.addr()).await;
-    let url = format!("http://{}", relay.addr());
-    let pooled = "    pool_idle_timeout: 30s\n";
-    let p = env
-        .proxy(&yaml_to(&env, &url, "", pooled, &[BOOKINGS, REST]))
-        .await;
+    let (relay, url, p) = pooled_through_a_relay(&env).await;
     // Sixteen connections to the proxy, spread by the kernel over the workers; one request
     // after another, so each worker's one upstream connection serves all of its requests.
     let clients: Vec<reqwest::Client> = (0..16).map(|_| client()).collect();
@@ -101,7 +104,7 @@ async fn every_worker_keeps_its_own_pool_across_a_reload() {
         2,
         "one upstream connection a worker"
     );
-    let changes = reload(&p, &yaml_to(&env, &url, "", pooled, &[PAY, BOOKINGS, REST]));
+    let changes = reload(&p, &yaml_to(&env, &url, "", POOLED, &[PAY, BOOKINGS, REST]));
     assert!(changes.upstreams_changed.is_empty(), "{changes}");
     for (n, c) in (100..).zip(&clients) {
         echo_on(c, &p.url(""), n).await;
