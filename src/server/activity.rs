@@ -6,8 +6,10 @@
 //! client that stops reading. So the connection task keeps its own books here: the service
 //! counts a request from its call until its response body has been sent (or dropped), the
 //! body notes each chunk it hands hyper, and the IO notes each write. From those,
-//! [`Activity::next`] tells the task when it is idle, when a response has stalled, or how long
-//! to sleep.
+//! [`Activity::next`] tells the connection's watcher when it is idle, when a response has
+//! stalled, or how long to sleep. Nothing here wakes the watcher: it looks again at the times
+//! `next` gives, which are never later than a deadline that could fall due meanwhile, so the
+//! request path pays a few atomic writes and no wake-up.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,7 +19,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Data frames larger than this reach hyper in slices of this size. hyper's HTTP/2 side takes a
@@ -43,9 +44,6 @@ pub(super) struct Activity {
     waiting: AtomicUsize,
     /// When the connection last wrote a byte, or a body was asked for its next chunk.
     progress: AtomicU64,
-    /// Woken when the last request in progress ends, so the task starts the idle clock then
-    /// and not at its next timer.
-    pub(super) idle: Notify,
 }
 
 /// What the connection task should do next.
@@ -67,7 +65,6 @@ impl Activity {
             idle_since: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             progress: AtomicU64::new(0),
-            idle: Notify::new(),
         }
     }
 
@@ -116,19 +113,23 @@ impl Activity {
                 Next::Wait(deadline.min(now + stall_after))
             };
         }
+        // The requests in progress may all end any moment from now, and nothing says when
+        // they do: the connection is idle `idle_after` after that at the earliest, so looking
+        // again by `now + idle_after` is never late for the idle deadline.
+        let idle_by = now + idle_after;
         if self.waiting.load(Ordering::SeqCst) > 0 {
             let deadline = self.at(&self.progress) + stall_after;
             return if now >= deadline {
                 Next::Stalled
             } else {
-                Next::Wait(deadline)
+                Next::Wait(deadline.min(idle_by))
             };
         }
         // A body that starts waiting later notes its progress then, so it cannot stall before
-        // `now + stall_after`: looking again at that time is never late. (So the task wakes
-        // once per send deadline while requests run, and nothing on the hot path has to wake
-        // it.)
-        Next::Wait(now + stall_after)
+        // `now + stall_after`: looking again at that time is never late either. (So the
+        // watcher wakes once per deadline while requests run, and nothing on the request path
+        // has to wake it.)
+        Next::Wait((now + stall_after).min(idle_by))
     }
 }
 
@@ -150,9 +151,7 @@ impl Drop for InProgress {
         // Written before the count falls, so that a task seeing zero requests reads this
         // request's end, not an older one.
         a.idle_since.fetch_max(a.since_epoch(), Ordering::SeqCst);
-        if a.requests.fetch_sub(1, Ordering::SeqCst) == 1 {
-            a.idle.notify_one();
-        }
+        a.requests.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -288,8 +287,13 @@ mod tests {
         tokio::time::advance(IDLE * 2).await;
         assert_eq!(
             a.next(Instant::now(), IDLE, STALL, None),
-            Next::Wait(Instant::now() + STALL),
-            "a request in progress is never idle"
+            Next::Wait(Instant::now() + IDLE),
+            "a request in progress is never idle; it may end now, so look again within IDLE"
+        );
+        assert_eq!(
+            a.next(Instant::now(), IDLE, IDLE / 2, None),
+            Next::Wait(Instant::now() + IDLE / 2),
+            "or within the send deadline, if it is the shorter"
         );
         drop(first);
         tokio::time::advance(Duration::from_secs(1)).await;
@@ -314,15 +318,20 @@ mod tests {
         assert_eq!(frame.into_data().expect("data").len(), SLICE, "sliced");
         let handed = Instant::now();
         assert_eq!(
-            a.next(handed, IDLE, STALL, None),
+            a.next(handed, STALL, STALL, None),
             Next::Wait(handed + STALL)
+        );
+        assert_eq!(
+            a.next(handed, IDLE, STALL, None),
+            Next::Wait(handed + IDLE),
+            "the body may end any moment: the idle deadline could be due first"
         );
         tokio::time::advance(STALL / 2).await;
         a.progressed();
         let wrote = Instant::now();
         tokio::time::advance(STALL / 2).await;
         assert_eq!(
-            a.next(Instant::now(), IDLE, STALL, None),
+            a.next(Instant::now(), STALL, STALL, None),
             Next::Wait(wrote + STALL),
             "writes are progress"
         );

@@ -3,8 +3,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::task::Poll;
 
+use futures_util::task::AtomicWaker;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulConnection;
@@ -12,6 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::activity::{Activity, InProgress, Next, Tracked};
 use super::handler::{Handler, ListenerLimits, Peer, Shared};
@@ -56,7 +59,7 @@ pub(super) async fn serve<H: Handler>(
         }
     });
     let conn = settings.builder.serve_connection(TokioIo::new(io), service);
-    watch(conn, &activity, &limits, shared.name, peer, &stop).await;
+    watch(conn, activity, limits, shared.name, peer, stop).await;
 }
 
 /// The TLS handshake, if the listener has TLS, within the first-request deadline. It runs in
@@ -90,26 +93,103 @@ async fn handshake<H: Handler>(
     }
 }
 
-/// Drives `conn` to its end, closing it when it has been idle for `header_read_timeout`, when
-/// a response has made no write progress for `send_timeout`, or when the listener drains.
-///
-/// Idle means no request in progress and nothing written: an HTTP/2 connection has no other
-/// deadline once its first request arrived, and a connection that was accepted but never
-/// spoke (not even enough for hyper to tell HTTP/1 from HTTP/2) has none at all. An idle
-/// connection is asked to close gracefully (HTTP/2: GOAWAY), and dropped if it is still idle
-/// a whole deadline later (a client that never answers the GOAWAY's PING).
+/// What the watcher asks of the connection task; [`Order::None`] until it asks anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Order {
+    None = 0,
+    /// Finish the request in progress, then close (HTTP/2: GOAWAY).
+    Close = 1,
+    /// Drop the connection now, with whatever response it holds.
+    Drop = 2,
+}
+
+/// How the watcher reaches the connection task: an order and the task's waker. The task
+/// reads the order each time it runs, an atomic load: it never polls the watcher's timers
+/// and cancellation futures itself, which would take their locks on every wake-up of a busy
+/// connection (twice a request at least) instead of once a deadline.
+#[derive(Debug, Default)]
+struct Control {
+    order: AtomicU8,
+    waker: AtomicWaker,
+}
+
+impl Control {
+    fn give(&self, order: Order) {
+        // An order only ever escalates: a close never takes back a drop.
+        self.order.fetch_max(order as u8, Ordering::SeqCst);
+        self.waker.wake();
+    }
+
+    fn order(&self) -> Order {
+        match self.order.load(Ordering::SeqCst) {
+            0 => Order::None,
+            1 => Order::Close,
+            _ => Order::Drop,
+        }
+    }
+}
+
+/// Drives `conn` to its end, doing what the watcher orders: closing it gracefully when it has
+/// been idle for `header_read_timeout` or the listener drains, dropping it when a response
+/// has made no write progress for `send_timeout`, when it is still idle a whole deadline
+/// after being asked to close, or when the drain deadline passes.
 async fn watch<C>(
     conn: C,
-    activity: &Activity,
-    limits: &ListenerLimits,
+    activity: Arc<Activity>,
+    limits: ListenerLimits,
     name: &'static str,
     peer: SocketAddr,
-    stop: &Stop,
+    stop: Stop,
 ) where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
 {
+    let control = Arc::new(Control::default());
+    // Aborted when the connection ends, whichever way.
+    let _watcher = AbortOnDropHandle::new(tokio::spawn(watcher(
+        activity,
+        limits,
+        name,
+        peer,
+        stop,
+        control.clone(),
+    )));
     tokio::pin!(conn);
+    let mut closing = false;
+    let result = std::future::poll_fn(|cx| {
+        control.waker.register(cx.waker());
+        match control.order() {
+            Order::Drop => return Poll::Ready(None),
+            Order::Close if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            Order::Close | Order::None => {}
+        }
+        conn.as_mut().poll(cx).map(Some)
+    })
+    .await;
+    if let Some(Err(error)) = result {
+        tracing::debug!(listener = name, %peer, %error, "connection ended with an error");
+    }
+}
+
+/// Watches one connection's deadlines and the listener's stop, and tells the connection task
+/// what to do through `control`. Idle means no request in progress and nothing written: an
+/// HTTP/2 connection has no other deadline once its first request arrived, and a connection
+/// that was accepted but never spoke (not even enough for hyper to tell HTTP/1 from HTTP/2)
+/// has none at all. An idle connection is asked to close gracefully (HTTP/2: GOAWAY), and
+/// dropped if it is still idle a whole deadline later (a client that never answers the
+/// GOAWAY's PING).
+async fn watcher(
+    activity: Arc<Activity>,
+    limits: ListenerLimits,
+    name: &'static str,
+    peer: SocketAddr,
+    stop: Stop,
+    control: Arc<Control>,
+) {
     let mut closing: Option<Instant> = None;
     let mut draining = false;
     loop {
@@ -123,11 +203,12 @@ async fn watch<C>(
             Next::Wait(at) => at,
             Next::Idle if closing.is_some() => {
                 tracing::debug!(listener = name, %peer, "still idle after being asked to close: dropping");
+                control.give(Order::Drop);
                 return;
             }
             Next::Idle => {
                 tracing::debug!(listener = name, %peer, "idle for limits.header_read_timeout: closing");
-                conn.as_mut().graceful_shutdown();
+                control.give(Order::Close);
                 closing = Some(now);
                 continue;
             }
@@ -137,25 +218,22 @@ async fn watch<C>(
                     %peer,
                     "a response made no write progress within limits.send_timeout: abandoning it and closing"
                 );
+                control.give(Order::Drop);
                 return;
             }
         };
         tokio::select! {
-            result = conn.as_mut() => {
-                if let Err(error) = result {
-                    tracing::debug!(listener = name, %peer, %error, "connection ended with an error");
-                }
-                return;
-            }
             () = stop.graceful.cancelled(), if !draining => {
                 draining = true;
                 if closing.is_none() {
-                    conn.as_mut().graceful_shutdown();
+                    control.give(Order::Close);
                     closing = Some(Instant::now());
                 }
             }
-            () = stop.now.cancelled() => return,
-            () = activity.idle.notified() => {}
+            () = stop.now.cancelled() => {
+                control.give(Order::Drop);
+                return;
+            }
             () = tokio::time::sleep_until(wake) => {}
         }
     }
