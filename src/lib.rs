@@ -23,7 +23,7 @@
 //!   (renew, complete, release), pending completions, replay, `detach`, `observe` (a route
 //!   that forwards everything and counts what enforce would have done); and
 //!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
-//! - [`upstream`]: pooled clients, header rewriting, timeouts, failure classification.
+//! - [`upstream`]: connection pools, header rewriting, timeouts, failure classification.
 //! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as
 //!   problem+json, in one place.
 //! - [`admin`]: what the admin listener answers — health, readiness, metrics, key tooling

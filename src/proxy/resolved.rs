@@ -25,7 +25,7 @@ pub(super) struct Route {
     pub settings: RouteSettings,
     /// The idempotency policy (`None`: a pass-through route), shared with exchange tasks.
     pub idempotency: Option<Arc<IdempotencySettings>>,
-    /// One pooled client per upstream, shared by its routes.
+    /// The upstream and its connection pool (this worker's), shared by the routes that name it.
     pub upstream: Arc<Upstream>,
     /// The route's metric series, registered at start.
     pub metrics: RouteMetrics,

@@ -1,5 +1,5 @@
-//! Talking to an upstream: one pooled client each, header rewriting, deadlines, and telling a
-//! failure that sent nothing from one that may have acted.
+//! Talking to an upstream: a pool of HTTP/1.1 connections each (per worker), header rewriting,
+//! deadlines, and telling a failure that sent nothing from one that may have acted.
 //!
 //! That distinction is the whole point of the proxy's unknown-outcome rules (SPEC §4.4): a
 //! connect error means the upstream never saw the request, so the claim can be released; a
@@ -8,8 +8,8 @@
 //! Pooled connections idle for `pool_idle_timeout` are dropped, never reused (SPEC §4.3): an
 //! upstream that closes idle connections would otherwise race the proxy's next request.
 
-mod connect;
 mod gathered;
+mod pool;
 mod refusal;
 
 use std::net::SocketAddr;
@@ -24,16 +24,14 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
-use hyper::body::{Frame, Incoming};
-use hyper_util::client::legacy::Client;
+use hyper::body::Frame;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
-use self::connect::Connector;
 use self::gathered::Gathered;
+use self::pool::{Pool, SendError};
 use self::refusal::says_close;
 pub(crate) use self::refusal::{ClosedByUpstream, refuses_head};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::body::{self, Body};
@@ -82,18 +80,13 @@ pub(crate) enum Bounded {
 /// One upstream and its connection pool.
 pub(crate) struct Upstream {
     name: String,
-    scheme: http::uri::Scheme,
-    authority: http::uri::Authority,
     /// The URL's path without a trailing slash ("" for none): requests are appended to it.
     base_path: String,
     /// The `Host` header every request to it carries: the URL's host, and its port unless it
-    /// is the scheme's default. Built once here; hyper-util's client would format it anew for
-    /// every request (`set_host`, off on both clients).
+    /// is the scheme's default. Built once here, not formatted for every request.
     host: HeaderValue,
-    /// The pooled client.
-    client: Client<Connector, Body>,
-    /// A client that never reuses a connection: for the one resend after the keep-alive race.
-    fresh: Client<Connector, Body>,
+    /// This upstream's connections (on the worker that owns this value).
+    pool: Pool,
     timeout: Duration,
     /// `idemproxy_upstream_duration_seconds` of this upstream.
     duration: Histogram,
@@ -119,8 +112,8 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
-/// The `Host` header of an upstream URL, as hyper-util's client would have set it: the host,
-/// and the port when it is not the scheme's default.
+/// The `Host` header of an upstream URL, as HTTP clients set it: the host, and the port when
+/// it is not the scheme's default.
 fn host_header(scheme: &http::uri::Scheme, authority: &http::uri::Authority) -> HeaderValue {
     let default_port = if *scheme == http::uri::Scheme::HTTPS {
         443
@@ -207,37 +200,25 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let connector = Connector::new(connector);
-        let mut pooled = Client::builder(TokioExecutor::new());
-        pooled
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .set_host(false);
-        if settings.pool_idle_timeout.is_zero() {
-            pooled.pool_max_idle_per_host(0);
-        } else {
-            pooled.pool_idle_timeout(settings.pool_idle_timeout);
-        }
-        let client = pooled.build(connector.clone());
-        let fresh = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_max_idle_per_host(0)
-            .set_host(false)
-            .build(connector);
         let url = &settings.url;
         let scheme = url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP);
         let authority = url
             .authority()
             .cloned()
             .unwrap_or_else(|| http::uri::Authority::from_static("localhost"));
+        let target = Uri::from_parts({
+            let mut target = http::uri::Parts::default();
+            target.scheme = Some(scheme.clone());
+            target.authority = Some(authority.clone());
+            target.path_and_query = Some(PathAndQuery::from_static("/"));
+            target
+        })
+        .unwrap_or_else(|_| Uri::from_static("http://localhost/"));
         Upstream {
             name: settings.name.clone(),
+            pool: Pool::new(connector, target, settings.pool_idle_timeout),
             host: host_header(&scheme, &authority),
-            scheme,
-            authority,
             base_path: url.path().trim_end_matches('/').to_owned(),
-            client,
-            fresh,
             timeout: settings.timeout,
             duration,
             forwarded_proto: HeaderValue::from_str(settings.forwarded_proto.as_str())
@@ -319,12 +300,9 @@ impl Upstream {
                     .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))?
             }
         };
-        let mut out = http::uri::Parts::default();
-        out.scheme = Some(self.scheme.clone());
-        out.authority = Some(self.authority.clone());
-        out.path_and_query = Some(path_and_query);
-        Uri::from_parts(out)
-            .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))
+        // Origin form: the connection already goes to the upstream's authority, and Host
+        // names it.
+        Ok(Uri::from(path_and_query))
     }
 
     /// Sends a request; the response head must arrive within the upstream's timeout, and its
@@ -340,7 +318,7 @@ impl Upstream {
         strip_hop_by_hop(&mut parts.headers);
         Ok(Response::from_parts(
             parts,
-            body::with_deadline(body::boxed(incoming), deadline, UPSTREAM_BODY),
+            body::with_deadline(incoming, deadline, UPSTREAM_BODY),
         ))
     }
 
@@ -349,8 +327,8 @@ impl Upstream {
         &self,
         req: Request<Body>,
         deadline: Instant,
-    ) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout_at(deadline, self.client.request(req)).await {
+    ) -> Result<Response<Body>, UpstreamError> {
+        match tokio::time::timeout_at(deadline, self.pool.send(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(result) => result.map_err(classify),
         }
@@ -364,7 +342,7 @@ impl Upstream {
         req: Request<Bytes>,
         resend: bool,
         deadline: Instant,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<Body>, UpstreamError> {
         let again = resend.then(|| {
             let mut copy = Request::new(req.body().clone());
             *copy.method_mut() = req.method().clone();
@@ -373,21 +351,20 @@ impl Upstream {
             *copy.headers_mut() = req.headers().clone();
             copy
         });
-        let sent = Instant::now();
-        let first = self.client.request(req.map(body::full));
+        let first = self.pool.send(req.map(body::full));
         let e = match tokio::time::timeout_at(deadline, first).await {
             Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
             Ok(Ok(resp)) => return Ok(resp),
             Ok(Err(e)) => e,
         };
         match again {
-            Some(again) if connect::unanswered_on_reused(&e, sent) => {
+            Some(again) if e.unanswered_on_reused() => {
                 tracing::info!(
                     upstream = %self.name,
                     error = %error_chain(&e),
                     "no response on a reused connection; sending once more on a fresh one (on_unknown_outcome: release)"
                 );
-                match tokio::time::timeout_at(deadline, self.fresh.request(again.map(body::full)))
+                match tokio::time::timeout_at(deadline, self.pool.send_fresh(again.map(body::full)))
                     .await
                 {
                     Err(_) => Err(UpstreamError::Timeout(self.timeout)),
@@ -443,7 +420,7 @@ impl Upstream {
                 Ok(Some(Err(e))) => {
                     return Err(UpstreamError::Failed(format!(
                         "response body failed: {}",
-                        error_chain(&e)
+                        error_chain(&*e)
                     )));
                 }
                 Ok(Some(Ok(frame))) => frame,
@@ -455,7 +432,7 @@ impl Upstream {
                     parts,
                     Bounded::Over {
                         prefix: buf.into_bytes(),
-                        rest: body::with_deadline(body::boxed(incoming), deadline, UPSTREAM_BODY),
+                        rest: body::with_deadline(incoming, deadline, UPSTREAM_BODY),
                     },
                 ));
             }
@@ -466,9 +443,9 @@ impl Upstream {
 
 /// Tells a failure that sent nothing (connect) from one after which the upstream may have acted,
 /// and both from the client's own body failing on the way.
-fn classify(e: hyper_util::client::legacy::Error) -> UpstreamError {
-    if e.is_connect() {
-        return UpstreamError::Connect(error_chain(&e));
+fn classify(e: SendError) -> UpstreamError {
+    if let SendError::Connect(detail) = e {
+        return UpstreamError::Connect(detail);
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(s) = source {
@@ -558,7 +535,7 @@ mod tests {
         let req = up
             .request(parts, body::empty(), client, Some(&key))
             .expect("request");
-        assert_eq!(req.uri(), "http://127.0.0.1:9/api/bookings?x=1");
+        assert_eq!(req.uri(), "/api/bookings?x=1", "origin form, rebased");
         let h = req.headers();
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.7");
         assert_eq!(h["x-forwarded-host"], "shop.example");
