@@ -487,7 +487,9 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
         match &self.replicas {
-            Some(replicas) => self.claim_acknowledged(replicas, key, held, lease).await,
+            // Boxed, as is every path that waits for replicas: their state inline would grow
+            // every claim's future (boxed and moved once a claim) by kilobytes.
+            Some(replicas) => Box::pin(self.claim_acknowledged(replicas, key, held, lease)).await,
             None => {
                 let previous = self
                     .shared("claim", |mut conn| async move {
@@ -527,8 +529,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     ) -> Result<bool, StoreError> {
         match &self.replicas {
             Some(replicas) => {
-                self.complete_acknowledged(replicas, key, held, &done, ttl)
-                    .await
+                Box::pin(self.complete_acknowledged(replicas, key, held, &done, ttl)).await
             }
             None => {
                 let done = &done;
