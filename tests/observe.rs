@@ -473,6 +473,9 @@ async fn retry_statuses_release_the_key_as_enforce_does(backend: Backend) {
     .await;
     assert_eq!(busy.status, 503, "the upstream's own answer, passed on");
     assert_ne!(busy.header("content-type"), "application/problem+json");
+    // The claim runs beside the call and may land after the answer: until it has, "no
+    // record" says nothing (a retry sent meanwhile finds the first claim, SPEC §4.7).
+    until_counted(&proxy, &[(Would::Forward, 1)]).await;
     // Released in the background: the key is free again.
     let deadline = Instant::now() + LANDS_WITHIN;
     while record(&proxy.proxy, "obs-retry").await.is_some() {

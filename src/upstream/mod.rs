@@ -547,30 +547,22 @@ mod tests {
 
     #[test]
     fn the_host_header_leaves_out_the_schemes_default_port() {
-        let host = |scheme: http::uri::Scheme, authority: &'static str| {
-            host_header(&scheme, &http::uri::Authority::from_static(authority))
-        };
-        assert_eq!(
-            host(http::uri::Scheme::HTTP, "bookings.internal"),
-            "bookings.internal"
-        );
-        assert_eq!(
-            host(http::uri::Scheme::HTTP, "bookings.internal:80"),
-            "bookings.internal"
-        );
-        assert_eq!(
-            host(http::uri::Scheme::HTTP, "10.0.0.5:8080"),
-            "10.0.0.5:8080"
-        );
-        assert_eq!(
-            host(http::uri::Scheme::HTTPS, "pay.example:443"),
-            "pay.example"
-        );
-        assert_eq!(
-            host(http::uri::Scheme::HTTPS, "pay.example:80"),
-            "pay.example:80"
-        );
-        assert_eq!(host(http::uri::Scheme::HTTP, "[::1]:9000"), "[::1]:9000");
+        use http::uri::Scheme;
+        for (scheme, authority, host) in [
+            (Scheme::HTTP, "bookings.internal", "bookings.internal"),
+            (Scheme::HTTP, "bookings.internal:80", "bookings.internal"),
+            (Scheme::HTTP, "10.0.0.5:8080", "10.0.0.5:8080"),
+            (Scheme::HTTPS, "pay.example:443", "pay.example"),
+            (Scheme::HTTPS, "pay.example:80", "pay.example:80"),
+            (Scheme::HTTP, "[::1]:9000", "[::1]:9000"),
+        ] {
+            let authority = http::uri::Authority::from_static(authority);
+            assert_eq!(
+                host_header(&scheme, &authority),
+                host,
+                "{scheme}://{authority}"
+            );
+        }
     }
 
     #[test]
