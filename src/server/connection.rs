@@ -1,5 +1,6 @@
-//! One connection's task: the TLS handshake, hyper serving it, and the deadlines hyper does not
-//! keep — the first request, idleness on either protocol, responses that stall — and the drain.
+//! One connection's task: the TLS handshake and hyper serving it; and, on a task beside it, the
+//! watcher of the deadlines hyper does not keep — the first request, idleness on either
+//! protocol, responses that stall — and of the drain.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
