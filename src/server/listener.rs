@@ -137,14 +137,14 @@ impl Listener {
         let mut backoff = Backoff::new(self.name);
         tokio::pin!(shutdown);
         loop {
-            let slot = tokio::select! {
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(slot) => slot,
-                    // The semaphore is never closed.
-                    Err(_) => break,
-                },
-                () = &mut shutdown => break,
-            };
+            // Accepted first, then given a slot: an accept loop waiting for a connection must
+            // not hold one. Workers share the slots but not the sockets, and the kernel picks
+            // the socket: with a slot held by a worker idle in accept, a connection queued on
+            // another worker's socket would wait with the proxy under its bound (three
+            // connections open of `max_connections: 3`, one slot reserved, a fourth waiting
+            // for an unrelated connection to close). At the bound, each worker holds the one
+            // connection it accepted until a slot frees, and accepts no other: the rest wait
+            // in the kernel's accept queue.
             let (tcp, peer) = tokio::select! {
                 accepted = self.tcp.accept() => match accepted {
                     Ok(accepted) => accepted,
@@ -161,6 +161,14 @@ impl Listener {
                 () = &mut shutdown => break,
             };
             backoff.succeeded();
+            let slot = tokio::select! {
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    // The semaphore is never closed.
+                    Err(_) => break,
+                },
+                () = &mut shutdown => break,
+            };
             if let Err(error) = tcp.set_nodelay(true) {
                 tracing::debug!(listener = self.name, %peer, %error, "set_nodelay failed");
             }
