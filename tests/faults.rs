@@ -16,7 +16,7 @@ use common::relay::Relay;
 use common::store_checks;
 use common::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
-    client, eventually, free_port,
+    client, eventually, free_port, send,
 };
 use idemproxy::metrics::Outcome;
 use idemproxy::record::Record;
@@ -47,10 +47,15 @@ fn assert_forwarded(r: &Reply) {
     assert_eq!(r.header("idempotent-replayed"), "", "not a replay");
 }
 
-/// `yaml` with the upstream's response timeout set to `t`.
-fn with_upstream_timeout(yaml: &str, t: &str) -> String {
-    let out = yaml.replace("    timeout: 5s\n", &format!("    timeout: {t}\n"));
-    assert_ne!(out, yaml, "the harness's upstream timeout line moved");
+/// `yaml` with the upstream's response timeout set to `t`, and its connect timeout to
+/// `connect` (it must be the shorter: SPEC §4.4). A loopback connect is made by the kernel,
+/// however busy the mock is, so a short one is safe.
+fn with_upstream_timeouts(yaml: &str, connect: &str, t: &str) -> String {
+    let out = yaml.replace(
+        "    connect_timeout: 1s\n    timeout: 5s\n",
+        &format!("    connect_timeout: {connect}\n    timeout: {t}\n"),
+    );
+    assert_ne!(out, yaml, "the harness's upstream timeout lines moved");
     out
 }
 
@@ -83,6 +88,7 @@ async fn first_forwarded_after_outage(
 
 every_store!(
     connect_failure_releases_the_claim,
+    a_connect_that_hangs_is_released_as_a_502_never_saved_as_a_504,
     reset_after_sending_is_kept_as_a_502,
     timeout_is_kept_as_a_504,
     partial_response_is_an_unknown_outcome,
@@ -136,6 +142,96 @@ async fn connect_failure_releases_the_claim(backend: Backend) {
     let _ = served.await;
 }
 
+/// A listener whose accept queue is full, as an overloaded upstream's: the kernel drops new
+/// connections' SYNs, so a connect to it hangs. Returns it with the connections that fill its
+/// queue, which must stay open until it accepts.
+async fn listener_dropping_syns() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    // A backlog of 0 still queues one connection: the next SYN is dropped.
+    let listener = socket.listen(0).expect("listen");
+    let addr = listener.local_addr().expect("addr");
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(300), connect).await {
+            Ok(Ok(tcp)) => fillers.push(tcp),
+            _ => return (listener, fillers),
+        }
+    }
+    panic!("the accept queue of a listen(0) socket never filled");
+}
+
+/// SPEC §4.4: a connection that is not made within `connect_timeout` sent nothing: the claim is
+/// released and the client gets a `502 upstream-unavailable`, on an idempotent route and a
+/// pass-through one alike, never a `504` saved as the key's result; once the upstream accepts,
+/// the retry runs. The issue's own configuration — `timeout: 800ms` under the default 2s
+/// `connect_timeout`, with which the first request got a `504` at the timeout, replayed to the
+/// retry, though the upstream had received nothing — is refused at load, naming both fields.
+async fn a_connect_that_hangs_is_released_as_a_502_never_saved_as_a_504(backend: Backend) {
+    let env = Env::new(backend).await;
+    let (listener, fillers) = listener_dropping_syns().await;
+    let addr = listener.local_addr().expect("addr");
+    let pointed = env
+        .config("on_unknown_outcome: keep")
+        .replace(&env.mock.url(), &format!("http://{addr}"));
+    let as_reported = pointed.replace(
+        "    connect_timeout: 1s\n    timeout: 5s\n",
+        "    timeout: 800ms\n",
+    );
+    assert_ne!(as_reported, pointed, "the harness's upstream lines moved");
+    let refused = idemproxy::config::Config::from_yaml(&as_reported)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        refused.contains("upstreams.booking.connect_timeout")
+            && refused.contains("upstreams.booking.timeout (800ms)"),
+        "connect_timeout 2s (the default) with timeout 800ms is refused: {refused:?}"
+    );
+
+    let yaml = with_upstream_timeouts(&pointed, "300ms", "800ms");
+    let proxy = env.proxy(&yaml).await;
+    let base = base(&proxy);
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let r = book_with(&base, "syn-dropped", BODY, &[]).await;
+        let doc = r.assert_problem(502, "upstream-unavailable");
+        let detail = doc["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("connect"), "attempt {attempt}: {detail}");
+        assert_eq!(
+            r.header("idempotent-replayed"),
+            "",
+            "attempt {attempt}: not saved"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "attempt {attempt}: within the deadlines, not hung"
+        );
+    }
+    // A pass-through route makes its connections the same way.
+    let passed = send(client().get(format!("{base}/inventory"))).await;
+    passed.assert_problem(502, "upstream-unavailable");
+
+    // The upstream starts accepting: the key was released, so the retry runs.
+    drop(fillers);
+    let upstream = MockUpstream::new();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(mock::serve(listener, upstream.clone(), async move {
+        let _ = stopped.await;
+    }));
+    let now = book_with(&base, "syn-dropped", BODY, &[]).await;
+    assert_forwarded(&now);
+    assert_eq!(upstream.calls("syn-dropped"), 1);
+    let again = book_with(&base, "syn-dropped", BODY, &[]).await;
+    assert_replay_of(&again, &now);
+    assert_eq!(upstream.calls("syn-dropped"), 1, "run once");
+    let _ = stop.send(());
+    let _ = served.await;
+}
+
 /// The upstream read the request and reset the connection: with `keep`, the 502 is the key's
 /// result and is replayed; the operation never runs twice.
 async fn reset_after_sending_is_kept_as_a_502(backend: Backend) {
@@ -158,7 +254,7 @@ async fn reset_after_sending_is_kept_as_a_502(backend: Backend) {
 /// key's result.
 async fn timeout_is_kept_as_a_504(backend: Backend) {
     let env = Env::new(backend).await;
-    let yaml = with_upstream_timeout(&env.config(""), "300ms");
+    let yaml = with_upstream_timeouts(&env.config(""), "150ms", "300ms");
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
     let first = book_with(&base, "slow-up", BODY, &[("X-Mock-Delay", "2s")]).await;
@@ -192,7 +288,7 @@ async fn partial_response_is_an_unknown_outcome(backend: Backend) {
 /// then replayed.
 async fn release_lets_a_retry_run_again(backend: Backend) {
     let env = Env::new(backend).await;
-    let yaml = with_upstream_timeout(&env.config("on_unknown_outcome: release"), "300ms");
+    let yaml = with_upstream_timeouts(&env.config("on_unknown_outcome: release"), "150ms", "300ms");
     let proxy = env.proxy(&yaml).await;
     let base = base(&proxy);
 

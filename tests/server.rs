@@ -120,7 +120,7 @@ async fn stalling_upstream() -> std::net::SocketAddr {
 async fn a_stalled_passthrough_body_is_cut_off_at_the_upstream_timeout() {
     let up = stalling_upstream().await;
     let yaml = format!(
-        "listen: 127.0.0.1:0\nupstreams:\n  slow:\n    url: http://{up}\n    timeout: 500ms\nroutes:\n  - name: rest\n    path: /*\n    upstream: slow\n"
+        "listen: 127.0.0.1:0\nupstreams:\n  slow:\n    url: http://{up}\n    connect_timeout: 200ms\n    timeout: 500ms\nroutes:\n  - name: rest\n    path: /*\n    upstream: slow\n"
     );
     let proxy = common::TestProxy::start(&yaml).await;
     let started = std::time::Instant::now();

@@ -17,9 +17,10 @@ use crate::tls::ClientTls;
 pub(crate) struct RawUpstream {
     /// `http://` or `https://` base URL. Required.
     pub url: String,
-    /// TCP (and TLS) connect deadline. Default 2s.
-    #[serde(default = "defaults::connect_timeout", with = "duration")]
-    pub connect_timeout: Duration,
+    /// Deadline of the connection's making: TCP connect and TLS handshake, within what is
+    /// left of `timeout`. Default 2s; must be shorter than `timeout`.
+    #[serde(default, with = "duration::option")]
+    pub connect_timeout: Option<Duration>,
     /// Deadline until the whole response has arrived. Default 30s.
     #[serde(default = "defaults::upstream_timeout", with = "duration")]
     pub timeout: Duration,
@@ -56,7 +57,8 @@ pub struct UpstreamSettings {
     pub name: String,
     /// Base URL (scheme, authority and an optional path prefix).
     pub url: Uri,
-    /// TCP (and TLS) connect deadline.
+    /// Deadline of the connection's making (TCP connect and TLS handshake), shorter than
+    /// `timeout`.
     pub connect_timeout: Duration,
     /// Deadline until the whole response has arrived.
     pub timeout: Duration,
@@ -100,7 +102,7 @@ impl RawUpstream {
             (Some(url), Some(tls)) if ok => Some(UpstreamSettings {
                 name: name.to_owned(),
                 url,
-                connect_timeout: self.connect_timeout,
+                connect_timeout: self.connect_timeout(),
                 timeout: self.timeout,
                 pool_idle_timeout: self.pool_idle_timeout,
                 tls,
@@ -110,13 +112,20 @@ impl RawUpstream {
         }
     }
 
+    /// `connect_timeout` as written, or its default.
+    fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+            .unwrap_or_else(defaults::connect_timeout)
+    }
+
     /// False: an error was reported.
     fn check_timeouts(&self, path: &str, err: &mut impl FnMut(String, String)) -> bool {
         let mut ok = true;
+        let connect_timeout = self.connect_timeout();
         at_most(
             err,
             &format!("{path}.connect_timeout"),
-            self.connect_timeout,
+            connect_timeout,
             bounds::CONNECT_TIMEOUT,
         );
         at_most(
@@ -131,7 +140,7 @@ impl RawUpstream {
             self.pool_idle_timeout,
             bounds::POOL_IDLE_TIMEOUT,
         );
-        if self.connect_timeout.is_zero() {
+        if connect_timeout.is_zero() {
             err(
                 format!("{path}.connect_timeout"),
                 "must be greater than zero".into(),
@@ -142,6 +151,27 @@ impl RawUpstream {
             err(
                 format!("{path}.timeout"),
                 "must be greater than zero".into(),
+            );
+            ok = false;
+        }
+        // The connection is made within what is left of `timeout` as well: a `connect_timeout`
+        // as long would never end a connect as a connect failure (nothing sent, the claim
+        // released), only as a response timeout, which under `on_unknown_outcome: keep` is a
+        // saved 504 for a request never sent (SPEC §4.4).
+        if !connect_timeout.is_zero() && !self.timeout.is_zero() && connect_timeout >= self.timeout
+        {
+            let written = if self.connect_timeout.is_some() {
+                ""
+            } else {
+                ", the default when it is not set"
+            };
+            err(
+                format!("{path}.connect_timeout"),
+                format!(
+                    "{}{written} must be shorter than {path}.timeout ({}): the connection is made within what is left of timeout; lower connect_timeout or raise timeout",
+                    humantime::format_duration(connect_timeout),
+                    humantime::format_duration(self.timeout),
+                ),
             );
             ok = false;
         }
