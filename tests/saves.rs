@@ -247,10 +247,9 @@ async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
     book_with(&proxy.url(""), key, BODY, extra).await
 }
 
-/// `431` and `414` from the upstream, and a `400` that closes the connection (what HTTP parsers
-/// answer), refuse the request's head: the operation never ran, so the claim is released and
-/// the upstream's answer passed on; the retry runs again (before the fix the refusal was saved
-/// and replayed).
+/// `431` and `414` from the upstream refuse the request's head: the operation never ran, so the
+/// claim is released and the upstream's answer passed on; the retry runs again (before the fix
+/// the refusal was saved and replayed).
 async fn upstream_head_refusals_are_passed_on_and_not_saved(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&env.config("")).await;
@@ -258,9 +257,9 @@ async fn upstream_head_refusals_are_passed_on_and_not_saved(backend: Backend) {
         ("head-431", &[("X-Mock-Status", "431")]),
         ("head-414", &[("X-Mock-Status", "414")]),
         (
-            "head-400",
+            "head-431-close",
             &[
-                ("X-Mock-Status", "400"),
+                ("X-Mock-Status", "431"),
                 ("X-Mock-Header", "Connection: close"),
             ],
         ),
@@ -295,9 +294,48 @@ async fn an_application_400_is_saved_and_replayed(backend: Backend) {
     assert_eq!(env.mock.calls("app-400"), 1);
 }
 
+/// SPEC §4.3: a `400` is the operation's result whatever headers come with it. An upstream that
+/// closes every connection (gunicorn's `sync` worker, Apache with `KeepAlive Off`) sends
+/// `Connection: close` with its application's "card declined" too: three tries with one key
+/// reach it once, and the two repeats replay its `400` and JSON body. (Before, a `400` with
+/// `Connection: close` was taken for a parser's refusal of the head: never saved, every retry
+/// ran the operation again.)
+async fn a_400_that_closes_the_connection_is_saved_and_replayed(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let closing_400 = [
+        ("X-Mock-Status", "400"),
+        ("X-Mock-Header", "Connection: close"),
+    ];
+    let first = post(&proxy, "declined", &closing_400).await;
+    assert_eq!(first.status, 400, "the upstream's answer: {:?}", first.body);
+    assert_eq!(first.header("content-type"), "application/json");
+    let doc: serde_json::Value = serde_json::from_slice(&first.body).expect("a JSON body");
+    assert_eq!(doc["status"], 400, "the upstream's own body: {doc}");
+    assert_eq!(first.header("idempotent-replayed"), "");
+    assert_eq!(first.header("connection"), "", "hop-by-hop, not passed on");
+    for attempt in 2..=3 {
+        let again = post(&proxy, "declined", &closing_400).await;
+        assert_eq!(again.status, 400, "attempt {attempt}");
+        assert_eq!(
+            again.header("idempotent-replayed"),
+            "true",
+            "attempt {attempt}"
+        );
+        assert_eq!(again.header("content-type"), "application/json");
+        assert_eq!(again.body, first.body, "attempt {attempt}: byte-identical");
+    }
+    assert_eq!(
+        env.mock.calls("declined"),
+        1,
+        "the upstream ran the operation once"
+    );
+}
+
 every_store!(
     upstream_head_refusals_are_passed_on_and_not_saved,
     an_application_400_is_saved_and_replayed,
+    a_400_that_closes_the_connection_is_saved_and_replayed,
 );
 
 // ---------------------------------------------------------------------------------------------

@@ -30,8 +30,7 @@ use tokio::time::Instant;
 
 use self::gathered::Gathered;
 use self::pool::{Pool, SendError};
-use self::refusal::says_close;
-pub(crate) use self::refusal::{ClosedByUpstream, refuses_head};
+pub(crate) use self::refusal::refuses_head;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::body::{self, Body};
@@ -403,9 +402,6 @@ impl Upstream {
     ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
         let resp = self.head_resending(req, resend, deadline).await?;
         let (mut parts, mut incoming) = resp.into_parts();
-        if says_close(&parts.headers) {
-            parts.extensions.insert(ClosedByUpstream);
-        }
         strip_hop_by_hop(&mut parts.headers);
         // A declared length (up to the bound) sizes the buffer once, instead of doubling it
         // (and copying what it holds) as frames arrive.
