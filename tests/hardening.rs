@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::relay::{Direction, Relay, Tap};
 use common::{
     Backend, Env, Reply, TestProxy, book_with, booking_store_key, client, eventually, send,
     spawn_booking,
@@ -417,6 +418,189 @@ async fn keep_alive_race_release_resends_on_a_fresh_connection() {
         assert_eq!(r.status, 201, "{key}: {:?}", r.body);
         assert_eq!(env.mock.calls(key), 1, "{key} booked once");
     }
+}
+
+/// The harness's configuration for `upstream`, on one worker (so one pool holds every upstream
+/// connection), with the upstream's `extra` lines.
+fn one_worker_to(env: &Env, idem: &str, upstream: std::net::SocketAddr, extra: &str) -> String {
+    let yaml = env.config(idem);
+    let out = yaml
+        .replacen("workers: 2\n", "workers: 1\n", 1)
+        .replace(&env.mock.url(), &format!("http://{upstream}{extra}"));
+    assert!(
+        out.contains("workers: 1\n") && out.contains(&upstream.to_string()),
+        "the harness's configuration changed shape:\n{yaml}"
+    );
+    out
+}
+
+/// Keeps what the proxy wrote on each upstream connection (the first 64 KiB of each), to tell
+/// which connection carried which request.
+#[derive(Default)]
+struct Written(std::sync::Mutex<std::collections::BTreeMap<u64, Vec<u8>>>);
+
+impl Tap for Written {
+    fn forwarded(&self, conn: u64, dir: Direction, bytes: &[u8]) {
+        if dir != Direction::Up {
+            return;
+        }
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = all.entry(conn).or_default();
+        let room = (64 * 1024usize).saturating_sub(kept.len());
+        kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+}
+
+impl Written {
+    /// The connections on which `needle` was written.
+    fn connections_with(&self, needle: &str) -> Vec<u64> {
+        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter()
+            .filter(|(_, bytes)| bytes.windows(needle.len()).any(|w| w == needle.as_bytes()))
+            .map(|(conn, _)| *conn)
+            .collect()
+    }
+}
+
+/// SPEC §4.3: the upstream counts a connection idle from when it sent the last byte of a
+/// response, which for a large body streamed to a slow client is long before the proxy has read
+/// it all. A 16 MB pass-through response whose client pauses 2s mid-body, then an idempotent
+/// POST, with `pool_idle_timeout: 500ms`: the POST goes on a fresh connection, because the idle
+/// time counts from the response head's arrival. (Counted from the body's end, as before, the
+/// connection looked fresh and was lent, though the upstream had seen it idle for 2s: with an
+/// upstream that closes idle connections a little late, a reset and, under `keep`, a saved
+/// 502 for a booking never made.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_body_was_read_slowly_is_not_lent_again() {
+    const SIZE: usize = 16_000_000;
+    let env = Env::new(Backend::Memory).await;
+    let written = Arc::new(Written::default());
+    let relay = Relay::start_with_tap(env.mock.addr(), written.clone()).await;
+    let yaml = one_worker_to(&env, "", relay.addr(), "\n    pool_idle_timeout: 500ms");
+    let proxy = env.proxy(&yaml).await;
+
+    // A client with a small receive buffer, so the proxy cannot run far ahead of it.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(32 * 1024).expect("SO_RCVBUF");
+    let mut slow = socket.connect(proxy.addr).await.expect("connect");
+    let get = format!(
+        "GET /downloads/big HTTP/1.1\r\nHost: proxy.test\r\nX-Mock-Body-Size: {SIZE}\r\n\r\n"
+    );
+    slow.write_all(get.as_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut paused = false;
+    while got < SIZE {
+        if !paused && got >= 1_000_000 {
+            // The upstream sent its whole body long ago; the proxy is still reading it.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            paused = true;
+        }
+        match tokio::time::timeout_at(deadline, slow.read(&mut buf)).await {
+            Ok(Ok(n @ 1..)) => got += n,
+            other => panic!("the download stopped after {got} bytes: {other:?}"),
+        }
+    }
+    assert!(paused, "the client paused mid-body");
+    let downloads = written.connections_with("GET /downloads/big");
+    assert_eq!(downloads.len(), 1, "one connection carried the download");
+
+    let r = post(&proxy, "after-slow-read", &[]).await;
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(env.mock.calls("after-slow-read"), 1);
+    let posted = written.connections_with("after-slow-read");
+    assert_eq!(posted.len(), 1, "the POST went out once");
+    assert_ne!(
+        posted, downloads,
+        "the POST went on a fresh connection, not the one idle 2s on the upstream's side"
+    );
+}
+
+/// An upstream that answers the first request on each connection, then resets the connection
+/// (`SO_LINGER 0`) when the next one arrives, before any byte of an answer and without passing
+/// it on: what a server that closed a keep-alive connection with a request unread sends.
+/// A relay in front of `target`; returns its address.
+async fn resetting_second_requests(target: std::net::SocketAddr) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+    let addr = listener.local_addr().expect("relay addr");
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(up) = TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut dr, mut dw) = down.into_split();
+                let (mut ur, mut uw) = up.into_split();
+                let mut from_down = vec![0u8; 64 * 1024];
+                let mut from_up = vec![0u8; 64 * 1024];
+                let mut answered = false;
+                loop {
+                    tokio::select! {
+                        n = dr.read(&mut from_down) => {
+                            let Ok(n @ 1..) = n else { return };
+                            if answered {
+                                // A second request: reset, pass nothing on.
+                                if let Ok(down) = dr.reunite(dw) {
+                                    let _ = down.set_zero_linger();
+                                }
+                                return;
+                            }
+                            if uw.write_all(&from_down[..n]).await.is_err() { return; }
+                        }
+                        n = ur.read(&mut from_up) => {
+                            let Ok(n @ 1..) = n else { return };
+                            answered = true;
+                            if dw.write_all(&from_up[..n]).await.is_err() { return; }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// SPEC §4.3: under `on_unknown_outcome: release`, a request that got no response byte on a
+/// reused connection — here the connection is reset as the request arrives — is sent once more
+/// on a fresh connection: the client gets the booking, made once. (Only a clean close was
+/// resent before; a reset was a 502.) Under `keep`, nothing is sent twice: the proxy cannot
+/// know the upstream did not act, so the 502 is the key's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_on_a_reused_connection_is_resent_once_on_a_fresh_one_under_release() {
+    let env = Env::new(Backend::Memory).await;
+    let relay = resetting_second_requests(env.mock.addr()).await;
+    let release = env
+        .proxy(&one_worker_to(
+            &env,
+            "on_unknown_outcome: release",
+            relay,
+            "",
+        ))
+        .await;
+    let first = post(&release, "rel-first", &[]).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // The pooled connection is reused, and reset as this request arrives.
+    let second = post(&release, "rel-second", &[]).await;
+    assert_eq!(
+        second.status, 201,
+        "resent on a fresh connection: {:?}",
+        second.body
+    );
+    assert_eq!(second.header("idempotent-replayed"), "");
+    assert_eq!(env.mock.calls("rel-second"), 1, "booked once");
+    let again = post(&release, "rel-second", &[]).await;
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(again.body, second.body);
+    assert_eq!(env.mock.calls("rel-second"), 1);
+    release.stop().await;
+
+    let keep = env.proxy(&one_worker_to(&env, "", relay, "")).await;
+    let first = post(&keep, "keep-first", &[]).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let second = post(&keep, "keep-second", &[]).await;
+    second.assert_problem(502, "upstream-failed");
+    assert_eq!(env.mock.calls("keep-second"), 0, "never resent under keep");
 }
 
 // ---------------------------------------------------------------------------------------------

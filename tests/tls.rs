@@ -197,6 +197,107 @@ async fn an_https_upstream_the_proxy_does_not_trust_is_unavailable_and_the_key_s
     proxy.stop().await;
 }
 
+/// An https upstream that reads the ClientHello and never answers it (a TLS terminator that
+/// has stopped serving) until `answering` is set; from then on, a TLS-terminating relay to
+/// `to`, like [`tls_relay`]. Counts the connections it held silent.
+async fn silent_tls_upstream(
+    pki: &Pki,
+    to: SocketAddr,
+    answering: Arc<std::sync::atomic::AtomicBool>,
+) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::Ordering;
+    let acceptor = TlsAcceptor::from(Arc::new(pki.server_config()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = held.clone();
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            if !answering.load(Ordering::SeqCst) {
+                count.fetch_add(1, Ordering::SeqCst);
+                // Reads the ClientHello and whatever follows, answers nothing, until the
+                // client gives up.
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(1..) = tcp.read(&mut buf).await {}
+                });
+                continue;
+            }
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                if let Ok(mut up) = TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                }
+            });
+        }
+    });
+    (addr, held)
+}
+
+/// SPEC §4.4: a TLS handshake that does not finish within `connect_timeout` sent nothing: the
+/// claim is released and the client gets `502 upstream-unavailable` at the connect timeout, on
+/// an idempotent route and a pass-through one alike; once the upstream answers, the retry runs
+/// once. (`connect_timeout` covered the TCP connect only: the handshake hung until the
+/// response `timeout`, and the `504` was saved and replayed though nothing had been sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_handshake_that_hangs_is_released_as_a_502_never_saved_as_a_504() {
+    use std::sync::atomic::Ordering;
+    let pki = Pki::new();
+    let env = Env::new(common::Backend::Memory).await;
+    let answering = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (upstream, held) = silent_tls_upstream(&pki, env.mock.addr(), answering.clone()).await;
+    let yaml = https_upstream(&env, upstream, Some(&pki.ca)).replace(
+        "    connect_timeout: 1s\n    timeout: 5s\n",
+        "    connect_timeout: 500ms\n    timeout: 3s\n",
+    );
+    assert!(
+        yaml.contains("timeout: 3s"),
+        "the harness's upstream lines moved"
+    );
+    let proxy = TestProxy::start(&yaml).await;
+
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let r = book(&proxy, "tls-silent", r#"{"seat":"12A"}"#).await;
+        let doc = r.assert_problem(502, "upstream-unavailable");
+        let detail = doc["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("connect_timeout"),
+            "attempt {attempt}: {detail}"
+        );
+        assert_eq!(
+            r.header("idempotent-replayed"),
+            "",
+            "attempt {attempt}: not saved"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(2500),
+            "attempt {attempt}: at the connect timeout, before the response timeout ({:?})",
+            started.elapsed()
+        );
+    }
+    let passed = common::send(common::client().get(proxy.url("/inventory"))).await;
+    passed.assert_problem(502, "upstream-unavailable");
+    assert!(
+        held.load(Ordering::SeqCst) >= 3,
+        "the handshakes reached the upstream"
+    );
+    assert_eq!(env.mock.total(), 0, "nothing reached the service");
+
+    answering.store(true, Ordering::SeqCst);
+    let now = book(&proxy, "tls-silent", r#"{"seat":"12A"}"#).await;
+    assert_eq!(now.status, 201, "the retry runs: {:?}", now.body);
+    assert_eq!(now.header("idempotent-replayed"), "");
+    let again = book(&proxy, "tls-silent", r#"{"seat":"12A"}"#).await;
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(again.body, now.body);
+    assert_eq!(env.mock.calls("tls-silent"), 1, "the upstream ran it once");
+    proxy.stop().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // TLS on the listener.
 

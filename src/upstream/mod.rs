@@ -3,10 +3,13 @@
 //!
 //! That distinction is the whole point of the proxy's unknown-outcome rules (SPEC §4.4): a
 //! connect error means the upstream never saw the request, so the claim can be released; a
-//! timeout or a reset after sending means it may have acted, so the outcome is unknown.
+//! timeout or a reset after sending means it may have acted, so the outcome is unknown. A
+//! connection still being made (TCP connect, TLS handshake) when `connect_timeout` or the
+//! response deadline runs out is a connect error, never a timeout: nothing was written.
 //!
-//! Pooled connections idle for `pool_idle_timeout` are dropped, never reused (SPEC §4.3): an
-//! upstream that closes idle connections would otherwise race the proxy's next request.
+//! Pooled connections that may have been idle for `pool_idle_timeout`, counted from their last
+//! response's head, are dropped, never reused (SPEC §4.3): an upstream that closes idle
+//! connections would otherwise race the proxy's next request.
 
 mod gathered;
 mod pool;
@@ -42,7 +45,8 @@ const UPSTREAM_BODY: &str = "the upstream response (upstreams.*.timeout)";
 /// How an upstream call failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum UpstreamError {
-    /// The connection could not be made: the request was not sent.
+    /// The connection could not be made, or not within `connect_timeout` and what was left of
+    /// `timeout`: the request was not sent.
     #[error("connect failed: {0}")]
     Connect(String),
     /// No complete response within the timeout: the upstream may have acted.
@@ -192,6 +196,8 @@ impl Upstream {
     pub(crate) fn new(settings: &UpstreamSettings, duration: Histogram) -> Upstream {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
+        // TCP only, and per address of a name that resolves to several; the pool bounds the
+        // whole of making a connection (the TLS handshake too) by it as well.
         http.set_connect_timeout(Some(settings.connect_timeout));
         http.set_nodelay(true);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
@@ -215,7 +221,12 @@ impl Upstream {
         .unwrap_or_else(|_| Uri::from_static("http://localhost/"));
         Upstream {
             name: settings.name.clone(),
-            pool: Pool::new(connector, target, settings.pool_idle_timeout),
+            pool: Pool::new(
+                connector,
+                target,
+                settings.connect_timeout,
+                settings.pool_idle_timeout,
+            ),
             host: host_header(&scheme, &authority),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: settings.timeout,
@@ -327,10 +338,10 @@ impl Upstream {
         req: Request<Body>,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        match tokio::time::timeout_at(deadline, self.pool.send(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(result) => result.map_err(classify),
-        }
+        self.pool
+            .send(req, deadline)
+            .await
+            .map_err(|e| self.classify(e))
     }
 
     /// [`Upstream::head`] for a buffered request that may be sent once more, on a fresh
@@ -350,11 +361,9 @@ impl Upstream {
             *copy.headers_mut() = req.headers().clone();
             copy
         });
-        let first = self.pool.send(req.map(body::full));
-        let e = match tokio::time::timeout_at(deadline, first).await {
-            Err(_) => return Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Ok(resp)) => return Ok(resp),
-            Ok(Err(e)) => e,
+        let e = match self.pool.send(req.map(body::full), deadline).await {
+            Ok(resp) => return Ok(resp),
+            Err(e) => e,
         };
         match again {
             Some(again) if e.unanswered_on_reused() => {
@@ -363,14 +372,23 @@ impl Upstream {
                     error = %error_chain(&e),
                     "no response on a reused connection; sending once more on a fresh one (on_unknown_outcome: release)"
                 );
-                match tokio::time::timeout_at(deadline, self.pool.send_fresh(again.map(body::full)))
+                self.pool
+                    .send_fresh(again.map(body::full), deadline)
                     .await
-                {
-                    Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-                    Ok(result) => result.map_err(classify),
-                }
+                    .map_err(|e| self.classify(e))
             }
-            _ => Err(classify(e)),
+            _ => Err(self.classify(e)),
+        }
+    }
+
+    /// Tells a failure that sent nothing (connect) from one after which the upstream may have
+    /// acted (a timeout, a failed connection), and both from the client's own body failing on
+    /// the way.
+    fn classify(&self, e: SendError) -> UpstreamError {
+        match e {
+            SendError::Connect(detail) => UpstreamError::Connect(detail),
+            SendError::TimedOut => UpstreamError::Timeout(self.timeout),
+            SendError::Failed { .. } => failed(&e),
         }
     }
 
@@ -437,13 +455,9 @@ impl Upstream {
     }
 }
 
-/// Tells a failure that sent nothing (connect) from one after which the upstream may have acted,
-/// and both from the client's own body failing on the way.
-fn classify(e: SendError) -> UpstreamError {
-    if let SendError::Connect(detail) = e {
-        return UpstreamError::Connect(detail);
-    }
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+/// A failed connection: the client's body failing on its way, or the upstream's failure.
+fn failed(e: &SendError) -> UpstreamError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
         if let Some(client) = s.downcast_ref::<body::ClientBodyError>() {
             return UpstreamError::ClientBody {
@@ -453,7 +467,7 @@ fn classify(e: SendError) -> UpstreamError {
         }
         source = s.source();
     }
-    UpstreamError::Failed(error_chain(&e))
+    UpstreamError::Failed(error_chain(e))
 }
 
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
@@ -484,7 +498,7 @@ mod tests {
         UpstreamSettings {
             name: "booking".into(),
             url: "http://127.0.0.1:9/api/".parse().expect("uri"),
-            connect_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(500),
             timeout: Duration::from_secs(1),
             pool_idle_timeout: Duration::from_secs(1),
             tls: crate::tls::ClientTls::public_roots().expect("the Mozilla roots"),

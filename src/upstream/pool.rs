@@ -1,5 +1,6 @@
 //! One upstream's HTTP/1.1 connections on one worker: a stack of idle ones, reused most
-//! recent first, and dropped — never reused — once idle for `pool_idle_timeout` (SPEC §4.3).
+//! recent first, and dropped — never reused — once they may have been idle, as the upstream
+//! counts it, for `pool_idle_timeout` (SPEC §4.3).
 //!
 //! hyper-util's pooled client did this before, keyed by scheme and authority for any number
 //! of hosts, behind a lock shared by every task, and it spawned a task for every response to
@@ -13,6 +14,19 @@
 //! A connection is reused only when it is known to be between requests: its response body
 //! ended, and hyper says it is ready and not closed. A body dropped before its end leaves the
 //! connection mid-response, and it is closed, not reused.
+//!
+//! A connection's idle time counts from the arrival of its last response's head, not from the
+//! end of its body: the upstream counts its idle time from when it finished sending, which for
+//! a large body streamed to a slow client is long before the proxy has read it all. Counted
+//! from the body's end, such a connection would look fresh to the proxy while the upstream is
+//! about to close it — the keep-alive race `pool_idle_timeout` is there to avoid.
+//!
+//! Deadlines: a request has one, the end of `upstreams.*.timeout`. A new connection (TCP
+//! connect, TLS handshake) must be made within `connect_timeout` and before that deadline; if
+//! it is not, nothing was sent, and that is a [`SendError::Connect`] whichever ran out. Once a
+//! connection took the request, a deadline that passes is a [`SendError::TimedOut`].
+
+mod watched;
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,9 +41,11 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tower_service::Service;
 
+use self::watched::{Received, Watched};
 use crate::body::Body;
 
 /// The connector under every pool: TCP, and TLS for an https upstream.
@@ -38,9 +54,12 @@ pub(crate) type Connector = HttpsConnector<HttpConnector>;
 /// How a request failed to get a response head.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SendError {
-    /// No connection could be made: nothing was sent.
+    /// No connection could be made, or not in time: nothing was sent.
     #[error("{0}")]
     Connect(String),
+    /// A connection took the request, and no response head came before the deadline.
+    #[error("no response head before the deadline")]
+    TimedOut,
     /// The connection failed while the request was sent or its response awaited.
     #[error("{error}")]
     Failed {
@@ -48,20 +67,42 @@ pub(crate) enum SendError {
         error: hyper::Error,
         /// The connection had carried an earlier request.
         reused: bool,
+        /// The upstream had sent a byte of this request's response.
+        answered: bool,
     },
 }
 
 impl SendError {
-    /// No response byte came back on a connection that had served before: the upstream closed
-    /// it as the request went out (the keep-alive race of SPEC §4.3).
+    /// The connection had served before and failed — closed, reset, or the write failed —
+    /// before any byte of a response came back: most likely the upstream closed it as the
+    /// request went out (the keep-alive race of SPEC §4.3), so a fresh connection may get an
+    /// answer.
     pub(crate) fn unanswered_on_reused(&self) -> bool {
         match self {
-            SendError::Connect(_) => false,
-            SendError::Failed { error, reused } => {
-                *reused && (error.is_incomplete_message() || error.is_canceled())
-            }
+            SendError::Connect(_) | SendError::TimedOut => false,
+            SendError::Failed {
+                error,
+                reused,
+                answered,
+            } => *reused && !*answered && connection_failed(error),
         }
     }
+}
+
+/// Whether hyper's error is the connection's failure (an end of stream, a reset, a failed
+/// write), not something the request itself caused.
+fn connection_failed(error: &hyper::Error) -> bool {
+    if error.is_incomplete_message() || error.is_canceled() || error.is_closed() {
+        return true;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(s) = source {
+        if s.is::<std::io::Error>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// A response head on its way.
@@ -77,25 +118,41 @@ struct Inner {
     connector: Connector,
     /// Where connections go: the upstream URL's scheme and authority.
     target: Uri,
+    /// How long making a connection (TCP connect, TLS handshake) may take.
+    connect_timeout: Duration,
     /// Zero: a connection serves one request and is closed.
     idle_timeout: Duration,
-    /// Most recently idle last.
+    /// Ordered by `since`, the most recent last.
     idle: Mutex<Vec<Idle>>,
     /// A reaper task runs (started with the first connection put back, on the worker's runtime).
     reaping: AtomicBool,
 }
 
 struct Idle {
-    sender: SendRequest<Body>,
+    conn: Conn,
+    /// When its last response's head arrived: the upstream has counted it idle since then at
+    /// the latest.
     since: Instant,
 }
 
+/// One connection: hyper's handle to send on it, and what the upstream has sent on it.
+struct Conn {
+    sender: SendRequest<Body>,
+    received: Received,
+}
+
 impl Pool {
-    pub(crate) fn new(connector: Connector, target: Uri, idle_timeout: Duration) -> Pool {
+    pub(crate) fn new(
+        connector: Connector,
+        target: Uri,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> Pool {
         Pool {
             inner: Arc::new(Inner {
                 connector,
                 target,
+                connect_timeout,
                 idle_timeout,
                 idle: Mutex::new(Vec::new()),
                 reaping: AtomicBool::new(false),
@@ -104,41 +161,46 @@ impl Pool {
     }
 
     /// Sends `req` (origin-form URI) on an idle connection, or a new one, and waits for the
-    /// response head. A request that a pooled connection closed before taking is sent on a
-    /// new one: nothing of it reached the upstream.
+    /// response head until `deadline`. A request that a pooled connection closed before taking
+    /// is sent on a new one: nothing of it reached the upstream.
     ///
     /// Boxed, like every future here that a request awaits: inline, its state (the request,
     /// the connection, hyper's answer) would grow the exchange's future, which is boxed and
     /// moved once a request, by its size again at every level (callgrind: ~9,000 instructions
     /// of `memcpy` a new key, for one allocation here).
-    pub(crate) fn send(&self, req: Request<Body>) -> Responding<'_> {
+    pub(crate) fn send(&self, req: Request<Body>, deadline: Instant) -> Responding<'_> {
         Box::pin(async move {
             let mut req = req;
-            while let Some(sender) = self.inner.checkout() {
-                match sender.try_send(req).await {
+            while let Some(lent) = self.inner.checkout() {
+                match lent.try_send(req, deadline).await {
                     Sent::Answered(resp) => return Ok(resp),
-                    Sent::Failed(error) => {
+                    Sent::TimedOut => return Err(SendError::TimedOut),
+                    Sent::Failed { error, answered } => {
                         return Err(SendError::Failed {
                             error,
                             reused: true,
+                            answered,
                         });
                     }
                     Sent::NotTaken(back) => req = back,
                 }
             }
-            self.send_fresh(req).await
+            self.send_fresh(req, deadline).await
         })
     }
 
-    /// Sends `req` on a connection of its own, made for it.
-    pub(crate) fn send_fresh(&self, req: Request<Body>) -> Responding<'_> {
+    /// Sends `req` on a connection of its own, made for it, and waits for the response head
+    /// until `deadline`.
+    pub(crate) fn send_fresh(&self, req: Request<Body>, deadline: Instant) -> Responding<'_> {
         Box::pin(async move {
-            let sender = self.inner.connect().await?;
-            match sender.try_send(req).await {
+            let lent = self.inner.connect(deadline).await?;
+            match lent.try_send(req, deadline).await {
                 Sent::Answered(resp) => Ok(resp),
-                Sent::Failed(error) => Err(SendError::Failed {
+                Sent::TimedOut => Err(SendError::TimedOut),
+                Sent::Failed { error, answered } => Err(SendError::Failed {
                     error,
                     reused: false,
+                    answered,
                 }),
                 Sent::NotTaken(_) => Err(SendError::Connect(
                     "the new connection closed before it took the request".to_owned(),
@@ -150,38 +212,58 @@ impl Pool {
 
 /// A connection lent to one request.
 struct Lent {
-    sender: SendRequest<Body>,
+    conn: Conn,
     pool: Weak<Inner>,
 }
 
 enum Sent {
     Answered(Response<Body>),
     /// The connection failed after taking the request: the upstream may have acted.
-    Failed(hyper::Error),
+    Failed {
+        error: hyper::Error,
+        /// A byte of the response had come back.
+        answered: bool,
+    },
+    /// The connection took the request, and the deadline passed before the response head
+    /// came: the upstream may have acted.
+    TimedOut,
     /// The connection closed before taking the request; here it is back.
     NotTaken(Request<Body>),
 }
 
 impl Lent {
-    async fn try_send(mut self, req: Request<Body>) -> Sent {
-        match self.sender.try_send_request(req).await {
-            Ok(resp) => Sent::Answered(resp.map(|incoming| {
-                crate::body::boxed(Returning {
-                    inner: incoming,
-                    lent: Some(self),
-                })
-            })),
-            Err(mut e) => match e.take_message() {
+    async fn try_send(mut self, req: Request<Body>, deadline: Instant) -> Sent {
+        // Whatever the upstream sent before this request belonged to earlier responses, all
+        // read to their end: anything more is this request's answer.
+        let before = self.conn.received.get();
+        let sent = tokio::time::timeout_at(deadline, self.conn.sender.try_send_request(req)).await;
+        match sent {
+            Err(_) => Sent::TimedOut,
+            Ok(Ok(resp)) => {
+                let head_at = Instant::now();
+                Sent::Answered(resp.map(|incoming| {
+                    crate::body::boxed(Returning {
+                        inner: incoming,
+                        lent: Some(self),
+                        head_at,
+                    })
+                }))
+            }
+            Ok(Err(mut e)) => match e.take_message() {
                 Some(req) => Sent::NotTaken(req),
-                None => Sent::Failed(e.into_error()),
+                None => Sent::Failed {
+                    error: e.into_error(),
+                    answered: self.conn.received.get() > before,
+                },
             },
         }
     }
 
-    /// The response has ended: the connection goes back to its pool if it can serve again.
-    fn give_back(self) {
+    /// The response whose head arrived at `head_at` has ended: the connection goes back to its
+    /// pool if it can serve again.
+    fn give_back(self, head_at: Instant) {
         if let Some(pool) = self.pool.upgrade() {
-            pool.put(self.sender);
+            pool.put(self.conn, head_at);
         }
     }
 }
@@ -190,15 +272,15 @@ impl Inner {
     fn checkout(self: &Arc<Self>) -> Option<Lent> {
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(conn) = idle.pop() {
-            if now.duration_since(conn.since) >= self.idle_timeout {
+        while let Some(Idle { conn, since }) = idle.pop() {
+            if now.duration_since(since) >= self.idle_timeout {
                 // Every connection below it has been idle longer still.
                 idle.clear();
                 return None;
             }
             if conn.sender.is_ready() && !conn.sender.is_closed() {
                 return Some(Lent {
-                    sender: conn.sender,
+                    conn,
                     pool: Arc::downgrade(self),
                 });
             }
@@ -206,13 +288,36 @@ impl Inner {
         None
     }
 
-    async fn connect(self: &Arc<Self>) -> Result<Lent, SendError> {
+    /// A new connection, made within `connect_timeout` and before `deadline`. Either running
+    /// out means nothing was sent: a connect error, never a timeout (SPEC §4.4).
+    async fn connect(self: &Arc<Self>, deadline: Instant) -> Result<Lent, SendError> {
+        let started = Instant::now();
+        let own = started + self.connect_timeout;
+        let by = own.min(deadline);
+        match tokio::time::timeout_at(by, self.make()).await {
+            Ok(made) => made,
+            Err(_) if by == own => Err(SendError::Connect(format!(
+                "no connection within connect_timeout ({}): the TCP connect or the TLS handshake did not finish",
+                humantime::format_duration(self.connect_timeout)
+            ))),
+            Err(_) => Err(SendError::Connect(format!(
+                "no connection within what was left of timeout ({}): the TCP connect or the TLS handshake did not finish",
+                humantime::format_duration(millis(by.saturating_duration_since(started)))
+            ))),
+        }
+    }
+
+    /// TCP connect, TLS handshake for an https upstream, and hyper's HTTP/1.1 handshake (which
+    /// only sets up the connection's state: nothing is written).
+    async fn make(self: &Arc<Self>) -> Result<Lent, SendError> {
         let io = self
             .connector
             .clone()
             .call(self.target.clone())
             .await
             .map_err(|e| SendError::Connect(crate::upstream::error_chain(&*e)))?;
+        let received = Received::default();
+        let io = TokioIo::new(Watched::new(TokioIo::new(io), received.clone()));
         let (sender, conn) = http1::Builder::new()
             .handshake(io)
             .await
@@ -223,23 +328,30 @@ impl Inner {
             }
         });
         Ok(Lent {
-            sender,
+            conn: Conn { sender, received },
             pool: Arc::downgrade(self),
         })
     }
 
-    fn put(self: &Arc<Self>, sender: SendRequest<Body>) {
-        if self.idle_timeout.is_zero() || sender.is_closed() || !sender.is_ready() {
-            // Not between requests (or not to be reused at all): dropping the sender closes it.
+    /// Keeps `conn`, whose last response's head arrived at `since`, for the next request, if
+    /// it can serve one before the upstream may count it idle for `idle_timeout`.
+    fn put(self: &Arc<Self>, conn: Conn, since: Instant) {
+        if self.idle_timeout.is_zero()
+            || conn.sender.is_closed()
+            || !conn.sender.is_ready()
+            || since.elapsed() >= self.idle_timeout
+        {
+            // Not between requests, idle too long already (its body took that long to read),
+            // or not to be reused at all: dropping the sender closes it.
             return;
         }
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Idle {
-                sender,
-                since: Instant::now(),
-            });
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            // Bodies end in another order than their heads arrived: keep the stack ordered by
+            // `since`, which `checkout` and the reaper count on. Nearly always the top.
+            let at = idle.partition_point(|c| c.since <= since);
+            idle.insert(at, Idle { conn, since });
+        }
         // On the worker's runtime, where every body is read; without one (a body dropped as a
         // runtime shuts down) the next put starts the reaper.
         if !self.reaping.load(Ordering::Relaxed)
@@ -249,6 +361,11 @@ impl Inner {
             runtime.spawn(reap(Arc::downgrade(self), self.idle_timeout));
         }
     }
+}
+
+/// A duration rounded to whole milliseconds, for messages.
+fn millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Closes the connections idle for `idle_timeout`, so that a quiet upstream does not keep
@@ -263,7 +380,7 @@ async fn reap(pool: Weak<Inner>, idle_timeout: Duration) {
         pool.idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|c| now.duration_since(c.since) < idle_timeout && !c.sender.is_closed());
+            .retain(|c| now.duration_since(c.since) < idle_timeout && !c.conn.sender.is_closed());
     }
 }
 
@@ -271,12 +388,14 @@ async fn reap(pool: Weak<Inner>, idle_timeout: Duration) {
 struct Returning {
     inner: Incoming,
     lent: Option<Lent>,
+    /// When the response's head arrived.
+    head_at: Instant,
 }
 
 impl Returning {
     fn ended(&mut self) {
         if let Some(lent) = self.lent.take() {
-            lent.give_back();
+            lent.give_back(self.head_at);
         }
     }
 }
@@ -318,146 +437,4 @@ impl Drop for Returning {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::convert::Infallible;
-    use std::sync::atomic::AtomicUsize;
-
-    use http_body_util::{BodyExt, Full};
-    use hyper_util::rt::TokioIo;
-    use tokio::net::TcpListener;
-
-    use super::*;
-
-    /// An upstream on loopback that answers every request with `size` bytes (the path says
-    /// how many), counting the connections it accepted.
-    async fn upstream() -> (Uri, Arc<AtomicUsize>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let count = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                count.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                        let size: usize = req.uri().path()[1..].parse().unwrap_or(0);
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(vec![b'x'; size]))))
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tcp), service)
-                        .await;
-                });
-            }
-        });
-        let target = format!("http://{addr}/").parse().expect("uri");
-        (target, accepted)
-    }
-
-    fn pool(target: Uri, idle_timeout: Duration) -> Pool {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(
-                crate::tls::ClientTls::public_roots()
-                    .expect("the Mozilla roots")
-                    .client_config(),
-            )
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        Pool::new(connector, target, idle_timeout)
-    }
-
-    fn get(size: usize) -> Request<Body> {
-        let mut req = Request::new(crate::body::empty());
-        *req.uri_mut() = format!("/{size}").parse().expect("uri");
-        req
-    }
-
-    async fn read(pool: &Pool, size: usize) -> usize {
-        let resp = pool.send(get(size)).await.expect("a response");
-        resp.into_body()
-            .collect()
-            .await
-            .expect("the body")
-            .to_bytes()
-            .len()
-    }
-
-    #[tokio::test]
-    async fn a_connection_serves_again_once_its_response_has_ended() {
-        let (target, accepted) = upstream().await;
-        let pool = pool(target, Duration::from_secs(60));
-        for size in [10, 0, 100_000, 3] {
-            assert_eq!(read(&pool, size).await, size);
-        }
-        assert_eq!(
-            accepted.load(Ordering::SeqCst),
-            1,
-            "one connection for all four"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_response_dropped_before_its_end_takes_its_connection_with_it() {
-        let (target, accepted) = upstream().await;
-        let pool = pool(target, Duration::from_secs(60));
-        let resp = pool.send(get(1_000_000)).await.expect("a response");
-        drop(resp);
-        assert_eq!(read(&pool, 5).await, 5);
-        assert_eq!(
-            accepted.load(Ordering::SeqCst),
-            2,
-            "the connection still carrying a body is never lent again"
-        );
-    }
-
-    #[tokio::test]
-    async fn an_idle_timeout_of_zero_never_reuses() {
-        let (target, accepted) = upstream().await;
-        let pool = pool(target, Duration::ZERO);
-        for _ in 0..3 {
-            assert_eq!(read(&pool, 1).await, 1);
-        }
-        assert_eq!(accepted.load(Ordering::SeqCst), 3);
-    }
-
-    #[tokio::test]
-    async fn a_connection_idle_for_the_timeout_is_never_reused() {
-        let (target, accepted) = upstream().await;
-        let pool = pool(target, Duration::from_millis(200));
-        assert_eq!(read(&pool, 1).await, 1);
-        assert_eq!(read(&pool, 1).await, 1);
-        assert_eq!(
-            accepted.load(Ordering::SeqCst),
-            1,
-            "reused within the timeout"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        assert_eq!(read(&pool, 1).await, 1);
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "not reused after it");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(
-            pool.inner.idle.lock().expect("idle").is_empty(),
-            "the reaper closed the idle connection"
-        );
-    }
-
-    #[tokio::test]
-    async fn nothing_listening_is_a_connect_error() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        drop(listener);
-        let pool = pool(
-            format!("http://{addr}/").parse().expect("uri"),
-            Duration::from_secs(1),
-        );
-        match pool.send(get(1)).await {
-            Err(SendError::Connect(detail)) => assert!(detail.contains("connect"), "{detail}"),
-            other => panic!(
-                "expected a connect error, got {:?}",
-                other.map(|r| r.status())
-            ),
-        }
-    }
-}
+mod tests;
