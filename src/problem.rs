@@ -102,12 +102,21 @@ pub enum Problem {
         /// Which part, and why.
         detail: String,
     },
-    /// The request has more headers than the proxy takes (431); nothing claimed. hyper refuses
-    /// such an HTTP/1.1 head itself; the proxy answers an HTTP/2 one with this.
+    /// The request's head is over the proxy's limits (431); nothing claimed. The same answer on
+    /// HTTP/1.1 and HTTP/2 (SPEC §4.3).
     HeadersTooLarge {
-        /// The most headers a request may have.
-        limit: usize,
+        /// The limit it is over.
+        limit: HeadLimit,
     },
+}
+
+/// A limit on a request head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadLimit {
+    /// At most this many header fields (the host counts as one).
+    Count(usize),
+    /// At most this many bytes of request line and headers, as HTTP/1.1 writes them.
+    Bytes(usize),
 }
 
 impl Problem {
@@ -213,7 +222,7 @@ impl Problem {
             Problem::Overloaded => "Too much unfinished work",
             Problem::Internal => "Internal proxy error",
             Problem::UnreadableKeyPart { .. } => "Idempotency key cannot be derived",
-            Problem::HeadersTooLarge { .. } => "Too many request headers",
+            Problem::HeadersTooLarge { .. } => "Request head too large",
         }
     }
 
@@ -266,8 +275,15 @@ impl Problem {
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
             ),
-            Problem::HeadersTooLarge { limit } => format!(
+            Problem::HeadersTooLarge {
+                limit: HeadLimit::Count(limit),
+            } => format!(
                 "The request has more than {limit} header fields (the host counts as one); nothing was done. Retry with fewer headers and the same key."
+            ),
+            Problem::HeadersTooLarge {
+                limit: HeadLimit::Bytes(limit),
+            } => format!(
+                "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
             ),
         }
     }
@@ -498,8 +514,24 @@ mod tests {
             Problem::UnreadableKeyPart {
                 detail: "key_from part json:/a cannot be read: the body is not JSON".into(),
             },
-            Problem::HeadersTooLarge { limit: 97 },
+            Problem::HeadersTooLarge {
+                limit: HeadLimit::Count(97),
+            },
         ]
+    }
+
+    #[test]
+    fn a_head_over_either_limit_is_one_type_and_the_detail_names_the_limit() {
+        let count = Problem::HeadersTooLarge {
+            limit: HeadLimit::Count(97),
+        };
+        let bytes = Problem::HeadersTooLarge {
+            limit: HeadLimit::Bytes(65536),
+        };
+        assert_eq!(count.slug(), bytes.slug());
+        assert_eq!(bytes.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+        assert!(count.detail().contains("more than 97 header fields"));
+        assert!(bytes.detail().contains("larger than 65536 bytes"));
     }
 
     #[test]

@@ -430,8 +430,8 @@ every_store!(
     odd_but_valid_keys_run_once_and_replay,
     key_header_sent_twice_is_refused,
     line_breaks_in_header_values,
-    more_than_97_headers_get_431_from_hyper,
-    a_head_over_64_kib_gets_431_from_hyper,
+    more_than_97_headers_get_a_431_problem,
+    a_head_over_64_kib_gets_a_431_problem,
     bodies_over_max_request_body_are_413_by_length_and_by_chunks,
     conflicting_or_malformed_framing_headers_get_400_from_hyper,
     content_length_with_chunked_is_read_as_chunked_and_the_connection_closes,
@@ -686,29 +686,32 @@ async fn line_breaks_in_header_values(backend: Backend) {
 // ---------------------------------------------------------------------------------------------
 
 /// The proxy allows 97 request headers (100 less the three `X-Forwarded-*` it adds): 101 or
-/// 200 are refused by hyper with a bare 431 and the connection closed, nothing claimed or
-/// forwarded, and the key runs afterwards. A request with 97 headers reaches the upstream with
-/// the proxy's three `X-Forwarded-*` added (100).
-async fn more_than_97_headers_get_431_from_hyper(backend: Backend) {
+/// 200 are refused by the proxy with a `431 headers-too-large` problem (as on HTTP/2), nothing
+/// claimed or forwarded, and the key runs afterwards. Beyond hyper's own bound (four times the
+/// proxy's: 388), hyper refuses the head itself: a bare 431, the connection closed. A request
+/// with 97 headers reaches the upstream with the proxy's three `X-Forwarded-*` added (100).
+async fn more_than_97_headers_get_a_431_problem(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
+    for total in [98, 101, 200, 388] {
+        let (reply, _) = exchange(&proxy, &booking_with_headers("many", total)).await;
+        let doc = reply.assert_problem(431, "headers-too-large");
+        let detail = doc["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("more than 97 header fields"),
+            "{total} headers: {detail}"
+        );
+    }
     assert_refused_by_hyper(
         &proxy,
-        &booking_with_headers("h101", 101),
+        &booking_with_headers("h400", 400),
         431,
-        "101 headers",
-    )
-    .await;
-    assert_refused_by_hyper(
-        &proxy,
-        &booking_with_headers("h200", 200),
-        431,
-        "200 headers",
+        "400 headers, beyond hyper's bound",
     )
     .await;
     assert_eq!(env.mock.stats().total, 0, "nothing was forwarded");
     assert_nothing_claimed(&env, &proxy, "too many headers");
-    assert_key_is_free(&env, &proxy, "h101").await;
+    assert_key_is_free(&env, &proxy, "many").await;
 
     let (reply, _) = exchange(&proxy, &booking_with_headers("h97", 97)).await;
     assert_eq!(reply.status, 201, "{reply}");
@@ -720,26 +723,59 @@ async fn more_than_97_headers_get_431_from_hyper(backend: Backend) {
     );
 }
 
-/// A head over 64 KiB — one 70 KiB header, or a 70 KiB request target — is refused by hyper
-/// with a bare 431 and the connection closed; nothing claimed or forwarded. A 48 KiB head is
-/// served.
-async fn a_head_over_64_kib_gets_431_from_hyper(backend: Backend) {
+/// A head over 64 KiB — one 70 KiB header, or a 60 KiB request target with 8 KiB of headers
+/// — is refused by the proxy with a `431 headers-too-large` problem (as on HTTP/2); nothing
+/// claimed or forwarded. hyper refuses, itself, a head beyond its own bound (256 KiB): a bare
+/// 431, the connection closed; and a request target longer than a URI can be (64 KiB less
+/// two bytes, the `http` crate's bound): a bare 414. A 48 KiB head is served.
+async fn a_head_over_64_kib_gets_a_431_problem(backend: Backend) {
     let env = Env::new(backend).await;
     let proxy = env.proxy(&small_body_config(&env)).await;
     let big = "v".repeat(70 * 1024);
     let big_header = format!("X-Big: {big}");
+    let headers_8k = format!("X-Notes: {}", "v".repeat(8 * 1024));
+    let long_target = head(
+        &format!("POST /bookings?q={} HTTP/1.1", "v".repeat(60 * 1024)),
+        &[
+            &key_line(b"big-target"),
+            headers_8k.as_bytes(),
+            b"Content-Length: 0",
+        ],
+    );
+    for (what, request) in [
+        (
+            "a 70 KiB header",
+            booking(&[&key_line(b"big-header"), big_header.as_bytes()]),
+        ),
+        ("a 60 KiB request target and 8 KiB of headers", long_target),
+    ] {
+        let (reply, _) = exchange(&proxy, &request).await;
+        let doc = reply.assert_problem(431, "headers-too-large");
+        let detail = doc["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("larger than 65536 bytes"),
+            "{what}: {detail}"
+        );
+    }
+    let huge = format!("X-Huge: {}", "v".repeat(300 * 1024));
     assert_refused_by_hyper(
         &proxy,
-        &booking(&[&key_line(b"big-header"), big_header.as_bytes()]),
+        &booking(&[&key_line(b"huge-header"), huge.as_bytes()]),
         431,
-        "a 70 KiB header",
+        "a 300 KiB header, beyond hyper's bound",
     )
     .await;
-    let long_target = head(
+    let longest_target = head(
         &format!("POST /bookings?q={big} HTTP/1.1"),
-        &[&key_line(b"big-target"), b"Content-Length: 0"],
+        &[&key_line(b"huge-target"), b"Content-Length: 0"],
     );
-    assert_refused_by_hyper(&proxy, &long_target, 431, "a 70 KiB request target").await;
+    assert_refused_by_hyper(
+        &proxy,
+        &longest_target,
+        414,
+        "a 70 KiB request target, longer than a URI can be",
+    )
+    .await;
     assert_eq!(env.mock.stats().total, 0, "nothing was forwarded");
     assert_nothing_claimed(&env, &proxy, "heads over 64 KiB");
     assert_key_is_free(&env, &proxy, "big-header").await;

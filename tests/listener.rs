@@ -1,6 +1,6 @@
 //! The listener every server of the crate shares (the proxy's, the admin's, the mock's): idle
 //! deadlines on both protocols, the admin listener's bounds, accept errors, clients that stop
-//! reading, the header count on HTTP/2, and `drain_delay`.
+//! reading, the head limits on both protocols, and `drain_delay`.
 //!
 //! Everything runs on loopback against real sockets; every wait is bounded.
 
@@ -571,6 +571,74 @@ async fn too_many_headers_over_h2_are_refused_before_a_claim() {
     assert_eq!(retry.status, 201, "the retry runs: {:?}", retry.body);
     assert_eq!(retry.header("idempotent-replayed"), "");
     assert_eq!(env.mock.calls("h2-many"), 1);
+}
+
+/// The claims the proxy attempted, every route together.
+fn claims(proxy: &TestProxy) -> u64 {
+    proxy
+        .metrics()
+        .encode()
+        .lines()
+        .find(|l| l.starts_with("idemproxy_store_operation_duration_seconds_count{op=\"claim\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+/// SPEC 4.3: a head over the proxy's limits — more than 97 headers, or more than 64 KiB — gets
+/// the same answer on HTTP/1.1 and HTTP/2, a `431 headers-too-large` problem naming the limit,
+/// and claims nothing; the key runs afterwards. (HTTP/1.1 got hyper's bare 431 for both, and
+/// HTTP/2 h2's bare 431 for a head over 64 KiB.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_over_the_limits_get_the_same_problem_on_http1_and_h2() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .expect("h2c client");
+    let big = "v".repeat(70 * 1024);
+    let mut answers = Vec::new();
+    for (protocol, client) in [("HTTP/1.1", client()), ("HTTP/2", h2)] {
+        let mut many = client
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "over-count")
+            .header("Content-Type", "application/json")
+            .body("{}");
+        for i in 0..120 {
+            many = many.header(format!("x-filler-{i}"), "1");
+        }
+        let large = client
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "over-size")
+            .header("Content-Type", "application/json")
+            .header("x-big", &big)
+            .body("{}");
+        for (what, req, words) in [
+            ("too many headers", many, "more than 97 header fields"),
+            ("a 70 KiB head", large, "larger than 65536 bytes"),
+        ] {
+            let reply = send(req).await;
+            let doc = reply.assert_problem(431, "headers-too-large");
+            let detail = doc["detail"].as_str().unwrap_or_default().to_owned();
+            assert!(detail.contains(words), "{protocol}, {what}: {detail}");
+            answers.push((what, protocol, reply.body));
+        }
+    }
+    for (what, protocol, body) in &answers[2..] {
+        let (_, _, h1) = answers
+            .iter()
+            .find(|(w, p, _)| w == what && *p == "HTTP/1.1")
+            .expect("the HTTP/1.1 answer");
+        assert_eq!(body, h1, "{what}: {protocol} gets HTTP/1.1's problem");
+    }
+    assert_eq!(env.mock.total(), 0, "nothing reached the upstream");
+    assert_eq!(claims(&proxy), 0, "nothing was claimed");
+    for key in ["over-count", "over-size"] {
+        let retry = book(&proxy, key, "{}").await;
+        assert_eq!(retry.status, 201, "{key}: the retry runs: {:?}", retry.body);
+        assert_eq!(env.mock.calls(key), 1);
+    }
 }
 
 /// Near the limit, over HTTP/2, each request is either refused by the proxy (a 431 problem,

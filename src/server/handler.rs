@@ -32,9 +32,11 @@ pub struct ListenerLimits {
     /// connection closed.
     pub send_timeout: Duration,
     /// HTTP/1.1 request headers at most (HTTP/2 has no such setting: a handler that cares
-    /// counts them itself).
+    /// counts them itself). hyper refuses more itself, before the handler: a bare 431.
     pub max_headers: usize,
-    /// Bytes of request head at most: the HTTP/1.1 read buffer, the HTTP/2 header list.
+    /// Bytes of request head at most: the HTTP/1.1 read buffer, the HTTP/2 header list. hyper
+    /// refuses more itself (a bare 431); a handler may keep tighter limits of its own, as the
+    /// proxy's does, to answer them on both protocols alike.
     pub max_head_bytes: usize,
 }
 
