@@ -169,8 +169,8 @@ fn table() -> Vec<Row> {
         // as long never ends as a connect failure; the default 2s counts as written.
         row("connect_timeout as long as timeout", upstream("url: http://127.0.0.1:8081\nconnect_timeout: 3s\ntimeout: 3s"), "upstreams.booking.connect_timeout", &["3s", "must be shorter than upstreams.booking.timeout (3s)"]),
         row("connect_timeout longer than timeout", upstream("url: http://127.0.0.1:8081\nconnect_timeout: 5s\ntimeout: 800ms"), "upstreams.booking.connect_timeout", &["5s", "upstreams.booking.timeout (800ms)"]),
-        row("the default connect_timeout with a 2s timeout", upstream("url: http://127.0.0.1:8081\ntimeout: 2s"), "upstreams.booking.connect_timeout", &["2s, the default", "upstreams.booking.timeout (2s)"]),
-        row("the default connect_timeout with a 500ms timeout", upstream("url: http://127.0.0.1:8081\ntimeout: 500ms"), "upstreams.booking.connect_timeout", &["2s, the default", "upstreams.booking.timeout (500ms)"]),
+        row("the default connect_timeout with a 2s timeout", upstream("url: http://127.0.0.1:8081\ntimeout: 2s"), "upstreams.booking.connect_timeout", &["2s (the default, as it is not set) must be shorter", "upstreams.booking.timeout (2s)"]),
+        row("the default connect_timeout with a 500ms timeout", upstream("url: http://127.0.0.1:8081\ntimeout: 500ms"), "upstreams.booking.connect_timeout", &["2s (the default, as it is not set) must be shorter", "upstreams.booking.timeout (500ms)"]),
         row("lock_ttl too small", idem("lock_ttl: 10ms"), "routes[0].idempotency.lock_ttl", &["at least"]),
         row("zero wait_timeout with wait", idem("on_conflict: wait\nwait_timeout: 0s"), "routes[0].idempotency.wait_timeout", &["greater than zero", "wait"]),
         row("zero max_request_body", idem("max_request_body: 0"), "routes[0].idempotency.max_request_body", &["greater than zero"]),

@@ -163,7 +163,7 @@ impl RawUpstream {
             let written = if self.connect_timeout.is_some() {
                 ""
             } else {
-                ", the default when it is not set"
+                " (the default, as it is not set)"
             };
             err(
                 format!("{path}.connect_timeout"),
