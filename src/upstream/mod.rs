@@ -375,7 +375,13 @@ impl Upstream {
                 self.pool
                     .send_fresh(again.map(body::full), deadline)
                     .await
-                    .map_err(|e| self.classify(e))
+                    .map_err(|again| match again {
+                        // Nothing went out the second time, but the first request may have
+                        // reached the upstream before its connection failed: that failure is
+                        // the one to answer with, not "the request was not sent".
+                        SendError::Connect(_) => self.classify(e),
+                        again => self.classify(again),
+                    })
             }
             _ => Err(self.classify(e)),
         }
@@ -503,6 +509,67 @@ mod tests {
             pool_idle_timeout: Duration::from_secs(1),
             tls: crate::tls::ClientTls::public_roots().expect("the Mozilla roots"),
             forwarded_proto,
+        }
+    }
+
+    /// An upstream that takes one connection and then refuses every other (its listener
+    /// closed): it answers the first request on it and resets it when the next arrives, before
+    /// any byte of an answer.
+    async fn one_connection_then_gone() -> std::net::SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let Ok((mut tcp, _)) = listener.accept().await else {
+                return;
+            };
+            drop(listener);
+            let mut buf = vec![0u8; 4096];
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match tcp.read(&mut buf).await {
+                    Ok(n @ 1..) => got.extend_from_slice(&buf[..n]),
+                    _ => return,
+                }
+            }
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if tcp.write_all(answer).await.is_ok() && matches!(tcp.read(&mut buf).await, Ok(1..)) {
+                let _ = tcp.set_zero_linger();
+            }
+        });
+        addr
+    }
+
+    /// A request resent after its reused connection failed, whose fresh connection cannot be
+    /// made, answers with the first failure (the upstream may have received it), never with a
+    /// connect error that would say the request was not sent.
+    #[tokio::test]
+    async fn a_resend_that_cannot_connect_answers_with_the_first_failure() {
+        let addr = one_connection_then_gone().await;
+        let mut settings = settings(http::uri::Scheme::HTTP);
+        settings.url = format!("http://{addr}/").parse().expect("uri");
+        settings.timeout = Duration::from_secs(5);
+        let up = Upstream::new(&settings, Histogram::new([0.1]));
+        let get = || {
+            let mut req = Request::new(Bytes::new());
+            *req.uri_mut() = Uri::from_static("/");
+            req
+        };
+        match up.call_bounded(get(), 1024, true).await {
+            Ok((parts, Bounded::Complete(body))) => {
+                assert_eq!((parts.status.as_u16(), &body[..]), (200, &b"ok"[..]));
+            }
+            Ok(_) => panic!("a 2-byte body over the bound"),
+            Err(e) => panic!("the first request failed: {e}"),
+        }
+        match up.call_bounded(get(), 1024, true).await {
+            Err(UpstreamError::Failed(detail)) => {
+                assert!(detail.contains("reset"), "{detail}");
+            }
+            Err(e) => panic!("expected the reused connection's failure, got {e:?}"),
+            Ok(_) => panic!("the reused connection was reset"),
         }
     }
 
