@@ -380,6 +380,8 @@ async fn control_endpoints_are_not_counted() {
             "bookings": 3,
             "by_key": {"a": 2, "b/c d": 1},
             "by_reference": {},
+            "webhooks": 0,
+            "events": {},
         })
     );
     let (_, _, body) = send(
@@ -527,6 +529,52 @@ async fn a_late_commit_shows_the_booking_only_later() {
     };
     assert_eq!(status, StatusCode::OK);
     assert!(made.elapsed() >= Duration::from_millis(250));
+}
+
+#[tokio::test]
+async fn the_webhook_handler_counts_events() {
+    let mock = start().await.unwrap();
+    let client = client();
+    for _ in 0..3 {
+        let (status, _, body) = send(
+            &client,
+            Method::POST,
+            format!("{}/webhooks/standard", mock.url()),
+            &[
+                ("webhook-id", "msg_1"),
+                ("content-type", "application/json"),
+            ],
+            r#"{"type":"booking.paid"}"#,
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(doc(&body)["event_id"], "msg_1");
+    }
+    let (status, _, _) = send(
+        &client,
+        Method::POST,
+        format!("{}/webhooks/standard", mock.url()),
+        &[("webhook-id", "msg_2"), ("x-mock-status", "500")],
+        "{}",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (_, _, body) = send(
+        &client,
+        Method::GET,
+        format!("{}/_mock/stats", mock.url()),
+        &[],
+        "",
+    )
+    .await
+    .unwrap();
+    let stats = doc(&body);
+    assert_eq!(stats["webhooks"], 3);
+    assert_eq!(stats["events"], json!({"msg_1": 3}));
+    assert_eq!(stats["total"], 4);
+    assert_eq!(mock.state().events("msg_1"), 3);
 }
 
 #[tokio::test]

@@ -16,13 +16,17 @@
 //! | `POST /bookings` | `201 Created`, a new booking `bk_N` (`N` = 1, 2, … never reused), with `Location: /bookings/bk_N`, `ETag`, `X-Booking-Id: bk_N` and the body `{"id":"bk_N","seq":N,"request":…}` (the request body, embedded as JSON if it is JSON, else as a string) | yes |
 //! | `GET /bookings/{id}` | `200` with the stored booking, or `404` | yes |
 //! | `GET /bookings/by-reference/{reference}` | `200` with the first booking whose request body's `reference` (a JSON string) is `{reference}` (percent-decoded), as `GET /bookings/{id}` answers it; `404` `{"error":"no booking with this reference","reference":…}` when there is none (yet: see `X-Mock-Commit-After`) | yes |
+//! | `POST /webhooks/{provider}` | `200` `{"received":true,"provider":…,"event_id":…,"deliveries":N}`: a webhook handler that counts deliveries per event id (`N`: this id's count so far; `event_id` `null` when the delivery has none), read where the provider puts it (`standard`: `webhook-id`; `github`: `X-GitHub-Delivery`; `shopify`: `X-Shopify-Webhook-Id`; `stripe`: the body's `id`; `slack`: the body's `event_id`; another name: `webhook-id`, else the body's `id`, else its `event_id`). It verifies no signature: the proxy does | yes |
 //! | anything else outside `/_mock/` (`/echo/…`, `/payments`, …) | `200` with a JSON echo of what arrived: `{"method","path","query","headers":{name:[values]},"body"}` | yes |
-//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…},"by_reference":{"REF":N,…}}` | no |
+//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…},"by_reference":{"REF":N,…},"webhooks":N,"events":{"ID":N,…}}` | no |
 //! | `GET /_mock/calls?key=K` | `{"key":"K","calls":N}` | no |
 //! | `POST /_mock/reset` | zeroes every counter and forgets the stored bookings (ids keep growing) | no |
 //!
 //! In the stats, `by_reference` counts the bookings made per `reference`, visible to a lookup
-//! yet or not (so "one booking for that reference" can be checked whatever was lost).
+//! yet or not (so "one booking for that reference" can be checked whatever was lost), and
+//! `events` the handled webhook deliveries per event id; `webhooks` counts every handled
+//! delivery, with an id or without. Like a booking, a delivery is handled only when the route
+//! runs (not under `X-Mock-Status`).
 //!
 //! Every JSON answer is compact, and object keys come in no particular order: read them as JSON,
 //! not as text. An embedded request body is re-serialized, not copied byte for byte.
@@ -94,12 +98,14 @@
 //! - `reply`: a response under construction; the echo, status and error answers.
 //! - `body`: [`MockBody`], the response body, and [`body_pattern`].
 //! - `query`: percent-decoding a query parameter (`/_mock/calls?key=K`) and a path segment.
+//! - `webhook`: where each provider puts a webhook delivery's event id.
 
 mod body;
 mod directives;
 mod query;
 mod reply;
 mod state;
+mod webhook;
 
 #[cfg(test)]
 mod tests;
@@ -234,6 +240,12 @@ fn route(state: &MockUpstream, parts: &Parts, body: &Bytes, directives: &Directi
         }
         if let Some(id) = segment("/bookings/") {
             return state.get_booking(id);
+        }
+    }
+    if parts.method == Method::POST {
+        if let Some(provider) = segment("/webhooks/") {
+            let event_id = webhook::event_id(provider, &parts.headers, body);
+            return state.receive_webhook(provider, event_id);
         }
     }
     echo_reply(parts, body)

@@ -37,6 +37,9 @@ struct Ledger {
     store: HashMap<String, Booking>,
     /// The bookings made per `reference` (the request body's string field), in order.
     references: BTreeMap<String, Vec<String>>,
+    /// Webhook deliveries handled, and how many carried each event id.
+    webhooks: u64,
+    events: BTreeMap<String, u64>,
     last_request: Option<RecordedRequest>,
 }
 
@@ -65,6 +68,10 @@ pub struct MockStats {
     /// Bookings created per `reference` (the request body's `reference`, a JSON string),
     /// including those not yet visible to a lookup.
     pub by_reference: BTreeMap<String, u64>,
+    /// Webhook deliveries handled by `POST /webhooks/{provider}`.
+    pub webhooks: u64,
+    /// Handled webhook deliveries per event id.
+    pub events: BTreeMap<String, u64>,
 }
 
 /// A counted request as the mock received it, so tests can check what the proxy forwarded
@@ -108,6 +115,11 @@ impl MockUpstream {
             .map_or(0, |ids| ids.len() as u64)
     }
 
+    /// Handled webhook deliveries that carried this event id.
+    pub fn events(&self, id: &str) -> u64 {
+        self.ledger().events.get(id).copied().unwrap_or(0)
+    }
+
     /// All counters at once.
     pub fn stats(&self) -> MockStats {
         let ledger = self.ledger();
@@ -120,6 +132,8 @@ impl MockUpstream {
                 .iter()
                 .map(|(reference, ids)| (reference.clone(), ids.len() as u64))
                 .collect(),
+            webhooks: ledger.webhooks,
+            events: ledger.events.clone(),
         }
     }
 
@@ -249,6 +263,28 @@ impl MockUpstream {
         Some(reply)
     }
 
+    /// `POST /webhooks/{provider}`: one handled delivery, counted under its event id (when it
+    /// has one).
+    pub(crate) fn receive_webhook(&self, provider: &str, event_id: Option<String>) -> Reply {
+        let mut ledger = self.ledger();
+        ledger.webhooks += 1;
+        let deliveries = event_id.as_ref().map(|id| {
+            let count = ledger.events.entry(id.clone()).or_insert(0);
+            *count += 1;
+            *count
+        });
+        drop(ledger);
+        Reply::json(
+            StatusCode::OK,
+            &json!({
+                "received": true,
+                "provider": provider,
+                "event_id": event_id,
+                "deliveries": deliveries,
+            }),
+        )
+    }
+
     pub(crate) fn stats_json(&self) -> Value {
         let stats = self.stats();
         json!({
@@ -256,6 +292,8 @@ impl MockUpstream {
             "bookings": stats.bookings,
             "by_key": stats.by_key,
             "by_reference": stats.by_reference,
+            "webhooks": stats.webhooks,
+            "events": stats.events,
         })
     }
 }

@@ -1,4 +1,4 @@
-//! The lookup by reference and the lost responses, through
+//! The lookup by reference, the lost responses and the webhook handler, through
 //! [`MockUpstream::handle`] on paused time (a hang of a minute takes no real time). Over a real
 //! socket, in the main crate: `tests/mock.rs`.
 #![allow(clippy::unwrap_used)]
@@ -207,6 +207,61 @@ async fn the_lookup_skips_bookings_not_yet_visible() {
     book(&mock, r#"{"reference":"R-1"}"#, &[]).await.unwrap();
     let (status, booking) = lookup(&mock, "R-1").await;
     assert_eq!((status, &booking["id"]), (StatusCode::OK, &json!("bk_2")));
+}
+
+#[tokio::test]
+async fn webhooks_are_counted_by_event_id() {
+    let mock = MockUpstream::new();
+    let stripe = r#"{"id":"evt_1","type":"charge.succeeded"}"#;
+    for n in 1..=2 {
+        let (status, answer) = send(&mock, Method::POST, "/webhooks/stripe", &[], stripe)
+            .await
+            .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            answer,
+            json!({"received": true, "provider": "stripe", "event_id": "evt_1", "deliveries": n})
+        );
+    }
+    let headers = [("x-github-delivery", "72d3162e")];
+    let (_, answer) = send(&mock, Method::POST, "/webhooks/github", &headers, "{}")
+        .await
+        .unwrap();
+    assert_eq!(answer["event_id"], "72d3162e");
+    // No id (Slack's url_verification handshake): handled, counted in `webhooks` only.
+    let handshake = r#"{"type":"url_verification","challenge":"c"}"#;
+    let (status, answer) = send(&mock, Method::POST, "/webhooks/slack", &[], handshake)
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, &answer["event_id"]),
+        (StatusCode::OK, &Value::Null)
+    );
+    // A failing handler (X-Mock-Status) handled nothing.
+    let failing = [("x-mock-status", "503")];
+    let (status, _) = send(&mock, Method::POST, "/webhooks/stripe", &failing, stripe)
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+
+    assert_eq!(mock.events("evt_1"), 2);
+    assert_eq!(mock.events("72d3162e"), 1);
+    assert_eq!(mock.total(), 5);
+    let (_, stats) = send(&mock, Method::GET, "/_mock/stats", &[], "")
+        .await
+        .unwrap();
+    assert_eq!(stats["webhooks"], 4);
+    assert_eq!(stats["events"], json!({"evt_1": 2, "72d3162e": 1}));
+
+    // Not a webhook: a GET, or no provider, is echoed like any other path.
+    for (method, uri) in [
+        (Method::GET, "/webhooks/stripe"),
+        (Method::POST, "/webhooks/"),
+    ] {
+        let (_, echo) = send(&mock, method, uri, &[], stripe).await.unwrap();
+        assert_eq!(echo["path"], uri);
+    }
+    assert_eq!(mock.stats().webhooks, 4);
 }
 
 #[tokio::test]
