@@ -10,7 +10,7 @@
 //!   with `units`, `secret` and the YAML pass `load`) — serde structs with defaults, then
 //!   validation and compilation; reads only `route` and `tls`.
 //! - [`route`]: compiled routes — path patterns (exact, `{param}`, trailing `/*`) and each
-//!   route's upstream and idempotency policy.
+//!   route's upstream and idempotency policy; a webhook route's provider, secrets and tolerance.
 //! - [`key`]: parsing the key header; namespacing it into a hashed, fixed-size store key.
 //! - [`key_from`]: keys derived from what the request means (`key_from`), canonical values.
 //! - [`fingerprint`]: what makes two requests "the same".
@@ -24,6 +24,8 @@
 //!   that forwards everything and counts what enforce would have done); and
 //!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: connection pools, header rewriting, timeouts, failure classification.
+//! - [`webhook`]: a webhook delivery's signature checked and its event id read (SPEC §4.9),
+//!   before anything is claimed; reached from the proxy, it imports no store, upstream or proxy.
 //! - [`problem`]: every answer the proxy (and its admin listener) makes itself, as
 //!   problem+json, in one place.
 //! - [`admin`]: what the admin listener answers — health, readiness, metrics, key tooling
@@ -63,5 +65,6 @@ pub mod shutdown;
 pub mod store;
 pub mod tls;
 pub mod upstream;
+pub mod webhook;
 
 pub use server::run;

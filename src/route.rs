@@ -1,5 +1,6 @@
 //! Compiled routes: the path patterns, and what a route does (its upstream and idempotency
-//! policy), as validated from the configuration.
+//! policy, and on a webhook route its verification settings, in `webhook`), as validated from
+//! the configuration.
 //!
 //! Patterns are compiled once at start into segment lists, so matching a request allocates
 //! nothing. First match wins, in file order.
@@ -8,6 +9,13 @@ use std::time::Duration;
 
 use http::{HeaderName, Method};
 use serde::Deserialize;
+
+mod webhook;
+
+pub(crate) use webhook::BASE64;
+pub use webhook::{
+    Encoding, HmacScheme, MAX_SECRETS, Provider, Secrets, SecretsError, WebhookSettings,
+};
 
 /// One segment of a path pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +38,7 @@ pub struct PathPattern {
 
 impl PathPattern {
     /// Compiles a pattern. The error says what is wrong with it.
-    pub(crate) fn parse(text: &str) -> Result<PathPattern, String> {
+    pub fn parse(text: &str) -> Result<PathPattern, String> {
         if !text.starts_with('/') {
             return Err(format!("invalid path {text:?}: it must start with '/'"));
         }

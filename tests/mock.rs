@@ -375,7 +375,14 @@ async fn control_endpoints_are_not_counted() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(
         doc(&body),
-        json!({"total": 4, "bookings": 3, "by_key": {"a": 2, "b/c d": 1}})
+        json!({
+            "total": 4,
+            "bookings": 3,
+            "by_key": {"a": 2, "b/c d": 1},
+            "by_reference": {},
+            "webhooks": 0,
+            "events": {},
+        })
     );
     let (_, _, body) = send(
         &client,
@@ -399,6 +406,175 @@ async fn control_endpoints_are_not_counted() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(doc(&body), json!({"reset": true}));
     assert_eq!(mock.stats(), MockStats::default());
+}
+
+#[tokio::test]
+async fn responses_lost_after_and_before_the_booking() {
+    let mock = start().await.unwrap();
+    let client = client();
+    let book = |reference: &str, lose: &'static str| {
+        let body = format!(r#"{{"reference":"{reference}"}}"#);
+        let (client, url) = (&client, format!("{}/bookings", mock.url()));
+        async move {
+            let headers = [("x-mock-lose-response", lose)];
+            send(client, Method::POST, url, &headers, &body).await
+        }
+    };
+    let lookup = |reference: &str| {
+        send(
+            &client,
+            Method::GET,
+            format!("{}/bookings/by-reference/{reference}", mock.url()),
+            &[],
+            "",
+        )
+    };
+
+    let lost = book("R-1", "after").await;
+    assert!(lost.is_err(), "no response: {lost:?}");
+    let (status, headers, body) = lookup("R-1").await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["x-booking-id"], "bk_1");
+    assert_eq!(
+        doc(&body),
+        json!({"id": "bk_1", "seq": 1, "request": {"reference": "R-1"}})
+    );
+
+    let lost = book("R-2", "before").await;
+    assert!(lost.is_err(), "no response: {lost:?}");
+    let (status, _, body) = lookup("R-2").await.unwrap();
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        doc(&body),
+        json!({"error": "no booking with this reference", "reference": "R-2"})
+    );
+
+    let stats = mock.stats();
+    assert_eq!((stats.bookings, stats.total), (1, 4));
+    assert_eq!(stats.by_reference.get("R-1"), Some(&1));
+    assert_eq!(stats.by_reference.get("R-2"), None);
+}
+
+#[tokio::test]
+async fn a_hang_holds_the_answer_after_the_booking() {
+    let mock = start().await.unwrap();
+    let url = mock.url();
+    let started = Instant::now();
+    let hanging = tokio::spawn(async move {
+        send(
+            &client(),
+            Method::POST,
+            format!("{url}/bookings"),
+            &[("x-mock-lose-response", "after"), ("x-mock-hang", "1s")],
+            r#"{"reference":"R-1"}"#,
+        )
+        .await
+        .map(|(status, _, _)| status)
+    });
+    // The booking exists while the answer is held.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while mock.state().bookings_for("R-1") == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, _, _) = send(
+        &client(),
+        Method::GET,
+        format!("{}/bookings/by-reference/R-1", mock.url()),
+        &[],
+        "",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let lost = hanging.await.unwrap();
+    assert!(lost.is_err(), "no response after the hang: {lost:?}");
+    assert!(started.elapsed() >= Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn a_late_commit_shows_the_booking_only_later() {
+    let mock = start().await.unwrap();
+    let client = client();
+    let lost = send(
+        &client,
+        Method::POST,
+        format!("{}/bookings", mock.url()),
+        &[
+            ("x-mock-lose-response", "after"),
+            ("x-mock-commit-after", "300ms"),
+        ],
+        r#"{"reference":"R-1"}"#,
+    )
+    .await;
+    assert!(lost.is_err(), "{lost:?}");
+    let made = Instant::now();
+    let url = format!("{}/bookings/by-reference/R-1", mock.url());
+    let (status, _, _) = send(&client, Method::GET, url.clone(), &[], "")
+        .await
+        .unwrap();
+    // Generous: this lookup is well within 300 ms of the booking unless the machine stalls.
+    if made.elapsed() < Duration::from_millis(250) {
+        assert_eq!(status, StatusCode::NOT_FOUND, "not visible yet");
+    }
+    assert_eq!(mock.state().bookings_for("R-1"), 1, "made at once");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let (status, _, _) = send(&client, Method::GET, url.clone(), &[], "")
+            .await
+            .unwrap();
+        if status == StatusCode::OK || Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status, StatusCode::OK);
+    assert!(made.elapsed() >= Duration::from_millis(250));
+}
+
+#[tokio::test]
+async fn the_webhook_handler_counts_events() {
+    let mock = start().await.unwrap();
+    let client = client();
+    for _ in 0..3 {
+        let (status, _, body) = send(
+            &client,
+            Method::POST,
+            format!("{}/webhooks/standard", mock.url()),
+            &[
+                ("webhook-id", "msg_1"),
+                ("content-type", "application/json"),
+            ],
+            r#"{"type":"booking.paid"}"#,
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(doc(&body)["event_id"], "msg_1");
+    }
+    let (status, _, _) = send(
+        &client,
+        Method::POST,
+        format!("{}/webhooks/standard", mock.url()),
+        &[("webhook-id", "msg_2"), ("x-mock-status", "500")],
+        "{}",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (_, _, body) = send(
+        &client,
+        Method::GET,
+        format!("{}/_mock/stats", mock.url()),
+        &[],
+        "",
+    )
+    .await
+    .unwrap();
+    let stats = doc(&body);
+    assert_eq!(stats["webhooks"], 3);
+    assert_eq!(stats["events"], json!({"msg_1": 3}));
+    assert_eq!(stats["total"], 4);
+    assert_eq!(mock.state().events("msg_1"), 3);
 }
 
 #[tokio::test]

@@ -11,6 +11,18 @@ const X_MOCK_BODY_SIZE: &str = "x-mock-body-size";
 const X_MOCK_SET_COOKIE: &str = "x-mock-set-cookie";
 const X_MOCK_HEADER: &str = "x-mock-header";
 const X_MOCK_PARTIAL: &str = "x-mock-partial";
+const X_MOCK_LOSE_RESPONSE: &str = "x-mock-lose-response";
+const X_MOCK_HANG: &str = "x-mock-hang";
+const X_MOCK_COMMIT_AFTER: &str = "x-mock-commit-after";
+
+/// When `X-Mock-Lose-Response` drops the connection: before or after the route's side effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lose {
+    /// The route does not run (no booking is made).
+    Before,
+    /// The route runs (the booking is made and stored), then the response is lost.
+    After,
+}
 
 /// The parsed `X-Mock-*` request headers.
 #[derive(Debug, Default)]
@@ -22,6 +34,9 @@ pub(crate) struct Directives {
     pub(crate) set_cookies: Vec<HeaderValue>,
     pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
     pub(crate) partial: bool,
+    pub(crate) lose: Option<Lose>,
+    pub(crate) hang: Option<Duration>,
+    pub(crate) commit_after: Option<Duration>,
 }
 
 impl Directives {
@@ -46,11 +61,30 @@ impl Directives {
             partial: flag(X_MOCK_PARTIAL)?,
             ..Directives::default()
         };
-        if let Some(delay) = text(X_MOCK_DELAY)? {
-            let delay = humantime::parse_duration(delay)
-                .map_err(|e| format!("{X_MOCK_DELAY}: {e} (expected e.g. 300ms or 2s)"))?;
-            directives.delay = Some(delay);
-        }
+        let duration = |name: &str| -> Result<Option<Duration>, String> {
+            text(name)?
+                .map(|value| {
+                    humantime::parse_duration(value)
+                        .map_err(|e| format!("{name}: {e} (expected e.g. 300ms or 2s)"))
+                })
+                .transpose()
+        };
+        directives.delay = duration(X_MOCK_DELAY)?;
+        directives.hang = duration(X_MOCK_HANG)?;
+        directives.commit_after = duration(X_MOCK_COMMIT_AFTER)?;
+        directives.lose = match text(X_MOCK_LOSE_RESPONSE)?
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
+            None => None,
+            Some("before") => Some(Lose::Before),
+            Some("after") => Some(Lose::After),
+            Some(other) => {
+                return Err(format!(
+                    "{X_MOCK_LOSE_RESPONSE}: expected before or after, got {other:?}"
+                ));
+            }
+        };
         if let Some(status) = text(X_MOCK_STATUS)? {
             let status = status
                 .parse::<u16>()

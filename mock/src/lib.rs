@@ -15,10 +15,18 @@
 //! | --- | --- | --- |
 //! | `POST /bookings` | `201 Created`, a new booking `bk_N` (`N` = 1, 2, … never reused), with `Location: /bookings/bk_N`, `ETag`, `X-Booking-Id: bk_N` and the body `{"id":"bk_N","seq":N,"request":…}` (the request body, embedded as JSON if it is JSON, else as a string) | yes |
 //! | `GET /bookings/{id}` | `200` with the stored booking, or `404` | yes |
+//! | `GET /bookings/by-reference/{reference}` | `200` with the first booking whose request body's `reference` (a JSON string) is `{reference}` (percent-decoded), as `GET /bookings/{id}` answers it; `404` `{"error":"no booking with this reference","reference":…}` when there is none (yet: see `X-Mock-Commit-After`) | yes |
+//! | `POST /webhooks/{provider}` | `200` `{"received":true,"provider":…,"event_id":…,"deliveries":N}`: a webhook handler that counts deliveries per event id (`N`: this id's count so far; `event_id` `null` when the delivery has none), read where the provider puts it (`standard`: `webhook-id`; `github`: `X-GitHub-Delivery`; `shopify`: `X-Shopify-Webhook-Id`; `stripe`: the body's `id`; `slack`: the body's `event_id`; another name: `webhook-id`, else the body's `id`, else its `event_id`). It verifies no signature: the proxy does | yes |
 //! | anything else outside `/_mock/` (`/echo/…`, `/payments`, …) | `200` with a JSON echo of what arrived: `{"method","path","query","headers":{name:[values]},"body"}` | yes |
-//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…}}` | no |
+//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…},"by_reference":{"REF":N,…},"webhooks":N,"events":{"ID":N,…}}` | no |
 //! | `GET /_mock/calls?key=K` | `{"key":"K","calls":N}` | no |
 //! | `POST /_mock/reset` | zeroes every counter and forgets the stored bookings (ids keep growing) | no |
+//!
+//! In the stats, `by_reference` counts the bookings made per `reference`, visible to a lookup
+//! yet or not (so "one booking for that reference" can be checked whatever was lost), and
+//! `events` the handled webhook deliveries per event id; `webhooks` counts every handled
+//! delivery, with an id or without. Like a booking, a delivery is handled only when the route
+//! runs (not under `X-Mock-Status`).
 //!
 //! Every JSON answer is compact, and object keys come in no particular order: read them as JSON,
 //! not as text. An embedded request body is re-serialized, not copied byte for byte.
@@ -43,9 +51,25 @@
 //! | `X-Mock-Set-Cookie: v` | add `Set-Cookie: v` (repeatable) |
 //! | `X-Mock-Header: Name: value` | add a response header (repeatable; the first one for a name replaces what the route set, later ones append), e.g. `Connection: x-foo`, `Keep-Alive: timeout=5` |
 //! | `X-Mock-Partial: true` | send the head and half of the body, which is declared with its full `Content-Length`, then drop the connection |
+//! | `X-Mock-Lose-Response: after` | the route runs (a booking is made, stored and counted), then the connection is dropped without a response, as `X-Mock-Reset` drops it: the response is lost *after* the side effect |
+//! | `X-Mock-Lose-Response: before` | the connection is dropped without a response and the route does not run (no booking): lost *before* the side effect |
+//! | `X-Mock-Hang: 30s` | after the route ran (after the booking was made), wait that long before answering — or, with `X-Mock-Lose-Response`, before dropping the connection. Longer than the proxy's upstream `timeout`, the proxy times out while the booking exists |
+//! | `X-Mock-Commit-After: 3s` | `POST /bookings`: the booking is made and counted at once, but `GET /bookings/{id}` and the lookup by reference see it only that long after (a slow backend's write reaching its read side late) |
 //!
-//! Booleans accept `true`/`false`, `1`/`0`, `yes`/`no`. The delay comes first; then a reset;
-//! otherwise the status, body size, headers and partial body combine.
+//! Booleans accept `true`/`false`, `1`/`0`, `yes`/`no`; durations are `humantime`'s (`300ms`,
+//! `2s`, `1m`). The order: the delay; then a reset (`X-Mock-Reset`), or, with
+//! `X-Mock-Lose-Response: before`, the hang and the drop; otherwise the route (or the status),
+//! then the hang; then, with `X-Mock-Lose-Response: after`, the drop; otherwise the body size,
+//! headers and partial body combine.
+//!
+//! The cases of an unknown outcome (the proxy's `on_unknown_outcome`), modelled:
+//!
+//! | the response is lost… | headers |
+//! | --- | --- |
+//! | after the booking was made, at once (a reset) | `X-Mock-Lose-Response: after` |
+//! | after the booking was made, after the proxy's `timeout` fired | `X-Mock-Lose-Response: after`, `X-Mock-Hang: 1m` |
+//! | before the booking was made | `X-Mock-Lose-Response: before` (with `X-Mock-Hang` for a timeout) |
+//! | and the booking shows up only later | `X-Mock-Lose-Response: after`, `X-Mock-Commit-After: 3s` |
 //!
 //! # Example
 //!
@@ -73,13 +97,18 @@
 //! - `directives`: the `X-Mock-*` control headers, parsed.
 //! - `reply`: a response under construction; the echo, status and error answers.
 //! - `body`: [`MockBody`], the response body, and [`body_pattern`].
-//! - `query`: reading a query parameter (`/_mock/calls?key=K`).
+//! - `query`: percent-decoding a query parameter (`/_mock/calls?key=K`) and a path segment.
+//! - `webhook`: where each provider puts a webhook delivery's event id.
 
 mod body;
 mod directives;
 mod query;
 mod reply;
 mod state;
+mod webhook;
+
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashSet;
 
@@ -91,8 +120,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::json;
 
-use directives::Directives;
-use query::query_param;
+use directives::{Directives, Lose};
+use query::{path_segment, query_param};
 use reply::{Reply, echo_reply, error_reply, status_reply};
 
 pub use body::{MockBody, body_pattern};
@@ -106,9 +135,10 @@ const MAX_REQUEST_BODY: usize = 64 * 1024 * 1024;
 /// connection without a response, which is the point for [`MockError::Reset`].
 #[derive(Debug, thiserror::Error)]
 pub enum MockError {
-    /// `X-Mock-Reset`: the server is to drop the connection abruptly, writing nothing more, not
-    /// even a FIN (idemproxy's listener does it with `Peer::reset`).
-    #[error("connection reset on request (X-Mock-Reset)")]
+    /// `X-Mock-Reset` or `X-Mock-Lose-Response`: the server is to drop the connection
+    /// abruptly, writing nothing more, not even a FIN (idemproxy's listener does it with
+    /// `Peer::reset`).
+    #[error("connection reset on request (X-Mock-Reset or X-Mock-Lose-Response)")]
     Reset,
     #[error("reading the request body failed")]
     RequestBody(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -152,11 +182,24 @@ impl MockUpstream {
         if directives.reset {
             return Err(MockError::Reset);
         }
+        if directives.lose == Some(Lose::Before) {
+            if let Some(hang) = directives.hang {
+                tokio::time::sleep(hang).await;
+            }
+            return Err(MockError::Reset);
+        }
 
         let mut reply = match directives.status {
             Some(status) => status_reply(status, &parts),
-            None => route(self, &parts, &body),
+            None => route(self, &parts, &body, &directives),
         };
+        // The side effect has happened: what follows loses or delays only its answer.
+        if let Some(hang) = directives.hang {
+            tokio::time::sleep(hang).await;
+        }
+        if directives.lose == Some(Lose::After) {
+            return Err(MockError::Reset);
+        }
         if let Some(size) = directives.body_size {
             reply.body = MockBody::pattern(size);
             reply.insert(CONTENT_TYPE, "application/octet-stream");
@@ -179,16 +222,30 @@ impl MockUpstream {
     }
 }
 
-fn route(state: &MockUpstream, parts: &Parts, body: &Bytes) -> Reply {
+fn route(state: &MockUpstream, parts: &Parts, body: &Bytes, directives: &Directives) -> Reply {
     let path = parts.uri.path();
+    let segment = |prefix: &str| {
+        path.strip_prefix(prefix)
+            .filter(|rest| !rest.is_empty() && !rest.contains('/'))
+    };
     if parts.method == Method::POST && path == "/bookings" {
-        return state.create_booking(body);
+        return state.create_booking(body, directives.commit_after);
     }
     if parts.method == Method::GET {
-        if let Some(id) = path.strip_prefix("/bookings/") {
-            if !id.is_empty() && !id.contains('/') {
-                return state.get_booking(id);
-            }
+        if let Some(raw) = segment("/bookings/by-reference/") {
+            return match path_segment(raw) {
+                Some(reference) => state.booking_by_reference(&reference),
+                None => error_reply(StatusCode::NOT_FOUND, "no booking with this reference"),
+            };
+        }
+        if let Some(id) = segment("/bookings/") {
+            return state.get_booking(id);
+        }
+    }
+    if parts.method == Method::POST {
+        if let Some(provider) = segment("/webhooks/") {
+            let event_id = webhook::event_id(provider, &parts.headers, body);
+            return state.receive_webhook(provider, event_id);
         }
     }
     echo_reply(parts, body)

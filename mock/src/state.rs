@@ -2,12 +2,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{ETAG, LOCATION};
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, StatusCode, Uri};
 use serde_json::{Value, json};
+use tokio::time::Instant;
 
 use crate::reply::{Reply, body_json};
 
@@ -32,8 +34,26 @@ struct Ledger {
     /// The last booking sequence number handed out. Not reset, so a booking id never names two
     /// different bookings in one process (a replayed `bk_3` can't be mistaken for a fresh one).
     last_seq: u64,
-    store: HashMap<String, Value>,
+    store: HashMap<String, Booking>,
+    /// The bookings made per `reference` (the request body's string field), in order.
+    references: BTreeMap<String, Vec<String>>,
+    /// Webhook deliveries handled, and how many carried each event id.
+    webhooks: u64,
+    events: BTreeMap<String, u64>,
     last_request: Option<RecordedRequest>,
+}
+
+/// A stored booking, and when a lookup may see it (`X-Mock-Commit-After`): a booking service
+/// whose write reaches the read side late.
+struct Booking {
+    value: Value,
+    visible_at: Option<Instant>,
+}
+
+impl Booking {
+    fn visible(&self) -> bool {
+        self.visible_at.is_none_or(|at| Instant::now() >= at)
+    }
 }
 
 /// A snapshot of the counters, as `GET /_mock/stats` reports them.
@@ -45,6 +65,13 @@ pub struct MockStats {
     pub bookings: u64,
     /// Counted requests per `Idempotency-Key` value, as received.
     pub by_key: BTreeMap<String, u64>,
+    /// Bookings created per `reference` (the request body's `reference`, a JSON string),
+    /// including those not yet visible to a lookup.
+    pub by_reference: BTreeMap<String, u64>,
+    /// Webhook deliveries handled by `POST /webhooks/{provider}`.
+    pub webhooks: u64,
+    /// Handled webhook deliveries per event id.
+    pub events: BTreeMap<String, u64>,
 }
 
 /// A counted request as the mock received it, so tests can check what the proxy forwarded
@@ -80,6 +107,19 @@ impl MockUpstream {
         self.ledger().bookings
     }
 
+    /// Bookings created with this `reference`, visible to a lookup yet or not.
+    pub fn bookings_for(&self, reference: &str) -> u64 {
+        self.ledger()
+            .references
+            .get(reference)
+            .map_or(0, |ids| ids.len() as u64)
+    }
+
+    /// Handled webhook deliveries that carried this event id.
+    pub fn events(&self, id: &str) -> u64 {
+        self.ledger().events.get(id).copied().unwrap_or(0)
+    }
+
     /// All counters at once.
     pub fn stats(&self) -> MockStats {
         let ledger = self.ledger();
@@ -87,6 +127,13 @@ impl MockUpstream {
             total: ledger.total,
             bookings: ledger.bookings,
             by_key: ledger.by_key.clone(),
+            by_reference: ledger
+                .references
+                .iter()
+                .map(|(reference, ids)| (reference.clone(), ids.len() as u64))
+                .collect(),
+            webhooks: ledger.webhooks,
+            events: ledger.events.clone(),
         }
     }
 
@@ -129,8 +176,18 @@ impl MockUpstream {
         });
     }
 
-    pub(crate) fn create_booking(&self, request_body: &Bytes) -> Reply {
+    /// `POST /bookings`: makes and stores a booking. With `commit_after`, a lookup sees it
+    /// only that long after it was made (it exists, and is counted, at once).
+    pub(crate) fn create_booking(
+        &self,
+        request_body: &Bytes,
+        commit_after: Option<Duration>,
+    ) -> Reply {
         let request = body_json(request_body);
+        let reference = request
+            .get("reference")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         let mut ledger = self.ledger();
         ledger.last_seq += 1;
         ledger.bookings += 1;
@@ -138,7 +195,21 @@ impl MockUpstream {
         let id = format!("bk_{seq}");
         let booking = json!({ "id": id, "seq": seq, "request": request });
         let mut reply = Reply::json(StatusCode::CREATED, &booking);
-        ledger.store.insert(id.clone(), booking);
+        let visible_at = commit_after.map(|after| Instant::now() + after);
+        ledger.store.insert(
+            id.clone(),
+            Booking {
+                value: booking,
+                visible_at,
+            },
+        );
+        if let Some(reference) = reference {
+            ledger
+                .references
+                .entry(reference)
+                .or_default()
+                .push(id.clone());
+        }
         drop(ledger);
 
         reply.insert(LOCATION, &format!("/bookings/{id}"));
@@ -147,19 +218,10 @@ impl MockUpstream {
         reply
     }
 
+    /// `GET /bookings/{id}`: the stored booking, once visible.
     pub(crate) fn get_booking(&self, id: &str) -> Reply {
-        // Serialized under the lock: `Value` is not cheap to clone, its text is.
-        let stored = self
-            .ledger()
-            .store
-            .get(id)
-            .map(|booking| Reply::json(StatusCode::OK, booking));
-        match stored {
-            Some(mut reply) => {
-                reply.insert(ETAG, &etag(id));
-                reply.insert(HeaderName::from_static(X_BOOKING_ID), id);
-                reply
-            }
+        match self.stored_reply(id) {
+            Some(reply) => reply,
             None => Reply::json(
                 StatusCode::NOT_FOUND,
                 &json!({ "error": "booking not found", "id": id }),
@@ -167,9 +229,72 @@ impl MockUpstream {
         }
     }
 
+    /// `GET /bookings/by-reference/{reference}`: the first visible booking made with this
+    /// `reference`, as `GET /bookings/{id}` answers it.
+    pub(crate) fn booking_by_reference(&self, reference: &str) -> Reply {
+        let first_visible = {
+            let ledger = self.ledger();
+            ledger.references.get(reference).and_then(|ids| {
+                ids.iter()
+                    .find(|id| ledger.store.get(*id).is_some_and(Booking::visible))
+                    .cloned()
+            })
+        };
+        match first_visible.and_then(|id| self.stored_reply(&id)) {
+            Some(reply) => reply,
+            None => Reply::json(
+                StatusCode::NOT_FOUND,
+                &json!({ "error": "no booking with this reference", "reference": reference }),
+            ),
+        }
+    }
+
+    /// A visible stored booking as a `200`.
+    fn stored_reply(&self, id: &str) -> Option<Reply> {
+        // Serialized under the lock: `Value` is not cheap to clone, its text is.
+        let mut reply = self
+            .ledger()
+            .store
+            .get(id)
+            .filter(|booking| booking.visible())
+            .map(|booking| Reply::json(StatusCode::OK, &booking.value))?;
+        reply.insert(ETAG, &etag(id));
+        reply.insert(HeaderName::from_static(X_BOOKING_ID), id);
+        Some(reply)
+    }
+
+    /// `POST /webhooks/{provider}`: one handled delivery, counted under its event id (when it
+    /// has one).
+    pub(crate) fn receive_webhook(&self, provider: &str, event_id: Option<String>) -> Reply {
+        let mut ledger = self.ledger();
+        ledger.webhooks += 1;
+        let deliveries = event_id.as_ref().map(|id| {
+            let count = ledger.events.entry(id.clone()).or_insert(0);
+            *count += 1;
+            *count
+        });
+        drop(ledger);
+        Reply::json(
+            StatusCode::OK,
+            &json!({
+                "received": true,
+                "provider": provider,
+                "event_id": event_id,
+                "deliveries": deliveries,
+            }),
+        )
+    }
+
     pub(crate) fn stats_json(&self) -> Value {
         let stats = self.stats();
-        json!({ "total": stats.total, "bookings": stats.bookings, "by_key": stats.by_key })
+        json!({
+            "total": stats.total,
+            "bookings": stats.bookings,
+            "by_key": stats.by_key,
+            "by_reference": stats.by_reference,
+            "webhooks": stats.webhooks,
+            "events": stats.events,
+        })
     }
 }
 
