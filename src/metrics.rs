@@ -246,6 +246,9 @@ pub struct Metrics {
     pub pending_completion_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,
+    /// Observed repeats held in the background (`on_conflict: wait`), at most
+    /// `limits.max_detached_exchanges`.
+    pub observed_held: Gauge,
     /// Memory store: records held.
     pub memory_records: Gauge,
     /// Memory store: its bound (`max_entries`).
@@ -475,6 +478,12 @@ impl Metrics {
                 r,
                 "idemproxy_detached_exchanges",
                 "Idempotent exchanges still running after their client left",
+                Gauge::default(),
+            ),
+            observed_held: register(
+                r,
+                "idemproxy_observed_held",
+                "Repeats on observed routes held in the background as on_conflict: wait holds them (at most limits.max_detached_exchanges; past it a repeat is counted at once)",
                 Gauge::default(),
             ),
             memory_records: register(
