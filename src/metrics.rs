@@ -18,7 +18,7 @@ mod summed;
 pub use observed::{ObservedMetrics, Unclaimed, Would};
 pub use summed::GaugePart;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -225,6 +225,17 @@ impl MetricConstructor<Histogram> for Buckets {
 fn latency() -> Histogram {
     // 0.5ms .. ~33s
     Histogram::new(exponential_buckets(0.0005, 2.0, 17))
+}
+
+/// Log lines the process could not write (`idemproxy_log_lines_dropped_total`). One for the
+/// process, as its log is one: the log writer is installed before any [`Metrics`] exists, and
+/// every registry shows this same counter.
+static LOG_LINES_DROPPED: LazyLock<Counter> = LazyLock::new(Counter::default);
+
+/// Counts a log line dropped because the log's destination did not take it (stderr a closed
+/// pipe, say).
+pub fn log_line_dropped() {
+    LOG_LINES_DROPPED.inc();
 }
 
 /// Every metric the proxy keeps.
@@ -445,6 +456,11 @@ impl Metrics {
             "idemproxy_config_reloads",
             "Configuration reloads (SIGHUP) by result: applied, invalid (the file did not validate), needs_restart (a field that cannot change in place changed); nothing of a refused file is applied",
             Family::default(),
+        );
+        r.register(
+            "idemproxy_log_lines_dropped",
+            "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
+            LOG_LINES_DROPPED.clone(),
         );
         for result in ReloadResult::ALL {
             let _ = config_reloads.get_or_create(&ResultLabel {
