@@ -53,6 +53,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures_util::future::try_join_all;
 use tokio::sync::OnceCell;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
@@ -183,7 +184,7 @@ impl Inner {
     ) -> Result<Vec<Row>, StoreError> {
         self.ready(op).await?;
         let conn = self.connections.get(op).await?;
-        let statement = conn.prepare_cached(sql).await.map_err(pg(op))?;
+        let statement = self.statement(&conn, op, sql).await?;
         let rows = conn.query(&statement, params).await.map_err(pg(op))?;
         conn.finished();
         Ok(rows)
@@ -198,10 +199,29 @@ impl Inner {
     ) -> Result<u64, StoreError> {
         self.ready(op).await?;
         let conn = self.connections.get(op).await?;
-        let statement = conn.prepare_cached(sql).await.map_err(pg(op))?;
+        let statement = self.statement(&conn, op, sql).await?;
         let changed = conn.execute(&statement, params).await.map_err(pg(op))?;
         conn.finished();
         Ok(changed)
+    }
+
+    /// `sql` prepared on `conn`. The first statement a connection runs prepares every one the
+    /// store runs, together (pipelined: one round trip, as for one), as the warmer does for the
+    /// connections it opens: from then on every operation on it is one round trip. Otherwise an
+    /// operation meeting a connection without its statement pays a second round trip inside its
+    /// `store.timeout` — on a far database, a lease renewal that lands after the lease.
+    async fn statement(
+        &self,
+        conn: &pool::Conn<'_>,
+        op: &'static str,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, StoreError> {
+        if conn.statement_cache.size() == 0 {
+            try_join_all(self.sql.all().into_iter().map(|sql| conn.prepare_cached(sql)))
+                .await
+                .map_err(pg(op))?;
+        }
+        conn.prepare_cached(sql).await.map_err(pg(op))
     }
 
     /// One batch of the sweep: how many expired rows it deleted.
@@ -258,10 +278,7 @@ impl Store for PostgresStore {
             millis(lease),
         );
         let conn = inner.connections.get("claim").await?;
-        let statement = conn
-            .prepare_cached(&inner.sql.claim)
-            .await
-            .map_err(pg("claim"))?;
+        let statement = inner.statement(&conn, "claim", &inner.sql.claim).await?;
         for _ in 0..CLAIM_ATTEMPTS {
             let rows = conn
                 .query(&statement, &[&key, &token, &value, &lease])
