@@ -292,6 +292,7 @@ struct RouteFamilies {
     completions_abandoned: Family<RouteLabel, Counter>,
     results_not_kept: Family<RouteLabel, Counter>,
     lease_renewals: Family<RouteLabel, Counter>,
+    lease_renewals_late: Family<RouteLabel, Counter>,
     derived_keys: Family<RouteLabel, Counter>,
 }
 
@@ -340,6 +341,12 @@ impl RouteFamilies {
                 "Leases renewed while an upstream call ran",
                 Family::default(),
             ),
+            lease_renewals_late: register(
+                r,
+                "idemproxy_lease_renewals_late",
+                "Lease renewals answered with less than a third of lock_ttl left on the lease (or none): the store's round trips eat the lease",
+                Family::default(),
+            ),
             derived_keys: register(
                 r,
                 "idemproxy_derived_keys",
@@ -368,6 +375,7 @@ struct RouteSeries {
     completions_abandoned: Counter,
     results_not_kept: Counter,
     lease_renewals: Counter,
+    lease_renewals_late: Counter,
     derived_keys: Counter,
 }
 
@@ -393,6 +401,11 @@ impl RouteMetrics {
     /// Counts a lease renewal.
     pub(crate) fn lease_renewed(&self) {
         self.0.lease_renewals.inc();
+    }
+
+    /// Counts a lease renewal answered late (less than a third of the lease left).
+    pub(crate) fn lease_renewal_late(&self) {
+        self.0.lease_renewals_late.inc();
     }
 
     /// Counts a request forwarded without protection.
@@ -600,6 +613,7 @@ impl Metrics {
                 .clone(),
             results_not_kept: self.routes.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
+            lease_renewals_late: self.routes.lease_renewals_late.get_or_create(&label).clone(),
             derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
         }))
     }

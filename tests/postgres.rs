@@ -735,6 +735,68 @@ async fn a_proxy_started_while_the_database_is_down_works_once_it_is_up() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Leases on a slow database
+// ---------------------------------------------------------------------------------------------
+
+/// A lease held on a database whose answers come 450 ms late (a relay delays every byte the
+/// server sends; what the proxy sends arrives at once) never lapses while its holder runs:
+/// `lock_ttl: 600ms` (a renewal every 200 ms), a first request that takes 2 s, and a duplicate
+/// sent 1.3 s after it is a `409`, not a second run. Each renewal's answer comes back when the
+/// lease it extends has less than a third left, or none: counted as late, and no lease is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_on_a_slow_database_never_lapses_while_its_holder_runs() {
+    let pg = PgServer::shared();
+    let relay = Relay::start(pg.addr()).await;
+    let env = Env::new(Backend::Memory).await;
+    let schema = PgServer::fresh_schema();
+    // One worker, so one pool: warmed below, before the latency, since opening a connection
+    // takes several round trips. store.timeout 590ms: the 450 ms of every answer fits in it.
+    let yaml = on_postgres(
+        &env.config("lock_ttl: 600ms"),
+        &store_block(
+            &pg.url_via(relay.addr().port()),
+            &schema,
+            "pool_size: 8\ntimeout: 590ms",
+        ),
+    )
+    .replacen("workers: 2\n", "workers: 1\n", 1);
+    let proxy = common::TestProxy::start(&yaml).await;
+    let base = proxy.url("");
+    let connections = || proxy.metric("idemproxy_postgres_pool_connections", &[]) as u64;
+    // Claims, renewals (two at once on a slow database), the save and the duplicate's claim:
+    // each wants a connection of its own, none of which could be opened within store.timeout
+    // once the database is slow.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for round in 0.. {
+        let keys: Vec<String> = (0..8).map(|n| format!("warm-{round}-{n}")).collect();
+        let warm = keys.iter().map(|key| book_with(&base, key, BODY, &[]));
+        futures_util::future::join_all(warm).await;
+        if connections() >= 6 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "pool: {} connections", connections());
+    }
+
+    relay.set_latency(Duration::ZERO, Duration::from_millis(450));
+    let started = Instant::now();
+    let first = common::spawn_booking(base.clone(), "slow-db-lease", BODY, "2s");
+    tokio::time::sleep_until((started + Duration::from_millis(1300)).into()).await;
+    let duplicate = book_with(&base, "slow-db-lease", BODY, &[]).await;
+    duplicate.assert_problem(409, "request-in-progress");
+    let first = first.await.expect("the first request");
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(env.mock.calls("slow-db-lease"), 1, "the operation ran once");
+    assert_replay_of(&book_with(&base, "slow-db-lease", BODY, &[]).await, &first);
+    assert_eq!(proxy.lost_leases(), 0);
+    let late = proxy.metric(
+        "idemproxy_lease_renewals_late_total",
+        &[("route", "create-booking")],
+    );
+    assert!(late >= 1.0, "late renewals: {late}");
+    relay.heal();
+}
+
+// ---------------------------------------------------------------------------------------------
 // The schema
 // ---------------------------------------------------------------------------------------------
 
