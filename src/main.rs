@@ -148,6 +148,9 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     if args.check {
+        for warning in config.warnings() {
+            complain!("{}: warning: {warning}", path.display());
+        }
         say!("{}: configuration is valid", path.display());
         return ExitCode::SUCCESS;
     }

@@ -73,6 +73,25 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Something a valid configuration does that may not be what its author wants: logged (as a
+/// warning, naming the route and the field) at start and at every reload that applies the
+/// file, and printed by `--check`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigWarning {
+    /// The route it concerns.
+    pub route: String,
+    /// The field path.
+    pub path: String,
+    /// What may go wrong, in words.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
 /// Every error found in one configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub struct ConfigErrors(pub Vec<ConfigError>);
@@ -223,6 +242,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// What this valid configuration does that may not be meant (see [`ConfigWarning`]).
+    pub fn warnings(&self) -> Vec<ConfigWarning> {
+        routes::warnings(&self.routes, &self.store)
+    }
+
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         let text = std::fs::read_to_string(path)

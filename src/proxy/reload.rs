@@ -258,6 +258,7 @@ impl Proxy {
             return Reloaded::NeedsRestart(fields);
         }
         let changes = Changes::between(&current.config, &config);
+        super::warn_about(&config);
         let Reloading { numbers, hooks } = &mut *reloading;
         let generation = Generation::build(
             config,
