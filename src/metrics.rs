@@ -209,6 +209,12 @@ struct WorkerLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteField {
+    route: String,
+    field: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
     route: String,
 }
@@ -251,6 +257,8 @@ pub struct Metrics {
     replica_acks_missing: Family<OpLabel, Counter>,
     /// `idemproxy_config_reloads_total{result}`.
     config_reloads: Family<ResultLabel, Counter>,
+    /// `idemproxy_config_reload_key_changes_total{route,field}`.
+    reload_key_changes: Family<RouteField, Counter>,
     /// Completions being retried in the background.
     pub pending_completions: Gauge,
     /// Bytes of the results those completions hold.
@@ -470,6 +478,12 @@ impl Metrics {
             "Configuration reloads (SIGHUP) by result: applied, invalid (the file did not validate), needs_restart (a field that cannot change in place changed); nothing of a refused file is applied",
             Family::default(),
         );
+        let reload_key_changes = register(
+            r,
+            "idemproxy_config_reload_key_changes",
+            "Applied reloads that changed how a kept route's key or fingerprint is made (scope, header, key_from, fingerprint): its earlier records are out of reach, or answer 422",
+            Family::default(),
+        );
         r.register(
             "idemproxy_log_lines_dropped",
             "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
@@ -581,6 +595,7 @@ impl Metrics {
             store_ops,
             replica_acks_missing,
             config_reloads,
+            reload_key_changes,
             registry,
         }
     }
@@ -657,6 +672,16 @@ impl Metrics {
     pub(crate) fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
+            .inc();
+    }
+
+    /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).
+    pub(crate) fn reload_key_changed(&self, route: &str, field: &'static str) {
+        self.reload_key_changes
+            .get_or_create(&RouteField {
+                route: route.to_owned(),
+                field,
+            })
             .inc();
     }
 

@@ -83,7 +83,7 @@ use self::resolved::{Answer, Route, RouteNumbers, forward_plain, refuse};
 use self::shared::Shared;
 
 pub use keys::{KeyResolver, Lookup, LookupError};
-pub use reload::{Changes, Reloaded};
+pub use reload::{Changes, KeyChange, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
 /// the tracker of background tasks (upstream calls and completions) that shutdown waits for.
