@@ -24,10 +24,13 @@
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `complete` clears the token: a finished record matches no claim.
 //! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
-//!   for a connection and every connect bounded by `store.timeout`, statements prepared once per
-//!   connection. A connection whose call did not finish (it failed, or `StoreHandle` dropped it at
-//!   `store.timeout`) is closed, never reused: a SIGSTOPped database gives 503s in bounded time,
-//!   and once it runs again no request meets a connection still stuck.
+//!   for a connection and every connect bounded by `store.timeout`, every statement prepared on a
+//!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
+//!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
+//!   once its session is seen idle within `store.timeout`, else it is closed; meanwhile it still
+//!   counts in the pool, so the sessions of an instance never outnumber `pool_size`, even while
+//!   an outside transaction holds a row its statements wait on. A SIGSTOPped database gives 503s
+//!   in bounded time, and once it runs again no request meets a connection still stuck.
 //! - **Schema** (`postgres/schema.rs`): set up in one transaction under an advisory lock, before
 //!   the first operation that reaches the database: at start when it answers, else by the first
 //!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile). A
@@ -120,10 +123,12 @@ impl PostgresStore {
         metrics: Arc<Metrics>,
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
-        let pool = pool::build(settings, timeout)?;
+        let (pool, tls) = pool::build(settings, timeout)?;
+        let sql = Statements::new(&settings.schema);
+        let statements = sql.all().into_iter().map(str::to_owned).collect();
         let inner = Arc::new(Inner {
-            connections: Connections::new(pool, timeout, &metrics),
-            sql: Statements::new(&settings.schema),
+            connections: Connections::new(pool, tls, statements, timeout, &metrics),
+            sql,
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
             timeout,
