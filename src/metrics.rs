@@ -628,7 +628,11 @@ impl Metrics {
                 .clone(),
             results_not_kept: self.routes.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
-            lease_renewals_late: self.routes.lease_renewals_late.get_or_create(&label).clone(),
+            lease_renewals_late: self
+                .routes
+                .lease_renewals_late
+                .get_or_create(&label)
+                .clone(),
             derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
         }))
     }

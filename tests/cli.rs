@@ -616,7 +616,9 @@ routes:
         stdout: Arc::default(),
         stderr: Arc::default(),
     };
-    p.wait_for("the proxy to accept", |_, _| accepts(&listen) && accepts(&admin));
+    p.wait_for("the proxy to accept", |_, _| {
+        accepts(&listen) && accepts(&admin)
+    });
 
     let book = |key: &str| {
         client()

@@ -313,7 +313,11 @@ async fn with_on_conflict_wait_held_repeats_are_bounded_and_the_others_counted_a
         assert_forwarded(&dup, 201);
         assert!(held() <= BOUND, "held: {}", held());
     }
-    until_counted(&proxy, &[(Would::Forward, 1), (Would::Conflict, REPEATS - BOUND)]).await;
+    until_counted(
+        &proxy,
+        &[(Would::Forward, 1), (Would::Conflict, REPEATS - BOUND)],
+    )
+    .await;
     assert!(
         !slow.is_finished(),
         "the conflicts were counted while the first was in flight"
@@ -332,8 +336,16 @@ async fn with_on_conflict_wait_held_repeats_are_bounded_and_the_others_counted_a
         ],
     )
     .await;
-    assert!(eventually(LANDS_WITHIN, || held() == 0).await, "held: {}", held());
-    assert_eq!(env.mock.calls("obs-held"), 1 + REPEATS, "every request forwarded");
+    assert!(
+        eventually(LANDS_WITHIN, || held() == 0).await,
+        "held: {}",
+        held()
+    );
+    assert_eq!(
+        env.mock.calls("obs-held"),
+        1 + REPEATS,
+        "every request forwarded"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

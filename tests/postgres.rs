@@ -854,7 +854,11 @@ async fn a_lease_on_a_slow_database_never_lapses_while_its_holder_runs() {
         if connections() >= 6 {
             break;
         }
-        assert!(Instant::now() < deadline, "pool: {} connections", connections());
+        assert!(
+            Instant::now() < deadline,
+            "pool: {} connections",
+            connections()
+        );
     }
 
     relay.set_latency(Duration::ZERO, Duration::from_millis(450));

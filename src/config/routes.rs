@@ -7,11 +7,11 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::{Deserialize, Deserializer};
 
+use super::ConfigWarning;
 use super::limits::RawLimits;
 use super::store::{RawStore, StoreSettings};
 use super::units::{at_most, bounds, byte_size, count_at_most, duration};
 use super::upstream::RawUpstream;
-use super::ConfigWarning;
 use crate::route::KeyPart;
 use crate::route::{
     FingerprintPart, IdempotencySettings, Mode, OnConflict, OnStoreError, OnUnknownOutcome,

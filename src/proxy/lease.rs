@@ -335,13 +335,13 @@ fn renewal_due(
     let in_time = valid_until
         .checked_sub(round_trip.saturating_mul(2))
         .unwrap_or(last_sent);
-    (last_sent + period).min(in_time).max(last_sent + period / 2)
+    (last_sent + period)
+        .min(in_time)
+        .max(last_sent + period / 2)
 }
 
 /// The first answer of the renewals in flight (its slot emptied); pending while none has one.
-async fn next_answer(
-    in_flight: &mut [Option<Renewal<'_>>],
-) -> (Instant, Result<bool, StoreError>) {
+async fn next_answer(in_flight: &mut [Option<Renewal<'_>>]) -> (Instant, Result<bool, StoreError>) {
     std::future::poll_fn(|cx| {
         for slot in in_flight.iter_mut() {
             if let Some(renewal) = slot
@@ -640,7 +640,9 @@ mod tests {
             store.claim(&key, &held(2), lock_ttl).await
         };
         let ((), duplicate) = tokio::join!(
-            lease.renewing(tokio::time::sleep_until(claimed_at + Duration::from_secs(2))),
+            lease.renewing(tokio::time::sleep_until(
+                claimed_at + Duration::from_secs(2)
+            )),
             duplicate
         );
         assert!(
@@ -664,12 +666,21 @@ mod tests {
         let t0 = Instant::now();
         let lock_ttl = ms(600);
         // A quick store: a third of the lease after the last send.
-        assert_eq!(renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(1)), t0 + ms(200));
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(1)),
+            t0 + ms(200)
+        );
         // Round trips of 220 ms: sent while the lease has twice that left.
-        assert_eq!(renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(220)), t0 + ms(160));
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(220)),
+            t0 + ms(160)
+        );
         // Round trips longer than the lease allows: as soon as a sixth of it has passed since
         // the last send, never sooner.
-        assert_eq!(renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(450)), t0 + ms(100));
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(450)),
+            t0 + ms(100)
+        );
         assert_eq!(
             renewal_due(lock_ttl, t0 + ms(1050), t0 + ms(550), ms(450)),
             t0 + ms(650)

@@ -116,7 +116,11 @@ impl KeyChange {
 }
 
 /// The fields of a kept route's idempotency that changed how its records are found.
-fn key_changes(route: &str, old: &IdempotencySettings, new: &IdempotencySettings) -> Vec<KeyChange> {
+fn key_changes(
+    route: &str,
+    old: &IdempotencySettings,
+    new: &IdempotencySettings,
+) -> Vec<KeyChange> {
     [
         ("scope", old.scope != new.scope),
         ("header", old.header != new.header),

@@ -222,9 +222,14 @@ impl Inner {
         sql: &str,
     ) -> Result<tokio_postgres::Statement, StoreError> {
         if conn.statement_cache.size() == 0 {
-            try_join_all(self.sql.all().into_iter().map(|sql| conn.prepare_cached(sql)))
-                .await
-                .map_err(pg(op))?;
+            try_join_all(
+                self.sql
+                    .all()
+                    .into_iter()
+                    .map(|sql| conn.prepare_cached(sql)),
+            )
+            .await
+            .map_err(pg(op))?;
         }
         conn.prepare_cached(sql).await.map_err(pg(op))
     }

@@ -272,7 +272,12 @@ async fn a_reload_that_makes_keys_another_way_warns_naming_the_route_and_the_fie
         .lines()
         .find(|l| l.contains("reload: idempotency.scope of route create-booking changed"))
         .unwrap_or_else(|| panic!("no warning:\n{log}"));
-    for words in ["WARN", "route=create-booking", "field=scope", "out of reach"] {
+    for words in [
+        "WARN",
+        "route=create-booking",
+        "field=scope",
+        "out of reach",
+    ] {
         assert!(warning.contains(words), "{words}: {warning}");
     }
     assert_eq!(reloads(admin, "applied").await, 1);

@@ -38,7 +38,10 @@ async fn main() -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     // On stdout as well as in the log, so a script or bench that passed port 0 can read it.
     // A closed stdout loses the line, not the process (`println!` would panic).
-    let _ = writeln!(std::io::stdout(), "mock-upstream listening on http://{addr}");
+    let _ = writeln!(
+        std::io::stdout(),
+        "mock-upstream listening on http://{addr}"
+    );
     tracing::info!(%addr, "mock-upstream listening on http://{addr}");
 
     serve::serve(listener, MockUpstream::new(), idemproxy::shutdown::signal()).await?;

@@ -248,7 +248,11 @@ fn changes_name_each_kept_route_whose_key_or_fingerprint_is_made_another_way() {
         "routes changed: one, two; keys made another way: one.scope, one.header, one.key_from, one.fingerprint"
     );
     let ttl_only = "  - name: one\n    path: /one\n    upstream: a\n    idempotency:\n      ttl: 1h\n  - name: two\n    path: /two\n    upstream: b\n";
-    assert!(Changes::between(&old, &config("", ttl_only)).key_changes.is_empty());
+    assert!(
+        Changes::between(&old, &config("", ttl_only))
+            .key_changes
+            .is_empty()
+    );
 }
 
 #[tokio::test]

@@ -269,12 +269,7 @@ impl Drop for Conn<'_> {
 /// its session seen idle and outside a transaction, its statements prepared afresh, all within
 /// `within`; then it goes back to the pool. Otherwise it is closed. Meanwhile it counts in the
 /// pool's size, so no replacement is opened beside a session that may still be running.
-async fn settle(
-    object: Object,
-    tls: MakeRustlsConnect,
-    statements: Vec<String>,
-    within: Duration,
-) {
+async fn settle(object: Object, tls: MakeRustlsConnect, statements: Vec<String>, within: Duration) {
     let settled = tokio::time::timeout(within, async {
         object.cancel_token().cancel_query(tls).await?;
         // Answered only once the cancelled statement has ended; it ends any transaction

@@ -133,7 +133,9 @@ impl Readers {
         queue.try_send(job).map_err(|e| match e {
             TrySendError::Full(_) => unavailable(
                 op,
-                &format!("{QUEUE} SQLite reads are already waiting for a read thread (the file stalls)"),
+                &format!(
+                    "{QUEUE} SQLite reads are already waiting for a read thread (the file stalls)"
+                ),
             ),
             TrySendError::Disconnected(_) => stopped(),
         })?;
