@@ -46,7 +46,7 @@ pub(crate) async fn run(listen: SocketAddr, upstream_listen: SocketAddr) -> Exit
     let mock = tokio::spawn(mock_upstream::serve(up, MockUpstream::new(), async move {
         let _ = mock_stopped.await;
     }));
-    println!("{}", demo_instructions(addr, up_addr));
+    say!("{}", demo_instructions(addr, up_addr));
     let result = idemproxy::run(
         proxy,
         config,

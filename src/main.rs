@@ -1,8 +1,25 @@
 //! The `idemproxy` command: parse flags, set up logging, load the configuration, run.
 
+/// `println!` that never panics: a line for a stdout that is gone (a closed pipe) is lost, and
+/// the command goes on to its exit code.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that never panics, for the same reason as `say!`.
+macro_rules! complain {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod demo;
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -121,7 +138,7 @@ fn main() -> ExitCode {
         return block_on(demo::run(listen, upstream_listen));
     }
     let Some(path) = args.config else {
-        eprintln!(
+        complain!(
             "error: no configuration: pass --config FILE or set IDEMPROXY_CONFIG (or run `idemproxy demo`)"
         );
         return ExitCode::from(2);
@@ -131,7 +148,10 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     if args.check {
-        println!("{}: configuration is valid", path.display());
+        for warning in config.warnings() {
+            complain!("{}: warning: {warning}", path.display());
+        }
+        say!("{}: configuration is valid", path.display());
         return ExitCode::SUCCESS;
     }
     init_logging(config.log_format);
@@ -142,9 +162,9 @@ fn main() -> ExitCode {
 fn load(path: &Path) -> Result<Config, ExitCode> {
     Config::load(path).map_err(|errors| {
         for e in &errors.0 {
-            eprintln!("{}: {e}", path.display());
+            complain!("{}: {e}", path.display());
         }
-        eprintln!(
+        complain!(
             "{}: {} error(s); the configuration is not valid",
             path.display(),
             errors.0.len()
@@ -163,14 +183,14 @@ fn reload(path: &Path) -> ExitCode {
     };
     match idemproxy::pid_file::signal_reload(config.pid_file.as_deref()) {
         Ok(pid) => {
-            println!(
+            say!(
                 "{}: valid; sent SIGHUP to idemproxy (pid {pid}), which reloads it and logs what it applied",
                 path.display()
             );
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            complain!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -185,7 +205,7 @@ fn block_on(fut: impl Future<Output = ExitCode>) -> ExitCode {
     {
         Ok(rt) => rt.block_on(fut),
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            complain!("error: cannot start the runtime: {e}");
             ExitCode::FAILURE
         }
     }
@@ -195,11 +215,54 @@ fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(LogSink)
+        // Its own report of a failed write is an `eprintln!`, which panics when stderr is a
+        // closed pipe: in the request that logged, the connection then closes unanswered.
+        .log_internal_errors(false);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
     }
+}
+
+/// Where log lines go: stderr, one write a line. A line stderr does not take (a closed pipe —
+/// a log collector that died, `| head -1` —, a full disk) is dropped and counted
+/// (`idemproxy_log_lines_dropped_total`), never an error or a panic in whoever logged it: a
+/// failing log costs no answer, no save and no clean exit.
+#[derive(Debug, Clone, Copy)]
+struct LogSink;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogSink {
+    type Writer = LogSink;
+
+    fn make_writer(&'a self) -> LogSink {
+        LogSink
+    }
+}
+
+impl Write for LogSink {
+    fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
+        match std::io::stderr().write(line) {
+            Ok(0) if !line.is_empty() => Ok(dropped(line)),
+            Ok(n) => Ok(n),
+            // `write_all` tries again.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Err(e),
+            Err(_) => Ok(dropped(line)),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        // Unbuffered: nothing is held here to lose.
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
+}
+
+/// Counts a line (or the rest of one) that could not be written; says it was written, so the
+/// subscriber moves on to the next.
+fn dropped(line: &[u8]) -> usize {
+    idemproxy::metrics::log_line_dropped();
+    line.len()
 }
 
 async fn health(admin: String) -> ExitCode {
@@ -207,11 +270,11 @@ async fn health(admin: String) -> ExitCode {
     match client::call(&admin, http::Method::GET, "/healthz", None).await {
         Ok((status, _)) if status == http::StatusCode::OK => ExitCode::SUCCESS,
         Ok((status, body)) => {
-            eprintln!("unhealthy: {status} {body}");
+            complain!("unhealthy: {status} {body}");
             ExitCode::FAILURE
         }
         Err(e) => {
-            eprintln!("unhealthy: {e}");
+            complain!("unhealthy: {e}");
             ExitCode::FAILURE
         }
     }
@@ -236,7 +299,7 @@ async fn keys(action: KeysAction) -> ExitCode {
     let token = match token {
         Ok(token) => token,
         Err(e) => {
-            eprintln!("error: {e}");
+            complain!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -262,15 +325,15 @@ async fn keys(action: KeysAction) -> ExitCode {
                 .and_then(|v| serde_json::to_string_pretty(&v).ok())
                 .unwrap_or(text);
             if status.is_success() {
-                println!("{pretty}");
+                say!("{pretty}");
                 ExitCode::SUCCESS
             } else {
-                eprintln!("{status}: {pretty}");
+                complain!("{status}: {pretty}");
                 ExitCode::FAILURE
             }
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            complain!("error: {e}");
             ExitCode::from(2)
         }
     }

@@ -18,7 +18,7 @@ mod summed;
 pub use observed::{ObservedMetrics, Unclaimed, Would};
 pub use summed::GaugePart;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -209,6 +209,12 @@ struct WorkerLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteField {
+    route: String,
+    field: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
     route: String,
 }
@@ -227,6 +233,17 @@ fn latency() -> Histogram {
     Histogram::new(exponential_buckets(0.0005, 2.0, 17))
 }
 
+/// Log lines the process could not write (`idemproxy_log_lines_dropped_total`). One for the
+/// process, as its log is one: the log writer is installed before any [`Metrics`] exists, and
+/// every registry shows this same counter.
+static LOG_LINES_DROPPED: LazyLock<Counter> = LazyLock::new(Counter::default);
+
+/// Counts a log line dropped because the log's destination did not take it (stderr a closed
+/// pipe, say).
+pub fn log_line_dropped() {
+    LOG_LINES_DROPPED.inc();
+}
+
 /// Every metric the proxy keeps.
 pub struct Metrics {
     registry: Registry,
@@ -240,12 +257,17 @@ pub struct Metrics {
     replica_acks_missing: Family<OpLabel, Counter>,
     /// `idemproxy_config_reloads_total{result}`.
     config_reloads: Family<ResultLabel, Counter>,
+    /// `idemproxy_config_reload_key_changes_total{route,field}`.
+    reload_key_changes: Family<RouteField, Counter>,
     /// Completions being retried in the background.
     pub pending_completions: Gauge,
     /// Bytes of the results those completions hold.
     pub pending_completion_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,
+    /// Observed repeats held in the background (`on_conflict: wait`), at most
+    /// `limits.max_detached_exchanges`.
+    pub observed_held: Gauge,
     /// Memory store: records held.
     pub memory_records: Gauge,
     /// Memory store: its bound (`max_entries`).
@@ -278,6 +300,7 @@ struct RouteFamilies {
     completions_abandoned: Family<RouteLabel, Counter>,
     results_not_kept: Family<RouteLabel, Counter>,
     lease_renewals: Family<RouteLabel, Counter>,
+    lease_renewals_late: Family<RouteLabel, Counter>,
     derived_keys: Family<RouteLabel, Counter>,
 }
 
@@ -326,6 +349,12 @@ impl RouteFamilies {
                 "Leases renewed while an upstream call ran",
                 Family::default(),
             ),
+            lease_renewals_late: register(
+                r,
+                "idemproxy_lease_renewals_late",
+                "Lease renewals answered with less than a third of lock_ttl left on the lease (or none): the store's round trips eat the lease",
+                Family::default(),
+            ),
             derived_keys: register(
                 r,
                 "idemproxy_derived_keys",
@@ -354,6 +383,7 @@ struct RouteSeries {
     completions_abandoned: Counter,
     results_not_kept: Counter,
     lease_renewals: Counter,
+    lease_renewals_late: Counter,
     derived_keys: Counter,
 }
 
@@ -379,6 +409,11 @@ impl RouteMetrics {
     /// Counts a lease renewal.
     pub(crate) fn lease_renewed(&self) {
         self.0.lease_renewals.inc();
+    }
+
+    /// Counts a lease renewal answered late (less than a third of the lease left).
+    pub(crate) fn lease_renewal_late(&self) {
+        self.0.lease_renewals_late.inc();
     }
 
     /// Counts a request forwarded without protection.
@@ -443,6 +478,17 @@ impl Metrics {
             "Configuration reloads (SIGHUP) by result: applied, invalid (the file did not validate), needs_restart (a field that cannot change in place changed); nothing of a refused file is applied",
             Family::default(),
         );
+        let reload_key_changes = register(
+            r,
+            "idemproxy_config_reload_key_changes",
+            "Applied reloads that changed how a kept route's key or fingerprint is made (scope, header, key_from, fingerprint): its earlier records are out of reach, or answer 422",
+            Family::default(),
+        );
+        r.register(
+            "idemproxy_log_lines_dropped",
+            "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
+            LOG_LINES_DROPPED.clone(),
+        );
         for result in ReloadResult::ALL {
             let _ = config_reloads.get_or_create(&ResultLabel {
                 result: result.as_str(),
@@ -475,6 +521,12 @@ impl Metrics {
                 r,
                 "idemproxy_detached_exchanges",
                 "Idempotent exchanges still running after their client left",
+                Gauge::default(),
+            ),
+            observed_held: register(
+                r,
+                "idemproxy_observed_held",
+                "Repeats on observed routes held in the background as on_conflict: wait holds them (at most limits.max_detached_exchanges; past it a repeat is counted at once)",
                 Gauge::default(),
             ),
             memory_records: register(
@@ -543,6 +595,7 @@ impl Metrics {
             store_ops,
             replica_acks_missing,
             config_reloads,
+            reload_key_changes,
             registry,
         }
     }
@@ -575,6 +628,11 @@ impl Metrics {
                 .clone(),
             results_not_kept: self.routes.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
+            lease_renewals_late: self
+                .routes
+                .lease_renewals_late
+                .get_or_create(&label)
+                .clone(),
             derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
         }))
     }
@@ -618,6 +676,16 @@ impl Metrics {
     pub(crate) fn replica_acks_missing(&self, op: StoreOp) {
         self.replica_acks_missing
             .get_or_create(&OpLabel { op: op.as_str() })
+            .inc();
+    }
+
+    /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).
+    pub(crate) fn reload_key_changed(&self, route: &str, field: &'static str) {
+        self.reload_key_changes
+            .get_or_create(&RouteField {
+                route: route.to_owned(),
+                field,
+            })
             .inc();
     }
 

@@ -2,7 +2,8 @@
 //!
 //! `--check` (exit codes, every error on stderr with its field path, line and column for syntax
 //! errors), `IDEMPROXY_CONFIG`, `--version`, `--help`, `demo` (it really serves), the start-up
-//! log line, JSON logs, and a clean exit 0 on SIGTERM and SIGINT.
+//! log line, JSON logs, a clean exit 0 on SIGTERM and SIGINT, and a log whose destination is
+//! gone (stderr a pipe nobody reads) costing nothing but its lines.
 
 mod common;
 
@@ -574,4 +575,83 @@ fn log_format_json_gives_json_lines() {
         saw_listen |= line.contains("listening on") && line.contains(&p.addr.to_string());
     }
     assert!(saw_listen, "the start-up line names the address: {log}");
+}
+
+/// A log whose destination is gone — stderr a pipe whose reader has exited (`idemproxy … 2>&1 |
+/// head -1`, a log collector that died) — costs its lines and nothing else: every request still
+/// gets its answer (each one logs a line), a repeat its replay, `/healthz` its 200, SIGTERM exit
+/// 0; and the lines lost are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_log_sink_costs_no_answer_no_replay_and_no_clean_exit() {
+    let mock = common::mock::start().await.expect("start the mock");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let admin = format!("127.0.0.1:{}", free_port());
+    let yaml = format!(
+        "listen: {listen}
+admin_listen: {admin}
+upstreams:
+  booking:
+    url: {up}
+routes:
+  - name: create-booking
+    methods: [POST]
+    path: /bookings
+    upstream: booking
+    idempotency:
+      lock_ttl: 2s
+  - name: rest
+    path: /*
+    upstream: booking
+",
+        up = mock.url()
+    );
+    let file = write_config(&yaml);
+    let mut c = idemproxy();
+    c.arg("--config").arg(file.path()).stdout(Stdio::null());
+    let mut child = c.spawn().expect("spawn idemproxy");
+    // The reader of its stderr is gone from the start: every write there fails (EPIPE).
+    drop(child.stderr.take());
+    let mut p = Running {
+        child: Some(child),
+        stdout: Arc::default(),
+        stderr: Arc::default(),
+    };
+    p.wait_for("the proxy to accept", |_, _| {
+        accepts(&listen) && accepts(&admin)
+    });
+
+    let book = |key: &str| {
+        client()
+            .post(format!("http://{listen}/bookings"))
+            .header("Idempotency-Key", key)
+            .header("Content-Type", "application/json")
+            .body(r#"{"seat":"12A"}"#)
+    };
+    for n in 0..3 {
+        let key = format!("dead-log-{n}");
+        let first = send(book(&key)).await;
+        assert_eq!(first.status, 201, "{key}: {:?}", first.body);
+        assert_eq!(first.header("idempotent-replayed"), "");
+        let again = send(book(&key)).await;
+        assert_eq!(again.status, 201, "{key}: {:?}", again.body);
+        assert_eq!(again.header("idempotent-replayed"), "true");
+        assert_eq!(again.body, first.body, "byte-identical replay");
+        assert_eq!(mock.calls(&key), 1, "{key} ran once");
+    }
+    let passthrough = send(client().get(format!("http://{listen}/_mock/stats"))).await;
+    assert_eq!(passthrough.status, 200, "{:?}", passthrough.body);
+    for _ in 0..3 {
+        let health = send(client().get(format!("http://{admin}/healthz"))).await;
+        assert_eq!(health.status, 200, "{:?}", health.body);
+    }
+    let metrics = send(client().get(format!("http://{admin}/metrics"))).await;
+    assert_eq!(metrics.status, 200);
+    let text = String::from_utf8_lossy(&metrics.body);
+    let dropped = common::metric_value(&text, "idemproxy_log_lines_dropped_total", &[]);
+    // At least the start-up line and one line a request.
+    assert!(dropped >= 8.0, "lines dropped: {dropped}\n{text}");
+
+    p.signal("-TERM");
+    let code = tokio::task::block_in_place(|| p.wait(Duration::from_secs(15)));
+    assert_eq!(code, Some(0), "a clean exit");
 }

@@ -337,6 +337,63 @@ fn store_timeout_must_be_shorter_than_every_lock_ttl() {
     assert_eq!(c.store.timeout, Duration::from_millis(500));
 }
 
+/// A lease whose last two thirds are shorter than `store.timeout` is accepted (SPEC §4.5 refuses
+/// only `store.timeout` at or past `lock_ttl`) but warned about, naming the route and the field:
+/// a renewal as slow as the store's deadline would land after the lease. `--check` prints the
+/// warning and still exits 0; the proxy logs it when it starts.
+#[test]
+fn a_lease_too_short_for_a_slow_renewal_is_warned_about_at_load() {
+    let lease = |lock_ttl: &str, timeout: &str| {
+        with("store", &format!("timeout: {timeout}")).replace(
+            "      required: true\n",
+            &format!("      required: true\n      lock_ttl: {lock_ttl}\n"),
+        )
+    };
+    let config = |yaml: &str| Config::from_yaml(yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    let warned = config(&lease("600ms", "590ms")).warnings();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].route, "create-booking");
+    assert_eq!(warned[0].path, "routes[0].idempotency.lock_ttl");
+    for words in ["600ms", "400ms", "store.timeout (590ms)", "885ms"] {
+        assert!(warned[0].message.contains(words), "{words}: {}", warned[0]);
+    }
+    // Two thirds of the lease exactly store.timeout: enough. The defaults: nothing to say.
+    assert_eq!(config(&lease("900ms", "600ms")).warnings(), vec![]);
+    assert_eq!(config(&lease("899ms", "600ms")).warnings().len(), 1);
+    assert_eq!(config(VALID).warnings(), vec![]);
+
+    let file = write_config(&lease("600ms", "590ms"));
+    let out = Command::new(binary())
+        .arg("--check")
+        .arg("--config")
+        .arg(file.path())
+        .output()
+        .expect("run idemproxy --check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("warning: routes[0].idempotency.lock_ttl: 600ms leaves"),
+        "{stderr}"
+    );
+
+    let yaml = lease("600ms", "590ms").replace("listen: 127.0.0.1:8080", "listen: 127.0.0.1:0");
+    let mut proxy = ProxyProcess::spawn(&yaml);
+    let logged = || {
+        proxy.log().lines().any(|l| {
+            l.contains("WARN")
+                && l.contains("route=create-booking")
+                && l.contains("field=routes[0].idempotency.lock_ttl")
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !logged() {
+        assert!(std::time::Instant::now() < deadline, "{}", proxy.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    proxy.signal("-TERM");
+    assert_eq!(proxy.wait(Duration::from_secs(15)), Some(0));
+}
+
 /// The token file a person writes by hand (`echo "tok " > file`, an editor's trailing space)
 /// works from the command line against the server that read the same file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,6 +32,7 @@ every_store!(
     in_flight_duplicates_are_forwarded_and_counted_as_conflicts,
     mismatches_are_forwarded_and_counted_in_flight_and_finished,
     with_on_conflict_wait_a_duplicate_of_a_request_that_finishes_is_a_replay,
+    with_on_conflict_wait_held_repeats_are_bounded_and_the_others_counted_at_once,
     missing_and_invalid_keys_are_forwarded_and_counted,
     unreadable_key_from_parts_are_invalid_keys_and_derived_keys_are_claimed,
     bodies_over_max_request_body_are_forwarded_whole_and_not_claimed,
@@ -284,6 +285,67 @@ async fn with_on_conflict_wait_a_duplicate_of_a_request_that_finishes_is_a_repla
     // Enforce would have waited for the first and replayed it.
     until_counted(&proxy, &[(Would::Forward, 1), (Would::Replay, 1)]).await;
     assert_eq!(env.mock.calls("obs-wait"), 2);
+}
+
+/// SPEC §4.7: observe's background work is bounded. Under `on_conflict: wait` a repeat of a
+/// request in flight is held in the background until the first lands (its client already has
+/// its answer, so no connection bound holds it back): at most `limits.max_detached_exchanges`
+/// are held; the repeats past that are counted `conflict` at once, while the first is still in
+/// flight, and never held.
+async fn with_on_conflict_wait_held_repeats_are_bounded_and_the_others_counted_at_once(
+    backend: Backend,
+) {
+    const BOUND: u64 = 3;
+    const REPEATS: u64 = 8;
+    let env = Env::new(backend).await;
+    let yaml = format!(
+        "{}limits:\n  max_detached_exchanges: {BOUND}\n",
+        observing(&env, "on_conflict: wait\nwait_timeout: 30s")
+    );
+    let proxy = env.proxy(&yaml).await;
+    let held = || proxy.metric("idemproxy_observed_held", &[]) as u64;
+    // The upstream's timeout is 5s: the first answers well within it, and long after the
+    // repeats have all been counted, even on a loaded machine.
+    let slow = spawn_booking(proxy.url(""), "obs-held", SEAT, "4s");
+    until_in_flight(&proxy.proxy, "obs-held").await;
+    for _ in 0..REPEATS {
+        let dup = book(&proxy, "obs-held", SEAT).await;
+        assert_forwarded(&dup, 201);
+        assert!(held() <= BOUND, "held: {}", held());
+    }
+    until_counted(
+        &proxy,
+        &[(Would::Forward, 1), (Would::Conflict, REPEATS - BOUND)],
+    )
+    .await;
+    assert!(
+        !slow.is_finished(),
+        "the conflicts were counted while the first was in flight"
+    );
+    assert_eq!(held(), BOUND, "the repeats within the bound are held");
+
+    let first = slow.await.expect("first request");
+    assert_forwarded(&first, 201);
+    // The held ones see the first land, as enforce's waiters would have: replays.
+    until_counted(
+        &proxy,
+        &[
+            (Would::Forward, 1),
+            (Would::Conflict, REPEATS - BOUND),
+            (Would::Replay, BOUND),
+        ],
+    )
+    .await;
+    assert!(
+        eventually(LANDS_WITHIN, || held() == 0).await,
+        "held: {}",
+        held()
+    );
+    assert_eq!(
+        env.mock.calls("obs-held"),
+        1 + REPEATS,
+        "every request forwarded"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

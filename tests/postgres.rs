@@ -619,7 +619,12 @@ async fn a_stopped_database_gives_503_in_bounded_time_then_recovers() {
     assert_eq!(readyz(admin).await, 503);
     assert!(started.elapsed() < Duration::from_millis(1500));
     assert_eq!(env.mock.calls("paused-0"), 0, "nothing forwarded");
-    // Every connection whose call timed out was closed, not handed back to the pool.
+    // Every connection whose call timed out was closed once its cancel went unanswered for
+    // store.timeout, not handed back to the pool.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pool_gauges(admin).await != (0, 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let pool = pool_gauges(admin).await;
     assert_eq!(pool, (0, 0), "pool (connections, in use) while paused");
 
@@ -732,6 +737,147 @@ async fn a_proxy_started_while_the_database_is_down_works_once_it_is_up() {
             .is_err()
     );
     assert_eq!(pg.sql("SELECT count(*) FROM newer.schema_version"), "1");
+}
+
+/// SPEC §4.6: `pool_size` is the most sessions an instance opens, also while its statements
+/// time out. An outside transaction holds a key's row (its uncommitted insert): every claim of
+/// the key waits on it until `store.timeout` drops the call (a 503, nothing forwarded). The
+/// server sessions of the proxy stay within `pool_size` throughout: a statement given up on is
+/// cancelled and its session reused, never left waiting beside a replacement. Once the
+/// transaction ends, the key is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_stay_within_pool_size_while_an_outside_transaction_holds_a_row() {
+    const POOL: usize = 4;
+    const KEY: &str = "held-by-another-transaction";
+    let pg = PgServer::shared();
+    let env = Env::new(Backend::Memory).await;
+    let schema = PgServer::fresh_schema();
+    // The proxy's sessions, told apart from those of the tests beside this one.
+    let app = format!("idemproxy-{schema}");
+    let url = format!("{}?application_name={app}", pg.url());
+    let yaml = on_postgres(
+        &env.config(""),
+        &store_block(&url, &schema, &format!("pool_size: {POOL}")),
+    );
+    let proxy = common::TestProxy::start(&yaml).await;
+    let base = proxy.url("");
+    let (warm_key, warm) = first_forwarded(&base, "warm", Duration::from_secs(10)).await;
+
+    let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect the outside transaction");
+    tokio::spawn(connection);
+    outside
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO {schema}.records (key, token, value, expires_at) \
+             VALUES ('{}', NULL, '\\x00', now() + interval '1 hour')",
+            common::booking_store_key(KEY)
+        ))
+        .await
+        .expect("hold the key's row");
+
+    let count = format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'");
+    let storming = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (storming, count) = (storming.clone(), count.clone());
+        std::thread::spawn(move || {
+            let mut most = 0usize;
+            while storming.load(std::sync::atomic::Ordering::SeqCst) {
+                let n: usize = pg.sql(&count).parse().expect("a count");
+                most = most.max(n);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        })
+    };
+    for _ in 0..6 {
+        let storm = (0..8).map(|_| book_with(&base, KEY, BODY, &[]));
+        for r in futures_util::future::join_all(storm).await {
+            r.assert_problem(503, "store-unavailable");
+        }
+    }
+    // The last timeouts' sessions are still being settled: give them store.timeout and more.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    storming.store(false, std::sync::atomic::Ordering::SeqCst);
+    let most = sampler.join().expect("the sampler");
+    assert!(most <= POOL, "{most} sessions at once, pool_size {POOL}");
+    assert_eq!(env.mock.calls(KEY), 0, "nothing forwarded");
+
+    outside.batch_execute("ROLLBACK").await.expect("rollback");
+    // None of the claims given up on landed later: the key is free, and runs once.
+    let first = once_the_store_answers(&base, KEY, Duration::from_secs(5)).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(env.mock.calls(KEY), 1);
+    assert_replay_of(&book_with(&base, KEY, BODY, &[]).await, &first);
+    assert_replay_of(&book_with(&base, &warm_key, BODY, &[]).await, &warm);
+    let n: usize = pg.sql(&count).parse().expect("a count");
+    assert!(n <= POOL, "{n} sessions after the storm");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leases on a slow database
+// ---------------------------------------------------------------------------------------------
+
+/// A lease held on a database whose answers come 450 ms late (a relay delays every byte the
+/// server sends; what the proxy sends arrives at once) never lapses while its holder runs:
+/// `lock_ttl: 600ms` (a renewal every 200 ms), a first request that takes 2 s, and a duplicate
+/// sent 1.3 s after it is a `409`, not a second run. Each renewal's answer comes back when the
+/// lease it extends has less than a third left, or none: counted as late, and no lease is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_on_a_slow_database_never_lapses_while_its_holder_runs() {
+    let pg = PgServer::shared();
+    let relay = Relay::start(pg.addr()).await;
+    let env = Env::new(Backend::Memory).await;
+    let schema = PgServer::fresh_schema();
+    // One worker, so one pool: warmed below, before the latency, since opening a connection
+    // takes several round trips. store.timeout 590ms: the 450 ms of every answer fits in it.
+    let yaml = on_postgres(
+        &env.config("lock_ttl: 600ms"),
+        &store_block(
+            &pg.url_via(relay.addr().port()),
+            &schema,
+            "pool_size: 8\ntimeout: 590ms",
+        ),
+    )
+    .replacen("workers: 2\n", "workers: 1\n", 1);
+    let proxy = common::TestProxy::start(&yaml).await;
+    let base = proxy.url("");
+    let connections = || proxy.metric("idemproxy_postgres_pool_connections", &[]) as u64;
+    // Claims, renewals (two at once on a slow database), the save and the duplicate's claim:
+    // each wants a connection of its own, none of which could be opened within store.timeout
+    // once the database is slow.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for round in 0.. {
+        let keys: Vec<String> = (0..8).map(|n| format!("warm-{round}-{n}")).collect();
+        let warm = keys.iter().map(|key| book_with(&base, key, BODY, &[]));
+        futures_util::future::join_all(warm).await;
+        if connections() >= 6 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool: {} connections",
+            connections()
+        );
+    }
+
+    relay.set_latency(Duration::ZERO, Duration::from_millis(450));
+    let started = Instant::now();
+    let first = common::spawn_booking(base.clone(), "slow-db-lease", BODY, "2s");
+    tokio::time::sleep_until((started + Duration::from_millis(1300)).into()).await;
+    let duplicate = book_with(&base, "slow-db-lease", BODY, &[]).await;
+    duplicate.assert_problem(409, "request-in-progress");
+    let first = first.await.expect("the first request");
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    assert_eq!(env.mock.calls("slow-db-lease"), 1, "the operation ran once");
+    assert_replay_of(&book_with(&base, "slow-db-lease", BODY, &[]).await, &first);
+    assert_eq!(proxy.lost_leases(), 0);
+    let late = proxy.metric(
+        "idemproxy_lease_renewals_late_total",
+        &[("route", "create-booking")],
+    );
+    assert!(late >= 1.0, "late renewals: {late}");
+    relay.heal();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -73,6 +73,25 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Something a valid configuration does that may not be what its author wants: logged (as a
+/// warning, naming the route and the field) at start and at every reload that applies the
+/// file, and printed by `--check`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigWarning {
+    /// The route it concerns.
+    pub route: String,
+    /// The field path.
+    pub path: String,
+    /// What may go wrong, in words.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
 /// Every error found in one configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub struct ConfigErrors(pub Vec<ConfigError>);
@@ -133,8 +152,8 @@ pub(crate) struct RawConfig {
     pub drain_delay: Duration,
     /// Worker threads, each with its own runtime and accept loop on `listen`. Default: the
     /// number of cores the process may use (at most [`bounds::WORKERS`]).
-    #[serde(default = "defaults::workers")]
-    pub workers: u32,
+    #[serde(default)]
+    pub workers: Option<u32>,
     /// The idempotency record store.
     #[serde(default)]
     pub store: RawStore,
@@ -211,8 +230,13 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     /// How long to keep accepting, unready, after a stop signal.
     pub drain_delay: Duration,
-    /// Worker threads serving `listen`, from 1 to [`bounds::WORKERS`].
+    /// Worker threads serving `listen`, from 1 to [`bounds::WORKERS`]: as the file says, or
+    /// else one a core the process may use, counted when the file was loaded.
     pub workers: usize,
+    /// `workers` as the file wrote it; `None`: the default. A reload compares this, not the
+    /// count: the default counted again at a reload may differ (a container's CPU quota
+    /// changed) without the file asking for another number of workers.
+    pub workers_written: Option<usize>,
     pub store: StoreSettings,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamSettings>,
@@ -223,6 +247,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// What this valid configuration does that may not be meant (see [`ConfigWarning`]).
+    pub fn warnings(&self) -> Vec<ConfigWarning> {
+        routes::warnings(&self.routes, &self.store)
+    }
+
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
         let text = std::fs::read_to_string(path)
@@ -286,7 +315,9 @@ impl RawConfig {
                 pid_file,
                 shutdown_timeout: self.shutdown_timeout,
                 drain_delay: self.drain_delay,
-                workers: usize::try_from(self.workers).unwrap_or(1),
+                workers: usize::try_from(self.workers.unwrap_or_else(defaults::workers))
+                    .unwrap_or(1),
+                workers_written: self.workers.and_then(|n| usize::try_from(n).ok()),
                 store,
                 upstreams,
                 routes,
@@ -383,12 +414,13 @@ impl RawConfig {
     }
 
     fn check_workers(&self, err: &mut impl FnMut(String, String)) {
-        if !(1..=bounds::WORKERS).contains(&self.workers) {
+        if let Some(workers) = self.workers
+            && !(1..=bounds::WORKERS).contains(&workers)
+        {
             err(
                 "workers".into(),
                 format!(
-                    "{}: must be from 1 to {} (omit it for one worker a core)",
-                    self.workers,
+                    "{workers}: must be from 1 to {} (omit it for one worker a core)",
                     bounds::WORKERS
                 ),
             );

@@ -7,8 +7,9 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::{Deserialize, Deserializer};
 
+use super::ConfigWarning;
 use super::limits::RawLimits;
-use super::store::RawStore;
+use super::store::{RawStore, StoreSettings};
 use super::units::{at_most, bounds, byte_size, count_at_most, duration};
 use super::upstream::RawUpstream;
 use crate::route::KeyPart;
@@ -554,6 +555,35 @@ impl RawIdempotency {
             );
         }
     }
+}
+
+/// The warnings of the compiled `routes` against the `store` section: a route whose
+/// `lock_ttl`, less the first third of it that passes before its first renewal is sent, leaves a
+/// renewal less than `store.timeout` to land (SPEC §4.5 refuses only `store.timeout` at or past
+/// `lock_ttl`). There, a renewal that takes its whole deadline lands after the lease, and a
+/// repeat sent meanwhile runs the operation again; renewals are sent earlier when the store
+/// answers slowly, but no schedule makes room that the store's deadline takes.
+pub(super) fn warnings(routes: &[RouteSettings], store: &StoreSettings) -> Vec<ConfigWarning> {
+    let timeout = store.timeout;
+    routes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, route)| {
+            let lock_ttl = route.idempotency.as_ref()?.lock_ttl;
+            let left = lock_ttl - lock_ttl / 3;
+            (left < timeout).then(|| ConfigWarning {
+                route: route.name.clone(),
+                path: format!("routes[{i}].idempotency.lock_ttl"),
+                message: format!(
+                    "{} leaves a lease renewal {} (lock_ttl less its first third) to land, less than store.timeout ({}): a renewal as slow as store.timeout lands after the lease, and a retry sent meanwhile runs the operation again; raise lock_ttl to at least {} (one and a half store.timeout) or lower store.timeout",
+                    humantime::format_duration(lock_ttl),
+                    humantime::format_duration(left),
+                    humantime::format_duration(timeout),
+                    humantime::format_duration(timeout + timeout / 2),
+                ),
+            })
+        })
+        .collect()
 }
 
 /// One part of `fingerprint:`. `None`: an error was reported at `field`.

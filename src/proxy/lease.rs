@@ -4,8 +4,22 @@
 //! Renewal runs in the exchange's future, beside the upstream call ([`Lease::renewing`]), not
 //! in a task of its own: nothing can outlive the exchange and keep a key blocked, and a request
 //! spawns no task for it.
+//!
+//! # When renewals are sent
+//! A renewal extends the lease from when the store runs it, so what matters is that one
+//! *reaches* the store before the lease ends there. The schedule therefore counts from send
+//! times, never from answers, and from the claim's own send time for the first one: a store
+//! that answers slowly (a far database, a busy pool, a starved CPU) never pushes the next
+//! renewal later. Each is sent a third of the lease after the previous one, or earlier when the
+//! store's round trips are slow: by the time the lease has twice the slowest recent round trip
+//! left ([`renewal_due`]). A renewal still waiting for its answer does not hold the next one
+//! back: up to [`RENEWALS_IN_FLIGHT`] run at once, never two sent closer than a sixth of the
+//! lease. A renewal answered with less than a third of the lease left is counted
+//! (`idemproxy_lease_renewals_late_total`): the store's round trips are eating the lease.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -17,10 +31,17 @@ use super::pending::PendingCompletions;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
 use crate::record::Record;
-use crate::store::{Held, StoreHandle};
+use crate::store::{Held, StoreError, StoreHandle};
 
 /// Once a failing save has backed off this far, it is retried at this steady pace.
 const SLOWEST_RETRY: Duration = Duration::from_secs(5);
+
+/// Renewals of one lease in flight at once, at most: a slow one never holds the next back, and
+/// one lease takes at most this many store connections (PostgreSQL's pool) for its renewals.
+const RENEWALS_IN_FLIGHT: usize = 2;
+
+/// A renewal in flight: its send time, and the store's answer.
+type Renewal<'a> = Pin<Box<dyn Future<Output = (Instant, Result<bool, StoreError>)> + Send + 'a>>;
 
 /// A held claim, and until when it is surely valid.
 pub(super) struct Lease {
@@ -33,6 +54,9 @@ pub(super) struct Lease {
     /// Until when the lease is surely valid: the send time of the last successful claim or
     /// renewal plus `lock_ttl` (the send time, not the answer time, so it is never optimistic).
     valid_until: Instant,
+    /// The slowest recent round trip of the store, the claim's first: how long before the end
+    /// of the lease a renewal must be sent to land in time.
+    round_trip: Duration,
     /// Set once the lease is known lost, so it is logged and counted once.
     lost: bool,
 }
@@ -56,47 +80,75 @@ impl Lease {
             held,
             lock_ttl,
             valid_until: claimed_at + lock_ttl,
+            // The claim was answered just now: its round trip is the first one seen.
+            round_trip: Instant::now().saturating_duration_since(claimed_at),
             lost: false,
         }
     }
 
-    /// Drives `call` to its end, renewing the lease every `lock_ttl/3` meanwhile. A renewal in
-    /// flight never holds the call back: both are polled together. A failed renewal is retried
-    /// at the next tick (two more chances before the lease can expire); once the key is known
-    /// to hold another claim, renewing stops.
+    /// Drives `call` to its end, renewing the lease meanwhile (see the module's *When renewals
+    /// are sent*). Renewals never hold the call back: all are polled together. A failed
+    /// renewal is followed by the next at its time (two more chances before the lease can
+    /// expire, more when the store is slow); once the key is known to hold another claim,
+    /// renewing stops.
     pub(crate) async fn renewing<F: Future>(&mut self, call: F) -> F::Output {
-        let period = self.lock_ttl / 3;
         tokio::pin!(call);
-        let mut next = Instant::now() + period;
+        let (store, key, held, lock_ttl) = (&self.store, &self.key, &self.held, self.lock_ttl);
+        // Boxed only once a renewal is sent: most calls end before the first is due.
+        let mut in_flight: [Option<Renewal<'_>>; RENEWALS_IN_FLIGHT] = Default::default();
+        let mut last_sent = self.valid_until - lock_ttl;
         loop {
-            tokio::select! {
+            let due = renewal_due(lock_ttl, self.valid_until, last_sent, self.round_trip);
+            let sending = in_flight.iter().any(Option::is_some);
+            let room = in_flight.iter().any(Option::is_none);
+            let (sent, renewed) = tokio::select! {
                 biased;
                 out = &mut call => return out,
-                () = tokio::time::sleep_until(next) => {}
-            }
-            let sent = Instant::now();
-            let renewed = {
-                let renewal = self.store.renew(&self.key, &self.held, self.lock_ttl);
-                tokio::select! {
-                    biased;
-                    out = &mut call => return out,
-                    r = renewal => r,
+                answer = next_answer(&mut in_flight), if sending => answer,
+                () = tokio::time::sleep_until(due), if room => {
+                    last_sent = Instant::now();
+                    let sent = last_sent;
+                    let renewal: Renewal<'_> = Box::pin(async move {
+                        (sent, store.renew(key, held, lock_ttl).await)
+                    });
+                    if let Some(slot) = in_flight.iter_mut().find(|slot| slot.is_none()) {
+                        *slot = Some(renewal);
+                    }
+                    continue;
                 }
             };
+            let answered = Instant::now();
+            let took = answered.saturating_duration_since(sent);
+            // A quick answer does not wipe out a slow one at once: the estimate decays.
+            self.round_trip = took.max(self.round_trip * 3 / 4);
+            let left = self.valid_until.saturating_duration_since(answered);
+            if left < lock_ttl / 3 {
+                self.metrics.lease_renewal_late();
+                if left.is_zero() {
+                    tracing::warn!(
+                        route = %self.route,
+                        key = %key.id_hex(),
+                        took_ms = took.as_millis(),
+                        lock_ttl_ms = lock_ttl.as_millis(),
+                        "a lease renewal was answered after the lease could have lapsed: the store's round trips are too slow for lock_ttl"
+                    );
+                }
+            }
             match renewed {
                 Ok(true) => {
-                    self.valid_until = sent + self.lock_ttl;
+                    // Answers of renewals sent close together may come in any order.
+                    self.valid_until = self.valid_until.max(sent + lock_ttl);
                     self.metrics.lease_renewed();
                 }
                 Ok(false) => {
+                    drop(in_flight);
                     self.mark_lost("another request holds the key now");
                     return call.await;
                 }
                 Err(e) => {
-                    tracing::warn!(route = %self.route, key = %self.key.id_hex(), error = %e, "lease renewal failed; retrying")
+                    tracing::warn!(route = %self.route, key = %key.id_hex(), error = %e, "lease renewal failed; the next one is sent at its time")
                 }
             }
-            next = (next + period).max(Instant::now());
         }
     }
 
@@ -265,6 +317,43 @@ impl Lease {
             ),
         }
     }
+}
+
+/// When the next renewal is due, for a lease surely valid until `valid_until`, whose last
+/// renewal (or claim) was sent at `last_sent`, on a store whose recent round trips took up to
+/// `round_trip`: a third of the lease after the last send, or earlier so that it is sent while
+/// the lease has twice that round trip left (it lands with a round trip to spare); never
+/// sooner than a sixth of the lease after the last send, so that slow renewals overlap rather
+/// than pile up.
+fn renewal_due(
+    lock_ttl: Duration,
+    valid_until: Instant,
+    last_sent: Instant,
+    round_trip: Duration,
+) -> Instant {
+    let period = lock_ttl / 3;
+    let in_time = valid_until
+        .checked_sub(round_trip.saturating_mul(2))
+        .unwrap_or(last_sent);
+    (last_sent + period)
+        .min(in_time)
+        .max(last_sent + period / 2)
+}
+
+/// The first answer of the renewals in flight (its slot emptied); pending while none has one.
+async fn next_answer(in_flight: &mut [Option<Renewal<'_>>]) -> (Instant, Result<bool, StoreError>) {
+    std::future::poll_fn(|cx| {
+        for slot in in_flight.iter_mut() {
+            if let Some(renewal) = slot
+                && let Poll::Ready(answer) = renewal.as_mut().poll(cx)
+            {
+                *slot = None;
+                return Poll::Ready(answer);
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -455,6 +544,147 @@ mod tests {
         assert!(text.contains(r#"idemproxy_lost_leases_total{route="r"} 0"#));
         assert!(text.contains(r#"idemproxy_results_not_kept_total{route="r"} 1"#));
         assert!(text.contains(r#"idemproxy_saves_abandoned_total{route="r"} 0"#));
+    }
+
+    /// The memory store behind a far link: every renewal takes effect at once but is answered
+    /// `delay` later (what is slow is the way back, as from a far database).
+    struct SlowRenewals {
+        inner: MemoryStore,
+        delay: Duration,
+    }
+
+    #[async_trait]
+    impl Store for SlowRenewals {
+        async fn claim(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            lease: Duration,
+        ) -> Result<Option<Bytes>, StoreError> {
+            self.inner.claim(key, held, lease).await
+        }
+        async fn renew(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            let renewed = self.inner.renew(key, held, lease).await;
+            tokio::time::sleep(self.delay).await;
+            renewed
+        }
+        async fn complete(
+            &self,
+            key: &StoreKey,
+            held: &Held,
+            done: Bytes,
+            ttl: Duration,
+        ) -> Result<bool, StoreError> {
+            self.inner.complete(key, held, done, ttl).await
+        }
+        async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+            self.inner.release(key, held).await
+        }
+        async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+            self.inner.inspect(key).await
+        }
+        async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
+            self.inner.forget(key).await
+        }
+    }
+
+    /// `lock_ttl: 600ms` on a store whose answers come 450 ms late, the claim's too: a call of
+    /// 2 s keeps its lease to the end (a claim of the key at 1.3 s finds it in flight), and the
+    /// renewals answered with less than a third of the lease left are counted as late.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_on_a_store_that_answers_late_never_lapses() {
+        let metrics = Arc::new(Metrics::new());
+        let delay = Duration::from_millis(450);
+        let slow = Arc::new(SlowRenewals {
+            inner: MemoryStore::new(10),
+            delay,
+        });
+        let store = StoreHandle::new(slow, Duration::from_millis(590), metrics.clone());
+        let lock_ttl = Duration::from_millis(600);
+        let key = StoreKey::new("p:r:".into(), 0, [3; 32]);
+        let held = |token| {
+            Held::new(Record::InFlight {
+                token: [token; 16],
+                fingerprint: [1; 32],
+            })
+        };
+        let claimed_at = Instant::now();
+        assert!(matches!(
+            store.claim(&key, &held(1), lock_ttl).await,
+            Ok(crate::store::Claim::Claimed)
+        ));
+        // The claim's own answer comes late too.
+        tokio::time::sleep(delay).await;
+        let mut lease = Lease::new(
+            store.clone(),
+            metrics.route("r"),
+            "r".into(),
+            key.clone(),
+            held(1),
+            lock_ttl,
+            claimed_at,
+        );
+        let duplicate = async {
+            tokio::time::sleep_until(claimed_at + Duration::from_millis(1300)).await;
+            store.claim(&key, &held(2), lock_ttl).await
+        };
+        let ((), duplicate) = tokio::join!(
+            lease.renewing(tokio::time::sleep_until(
+                claimed_at + Duration::from_secs(2)
+            )),
+            duplicate
+        );
+        assert!(
+            matches!(duplicate, Ok(crate::store::Claim::Existing(Record::InFlight { token, .. })) if token == [1; 16]),
+            "the first still holds the key: {duplicate:?}"
+        );
+        assert!(!lease.lost);
+        let text = metrics.encode();
+        assert!(text.contains(r#"idemproxy_lost_leases_total{route="r"} 0"#));
+        let late: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(r#"idemproxy_lease_renewals_late_total{route="r"} "#))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(late >= 1, "late renewals: {late}\n{text}");
+    }
+
+    #[test]
+    fn renewals_are_due_a_third_of_the_lease_after_the_last_send_or_earlier_on_a_slow_store() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let lock_ttl = ms(600);
+        // A quick store: a third of the lease after the last send.
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(1)),
+            t0 + ms(200)
+        );
+        // Round trips of 220 ms: sent while the lease has twice that left.
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(220)),
+            t0 + ms(160)
+        );
+        // Round trips longer than the lease allows: as soon as a sixth of it has passed since
+        // the last send, never sooner.
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + lock_ttl, t0, ms(450)),
+            t0 + ms(100)
+        );
+        assert_eq!(
+            renewal_due(lock_ttl, t0 + ms(1050), t0 + ms(550), ms(450)),
+            t0 + ms(650)
+        );
     }
 
     fn lease(store: StoreHandle, metrics: &Metrics) -> Lease {

@@ -83,7 +83,7 @@ use self::resolved::{Answer, Route, RouteNumbers, forward_plain, refuse};
 use self::shared::Shared;
 
 pub use keys::{KeyResolver, Lookup, LookupError};
-pub use reload::{Changes, Reloaded};
+pub use reload::{Changes, KeyChange, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
 /// the tracker of background tasks (upstream calls and completions) that shutdown waits for.
@@ -108,6 +108,19 @@ pub struct Proxy {
     draining: AtomicBool,
 }
 
+/// Logs what a configuration about to be served does that may not be meant
+/// ([`Config::warnings`]): at start, and for each file a reload applies.
+fn warn_about(config: &Config) {
+    for warning in config.warnings() {
+        tracing::warn!(
+            route = %warning.route,
+            field = %warning.path,
+            "configuration: {}",
+            warning.message
+        );
+    }
+}
+
 impl Proxy {
     /// Builds the proxy over a store, for one worker: resolves every route's upstream, policy
     /// and metrics.
@@ -124,6 +137,7 @@ impl Proxy {
         more: Vec<StoreHandle>,
         metrics: Arc<Metrics>,
     ) -> Proxy {
+        warn_about(&config);
         let mut numbers = RouteNumbers::default();
         let limits = config.limits;
         let tasks = TaskTracker::new();

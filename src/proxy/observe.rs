@@ -21,6 +21,13 @@
 //! client that leaves ([`super::detach`]): the result is still saved, so the repeat would be
 //! replayed once the route enforces. Both tasks are tracked, so shutdown waits for the saves.
 //!
+//! What runs after the client has its answer is bounded (SPEC §4.7): new claims stop at the
+//! bounds that make `enforce` answer 503 (`limits.max_detached_exchanges`,
+//! `limits.max_pending_saves`: forwarded without a claim), and the repeats held as
+//! `on_conflict: wait` would hold them, which nothing else bounds (each client is answered at
+//! once), are at most `limits.max_detached_exchanges` (`idemproxy_observed_held`); past that, a
+//! repeat is counted at once by what its record shows (see [`shadow`]).
+//!
 //! `idemproxy_requests_total` counts what the proxy did, not what `enforce` would have done:
 //! `passthrough` for every request forwarded (as on a pass-through route), `upstream_error`
 //! and `bad_request` as there.
@@ -36,7 +43,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
 
-use self::shadow::Shadow;
+use self::shadow::{HeldRepeats, Shadow};
 use super::admission::{self, Admitted, KeySource, Underived};
 use super::detach::{self, Detachable};
 use super::exchange::first_response;
@@ -131,6 +138,10 @@ impl Proxy {
             route: route.clone(),
             idem: idem.clone(),
             observed: observed.clone(),
+            held: HeldRepeats {
+                count: self.metrics.observed_held.clone(),
+                bound: limits.max_detached_exchanges,
+            },
             request: admitted,
             client,
         };
@@ -154,6 +165,8 @@ struct Observation {
     route: Arc<Route>,
     idem: Arc<IdempotencySettings>,
     observed: ObservedMetrics,
+    /// How many repeats observe holds in the background, and how many it may.
+    held: HeldRepeats,
     request: Admitted,
     client: SocketAddr,
 }
@@ -168,6 +181,7 @@ impl Observation {
             route,
             idem,
             observed,
+            held,
             request,
             client,
         } = self;
@@ -184,6 +198,7 @@ impl Observation {
             route: route.clone(),
             idem: idem.clone(),
             observed,
+            held,
             key,
             fingerprint,
             client: client.ip(),

@@ -14,7 +14,16 @@
 //! - `limits.max_connections`, `limits.max_admin_connections`: the bounds of the accept loops,
 //!   fixed when they start.
 //! - `workers`: the threads, their runtimes, sockets, upstream pools and store connections
-//!   are made at start.
+//!   are made at start. Only a number the file writes counts: a file that leaves it to the
+//!   default keeps the workers running, even if the cores counted now differ (a container
+//!   whose CPU quota changed), or every reload of an unchanged file would be refused.
+//!
+//! A route that keeps its name keeps its records, but a change of how its key is made —
+//! `idempotency.scope`, `header` or `key_from` — puts the records made before the reload out
+//! of reach (a retry of an earlier operation runs it again), and a change of its `fingerprint`
+//! turns those retries into `422`s. Such a reload is applied, as SPEC §2 asks, and each change
+//! is logged as a warning naming the route and the field, and counted
+//! (`idemproxy_config_reload_key_changes_total{route,field}`).
 //!
 //! Everything else applies to the requests that arrive after the swap — routes, upstreams,
 //! policies, the other limits (`header_read_timeout` and `send_timeout` to connections
@@ -29,7 +38,7 @@ use std::sync::Arc;
 use super::Proxy;
 use super::generation::Generation;
 use super::resolved::RouteNumbers;
-use crate::config::{Config, ConfigErrors};
+use crate::config::{Config, ConfigErrors, IdempotencySettings};
 use crate::metrics::ReloadResult;
 
 /// Called with each configuration a reload applies (a listener taking its new limits).
@@ -79,6 +88,52 @@ pub struct Changes {
     pub upstreams_changed: Vec<String>,
     /// Other fields that changed (`limits.send_timeout`, `admin_token`, …).
     pub other: Vec<&'static str>,
+    /// Routes kept whose key or fingerprint is made another way: their earlier records are out
+    /// of reach or answer `422` to retries.
+    pub key_changes: Vec<KeyChange>,
+}
+
+/// A field of a kept route that decides which record a request finds (see the module).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyChange {
+    pub route: String,
+    /// `scope`, `header`, `key_from` or `fingerprint`.
+    pub field: &'static str,
+}
+
+impl KeyChange {
+    /// What the change does to the route's earlier records, for the log.
+    fn consequence(&self) -> &'static str {
+        match self.field {
+            "fingerprint" => {
+                "a retry of an operation from before the reload now gets 422 (its fingerprint is computed another way)"
+            }
+            _ => {
+                "the records made before the reload are out of reach: a retry of an operation from before it runs the operation again"
+            }
+        }
+    }
+}
+
+/// The fields of a kept route's idempotency that changed how its records are found.
+fn key_changes(
+    route: &str,
+    old: &IdempotencySettings,
+    new: &IdempotencySettings,
+) -> Vec<KeyChange> {
+    [
+        ("scope", old.scope != new.scope),
+        ("header", old.header != new.header),
+        ("key_from", old.key_from != new.key_from),
+        ("fingerprint", old.fingerprint != new.fingerprint),
+    ]
+    .into_iter()
+    .filter(|(_, changed)| *changed)
+    .map(|(field, _)| KeyChange {
+        route: route.to_owned(),
+        field,
+    })
+    .collect()
 }
 
 impl Changes {
@@ -88,7 +143,12 @@ impl Changes {
         for r in &new.routes {
             match route(old, &r.name) {
                 None => changes.routes_added.push(r.name.clone()),
-                Some(before) if before != *r => changes.routes_changed.push(r.name.clone()),
+                Some(before) if before != *r => {
+                    changes.routes_changed.push(r.name.clone());
+                    if let (Some(was), Some(now)) = (&before.idempotency, &r.idempotency) {
+                        changes.key_changes.extend(key_changes(&r.name, was, now));
+                    }
+                }
                 Some(_) => {}
             }
         }
@@ -184,6 +244,14 @@ impl fmt::Display for Changes {
         if !self.other.is_empty() {
             parts.push(format!("also changed: {}", self.other.join(", ")));
         }
+        if !self.key_changes.is_empty() {
+            let named: Vec<String> = self
+                .key_changes
+                .iter()
+                .map(|c| format!("{}.{}", c.route, c.field))
+                .collect();
+            parts.push(format!("keys made another way: {}", named.join(", ")));
+        }
         f.write_str(&parts.join("; "))
     }
 }
@@ -192,7 +260,12 @@ impl fmt::Display for Changes {
 fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
     let fields = [
         ("listen", old.listen != new.listen),
-        ("workers", old.workers != new.workers),
+        // Only a number the file writes (see the module): a default counted again is no
+        // change, and a written one equal to what runs needs nothing either.
+        (
+            "workers",
+            old.workers_written != new.workers_written && old.workers != new.workers,
+        ),
         ("admin_listen", old.admin_listen != new.admin_listen),
         ("tls", old.tls != new.tls),
         ("store", old.store != new.store),
@@ -257,7 +330,22 @@ impl Proxy {
             self.metrics.config_reload(ReloadResult::NeedsRestart);
             return Reloaded::NeedsRestart(fields);
         }
+        let mut config = config;
+        // What runs: a default counted again may differ (see `needs_restart`).
+        config.workers = current.config.workers;
         let changes = Changes::between(&current.config, &config);
+        super::warn_about(&config);
+        for change in &changes.key_changes {
+            tracing::warn!(
+                route = %change.route,
+                field = %change.field,
+                "reload: idempotency.{} of route {} changed: {}",
+                change.field,
+                change.route,
+                change.consequence()
+            );
+            self.metrics.reload_key_changed(&change.route, change.field);
+        }
         let Reloading { numbers, hooks } = &mut *reloading;
         let generation = Generation::build(
             config,

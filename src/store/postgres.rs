@@ -24,10 +24,13 @@
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `complete` clears the token: a finished record matches no claim.
 //! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
-//!   for a connection and every connect bounded by `store.timeout`, statements prepared once per
-//!   connection. A connection whose call did not finish (it failed, or `StoreHandle` dropped it at
-//!   `store.timeout`) is closed, never reused: a SIGSTOPped database gives 503s in bounded time,
-//!   and once it runs again no request meets a connection still stuck.
+//!   for a connection and every connect bounded by `store.timeout`, every statement prepared on a
+//!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
+//!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
+//!   once its session is seen idle within `store.timeout`, else it is closed; meanwhile it still
+//!   counts in the pool, so the sessions of an instance never outnumber `pool_size`, even while
+//!   an outside transaction holds a row its statements wait on. A SIGSTOPped database gives 503s
+//!   in bounded time, and once it runs again no request meets a connection still stuck.
 //! - **Schema** (`postgres/schema.rs`): set up in one transaction under an advisory lock, before
 //!   the first operation that reaches the database: at start when it answers, else by the first
 //!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile). A
@@ -53,6 +56,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures_util::future::try_join_all;
 use tokio::sync::OnceCell;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
@@ -119,10 +123,12 @@ impl PostgresStore {
         metrics: Arc<Metrics>,
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
-        let pool = pool::build(settings, timeout)?;
+        let (pool, tls) = pool::build(settings, timeout)?;
+        let sql = Statements::new(&settings.schema);
+        let statements = sql.all().into_iter().map(str::to_owned).collect();
         let inner = Arc::new(Inner {
-            connections: Connections::new(pool, timeout, &metrics),
-            sql: Statements::new(&settings.schema),
+            connections: Connections::new(pool, tls, statements, timeout, &metrics),
+            sql,
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
             timeout,
@@ -183,7 +189,7 @@ impl Inner {
     ) -> Result<Vec<Row>, StoreError> {
         self.ready(op).await?;
         let conn = self.connections.get(op).await?;
-        let statement = conn.prepare_cached(sql).await.map_err(pg(op))?;
+        let statement = self.statement(&conn, op, sql).await?;
         let rows = conn.query(&statement, params).await.map_err(pg(op))?;
         conn.finished();
         Ok(rows)
@@ -198,10 +204,34 @@ impl Inner {
     ) -> Result<u64, StoreError> {
         self.ready(op).await?;
         let conn = self.connections.get(op).await?;
-        let statement = conn.prepare_cached(sql).await.map_err(pg(op))?;
+        let statement = self.statement(&conn, op, sql).await?;
         let changed = conn.execute(&statement, params).await.map_err(pg(op))?;
         conn.finished();
         Ok(changed)
+    }
+
+    /// `sql` prepared on `conn`. The first statement a connection runs prepares every one the
+    /// store runs, together (pipelined: one round trip, as for one), as the warmer does for the
+    /// connections it opens: from then on every operation on it is one round trip. Otherwise an
+    /// operation meeting a connection without its statement pays a second round trip inside its
+    /// `store.timeout` — on a far database, a lease renewal that lands after the lease.
+    async fn statement(
+        &self,
+        conn: &pool::Conn<'_>,
+        op: &'static str,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, StoreError> {
+        if conn.statement_cache.size() == 0 {
+            try_join_all(
+                self.sql
+                    .all()
+                    .into_iter()
+                    .map(|sql| conn.prepare_cached(sql)),
+            )
+            .await
+            .map_err(pg(op))?;
+        }
+        conn.prepare_cached(sql).await.map_err(pg(op))
     }
 
     /// One batch of the sweep: how many expired rows it deleted.
@@ -258,10 +288,7 @@ impl Store for PostgresStore {
             millis(lease),
         );
         let conn = inner.connections.get("claim").await?;
-        let statement = conn
-            .prepare_cached(&inner.sql.claim)
-            .await
-            .map_err(pg("claim"))?;
+        let statement = inner.statement(&conn, "claim", &inner.sql.claim).await?;
         for _ in 0..CLAIM_ATTEMPTS {
             let rows = conn
                 .query(&statement, &[&key, &token, &value, &lease])

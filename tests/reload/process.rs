@@ -254,3 +254,43 @@ async fn idemproxy_reload_signals_the_process_its_pid_file_names_and_errs_clearl
         stderr(&out)
     );
 }
+
+/// A reload that changes how a kept route's key is made is applied (SPEC §2) and says what it
+/// does to the route's earlier records: a warning naming the route and the field, counted by
+/// both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_makes_keys_another_way_warns_naming_the_route_and_the_field() {
+    let env = Env::new(Backend::Memory).await;
+    let admin = free_port();
+    let proc = ProxyProcess::spawn(&yaml(&env, &with_admin(admin, ""), "", &[BOOKINGS, REST]));
+    let rescoped = BOOKINGS.replace("idempotency: {}", "idempotency:\n      scope: [X-Tenant]");
+    proc.rewrite_config(&yaml(&env, &with_admin(admin, ""), "", &[&rescoped, REST]));
+    proc.signal("-HUP");
+    logged(&proc, "configuration reloaded").await;
+    let log = proc.log();
+    let warning = log
+        .lines()
+        .find(|l| l.contains("reload: idempotency.scope of route create-booking changed"))
+        .unwrap_or_else(|| panic!("no warning:\n{log}"));
+    for words in [
+        "WARN",
+        "route=create-booking",
+        "field=scope",
+        "out of reach",
+    ] {
+        assert!(warning.contains(words), "{words}: {warning}");
+    }
+    assert_eq!(reloads(admin, "applied").await, 1);
+    let text = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .expect("scrape")
+        .text()
+        .await
+        .expect("metrics text");
+    let counted = metric_value(
+        &text,
+        "idemproxy_config_reload_key_changes_total",
+        &[("route", "create-booking"), ("field", "scope")],
+    );
+    assert_eq!(counted, 1.0, "{text}");
+}

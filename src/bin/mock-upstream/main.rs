@@ -4,7 +4,7 @@
 
 mod serve;
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 
 use clap::Parser;
@@ -30,12 +30,18 @@ async fn main() -> std::io::Result<()> {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
+        // Its report of a failed write would be an `eprintln!`, a panic on a closed stderr.
+        .log_internal_errors(false)
         .init();
 
     let listener = TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     // On stdout as well as in the log, so a script or bench that passed port 0 can read it.
-    println!("mock-upstream listening on http://{addr}");
+    // A closed stdout loses the line, not the process (`println!` would panic).
+    let _ = writeln!(
+        std::io::stdout(),
+        "mock-upstream listening on http://{addr}"
+    );
     tracing::info!(%addr, "mock-upstream listening on http://{addr}");
 
     serve::serve(listener, MockUpstream::new(), idemproxy::shutdown::signal()).await?;

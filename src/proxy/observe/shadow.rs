@@ -22,13 +22,19 @@
 //!   settlement is dropped unread. With `on_conflict: wait` the claim waits for the first to
 //!   finish, as enforce would, up to `wait_timeout` (a replay when it does; a claim of its own
 //!   when the first released the key: then it is a `forward`, and this response is saved).
+//!   Such a wait is held after the client has its answer, so nothing but a bound of its own
+//!   limits how many pile up: at most `limits.max_detached_exchanges` are held at once
+//!   ([`HeldRepeats`]); past that a repeat is counted at once by what the record shows
+//!   (`conflict`, the first being in flight), never held.
 //! - **The forwarding ended without a settlement** (it panicked): the key is released, since
 //!   no result can be saved for it.
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -50,6 +56,8 @@ pub(super) struct Shadow {
     pub route: Arc<Route>,
     pub idem: Arc<IdempotencySettings>,
     pub observed: ObservedMetrics,
+    /// The bound on repeats held waiting for the first (`on_conflict: wait`).
+    pub held: HeldRepeats,
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
     /// The client's address, so the log of a duplicate says who sent it.
@@ -69,6 +77,9 @@ impl Shadow {
         let lock_ttl = self.idem.lock_ttl;
         let wait_until = Instant::now() + self.idem.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
+        // Taken at the first wait, kept until this claim has ended (a wait can end in a claim
+        // of its own and its save, which are held work too).
+        let mut place = None;
         loop {
             let sent = Instant::now();
             let existing = match self.shared.store.claim(&self.key, &held, lock_ttl).await {
@@ -100,6 +111,12 @@ impl Shadow {
                     let now = Instant::now();
                     if self.idem.on_conflict == OnConflict::Reject || now >= wait_until {
                         return self.duplicate(Would::Conflict, &existing);
+                    }
+                    if place.is_none() {
+                        place = self.held.take();
+                        if place.is_none() {
+                            return self.not_held(&existing);
+                        }
                     }
                     // Enforce's waiter, in the background: a finished first one is a replay,
                     // a released one is claimed by this request (see `Exchange::claim_and_run`).
@@ -175,6 +192,19 @@ impl Shadow {
         }
     }
 
+    /// A repeat that `on_conflict: wait` would hold while the held repeats are at their bound:
+    /// counted at once by what the record shows (the first is in flight: `conflict`), and
+    /// logged as a duplicate is, saying why it was not held.
+    fn not_held(&self, existing: &Record) {
+        tracing::debug!(
+            route = %self.route.name,
+            key = %self.key.id_hex(),
+            bound = self.held.bound,
+            "observe: at limits.max_detached_exchanges held repeats; this one is not held (counted as a conflict)"
+        );
+        self.duplicate(Would::Conflict, existing);
+    }
+
     /// A repeat of a request that holds (or held) the key: counted, and logged so an operator
     /// can find the clients that enforce would answer from the store or refuse.
     fn duplicate(&self, would: Would, existing: &Record) {
@@ -202,5 +232,37 @@ impl Shadow {
             first,
             "observed a duplicate: enforce would have answered {enforce}, not forwarded it"
         );
+    }
+}
+
+/// How many observed repeats are held in the background waiting for the first
+/// (`idemproxy_observed_held`), and how many may be (`limits.max_detached_exchanges` of the
+/// configuration the request arrived under).
+pub(super) struct HeldRepeats {
+    pub count: Gauge,
+    pub bound: u32,
+}
+
+impl HeldRepeats {
+    /// A place among the held repeats, if fewer than the bound are held. The check and the
+    /// count are one atomic step, so workers taking places at once never pass the bound.
+    fn take(&self) -> Option<Place> {
+        let bound = i64::from(self.bound);
+        self.count
+            .inner()
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < bound).then_some(n + 1)
+            })
+            .ok()?;
+        Some(Place(self.count.clone()))
+    }
+}
+
+/// A held repeat's place, given back when it is dropped (a panic too).
+struct Place(Gauge);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }

@@ -219,3 +219,81 @@ async fn every_worker_has_its_own_clients_and_one_reload_reaches_them_all() {
         assert_eq!(numbers, [0, 1]);
     }
 }
+
+#[test]
+fn changes_name_each_kept_route_whose_key_or_fingerprint_is_made_another_way() {
+    let old = config("", TWO);
+    let new = config(
+        "",
+        "  - name: one\n    path: /one\n    upstream: a\n    idempotency:\n      scope: [X-Tenant]\n      header: X-Request-Key\n      key_from: [method]\n      fingerprint: [body]\n      ttl: 1h\n  - name: two\n    path: /two\n    upstream: b\n    idempotency:\n      scope: []\n",
+    );
+    let c = Changes::between(&old, &new);
+    let named: Vec<(&str, &str)> = c
+        .key_changes
+        .iter()
+        .map(|k| (k.route.as_str(), k.field))
+        .collect();
+    // `two` was made idempotent: it had no records to lose. `ttl` changes nothing of the key.
+    assert_eq!(
+        named,
+        [
+            ("one", "scope"),
+            ("one", "header"),
+            ("one", "key_from"),
+            ("one", "fingerprint")
+        ]
+    );
+    assert_eq!(
+        c.to_string(),
+        "routes changed: one, two; keys made another way: one.scope, one.header, one.key_from, one.fingerprint"
+    );
+    let ttl_only = "  - name: one\n    path: /one\n    upstream: a\n    idempotency:\n      ttl: 1h\n  - name: two\n    path: /two\n    upstream: b\n";
+    assert!(
+        Changes::between(&old, &config("", ttl_only))
+            .key_changes
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_reload_that_makes_keys_another_way_is_applied_and_counted_by_route_and_field() {
+    let p = proxy(config("", TWO));
+    let new = config(
+        "",
+        "  - name: one\n    path: /one\n    upstream: a\n    idempotency:\n      scope: []\n      fingerprint: [method, path]\n  - name: two\n    path: /two\n    upstream: b\n",
+    );
+    let Reloaded::Applied(changes) = p.reload(new) else {
+        panic!("applied");
+    };
+    assert_eq!(changes.key_changes.len(), 2, "{changes}");
+    let text = p.metrics.encode();
+    for field in ["scope", "fingerprint"] {
+        let series = format!(
+            "idemproxy_config_reload_key_changes_total{{route=\"one\",field=\"{field}\"}} 1\n"
+        );
+        assert!(text.contains(&series), "{series} in\n{text}");
+    }
+    assert!(!text.contains("field=\"header\""), "{text}");
+}
+
+/// Only a `workers` the file writes needs a restart: the default, one worker a core, counted
+/// again at a reload where the process may use another number of cores (a container whose CPU
+/// quota changed), is no change, and the workers running stay.
+#[tokio::test]
+async fn a_default_workers_counted_again_differently_is_no_change() {
+    let p = proxy(config("", TWO));
+    let running = p.current.load().config.workers;
+    let mut same_file = config("", TWO);
+    // The same file, read where the cores counted differ.
+    same_file.workers = running + 3;
+    assert!(
+        matches!(p.reload(same_file), Reloaded::Applied(_)),
+        "an unchanged file applies"
+    );
+    assert_eq!(p.current.load().config.workers, running, "what runs");
+    // Written as the number running: nothing to restart. Written otherwise: a restart.
+    let written = config(&format!("workers: {running}"), TWO);
+    assert!(matches!(p.reload(written), Reloaded::Applied(_)));
+    let other = config(&format!("workers: {}", running + 1), TWO);
+    assert!(matches!(p.reload(other), Reloaded::NeedsRestart(f) if f == ["workers"]));
+}

@@ -1,19 +1,30 @@
 //! Connections: the tokio-postgres settings, the deadpool pool, and [`Conn`], the checkout
-//! that discards its connection unless the call on it finished.
+//! that settles its connection unless the call on it finished.
 //!
-//! Why a call that did not finish loses its connection: `StoreHandle` drops an operation's
-//! future at `store.timeout`, and the connection it was using is then most likely to a server
-//! that hangs (SIGSTOP, a blackholed network) with that query still in flight on it. Handed back
-//! to the pool, it would be checked out again and every later operation on it would queue
-//! behind the stuck query, one `store.timeout` each, until the server answers or the kernel
-//! gives up on the socket. Detached with `Object::take` and dropped, its client and socket
-//! close (the server rolls back whatever it had not committed) and the pool opens a fresh one.
-//! A call that failed with an error is treated the same way: cheaper than telling which errors
-//! leave a connection fit.
+//! Why a call that did not finish never hands its connection straight back: `StoreHandle`
+//! drops an operation's future at `store.timeout`, and the connection's session may still be
+//! running its statement — waiting on a row lock another transaction holds, or on a server that
+//! hangs (SIGSTOP, a blackholed network). Handed back to the pool, it would be checked out
+//! again and every later operation on it would queue behind the stuck statement. Closed at
+//! once, its server session would go on waiting for that lock all the same (a backend notices
+//! a closed socket only when it next reads or writes), while the pool opened a replacement
+//! beside it: under a storm of timeouts on one locked row, an instance would hold far more
+//! sessions than `pool_size` (SPEC §4.6: the most it opens).
+//!
+//! So such a connection is *settled* ([`settle`]), in a task of its own, while it still counts
+//! in the pool's size (no replacement is opened beside it): its statement is cancelled
+//! (PostgreSQL's cancel request, on a connection of its own), then a `ROLLBACK` waits for the
+//! session to be idle, outside any transaction. Answered within `store.timeout`, the connection
+//! is fit, gets every statement prepared afresh and goes back to the pool; otherwise (a server
+//! that does not answer) it is detached with `Object::take` and dropped: its client and socket
+//! close, the server rolls back whatever it had not committed, and the pool opens a fresh one.
+//! A call that failed with an error is settled the same way: cheaper than telling which errors
+//! leave a connection fit. A connection already closed is dropped at once.
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::error;
 use crate::config::PostgresSettings;
@@ -55,12 +66,15 @@ pub(super) fn pg_config(settings: &PostgresSettings, timeout: Duration) -> tokio
 /// The pool: at most `pool_size` connections, made on demand (none at start, so the proxy
 /// starts while the database is down). Waiting for a free connection, opening one and checking
 /// a returned one are each bounded by `store.timeout`; `StoreHandle` bounds the whole call too.
-pub(super) fn build(settings: &PostgresSettings, timeout: Duration) -> Result<Pool, StoreError> {
+pub(super) fn build(
+    settings: &PostgresSettings,
+    timeout: Duration,
+) -> Result<(Pool, MakeRustlsConnect), StoreError> {
     let tls = super::tls::connector(settings.ca_pem.as_deref())
         .map_err(|why| error::backend("connect", why))?;
     let manager = Manager::from_config(
         pg_config(settings, timeout),
-        tls,
+        tls.clone(),
         ManagerConfig {
             // A returned connection is checked only for being closed: a test query would be one
             // more round trip per operation, and a connection that failed mid-call is never
@@ -68,21 +82,27 @@ pub(super) fn build(settings: &PostgresSettings, timeout: Duration) -> Result<Po
             recycling_method: RecyclingMethod::Fast,
         },
     );
-    Pool::builder(manager)
+    let pool = Pool::builder(manager)
         .max_size(usize::try_from(settings.pool_size).unwrap_or(usize::MAX))
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
         .recycle_timeout(Some(timeout))
         .build()
-        .map_err(|e| error::backend("connect", format!("cannot build the pool: {e}")))
+        .map_err(|e| error::backend("connect", format!("cannot build the pool: {e}")))?;
+    Ok((pool, tls))
 }
 
 /// The pool and the gauges that show it.
 pub(super) struct Connections {
     pool: Pool,
-    /// `store.timeout`: how long a returned connection's check may take.
+    /// `store.timeout`: how long a returned connection's check, or a connection's settling,
+    /// may take.
     timeout: Duration,
+    /// For the cancel requests of [`settle`]: TLS as the pool's connections have it.
+    tls: MakeRustlsConnect,
+    /// Every statement the store runs, prepared on a settled connection before it goes back.
+    statements: Vec<String>,
     gauges: PoolGauges,
 }
 
@@ -95,10 +115,18 @@ struct PoolGauges {
 }
 
 impl Connections {
-    pub(super) fn new(pool: Pool, timeout: Duration, metrics: &Metrics) -> Connections {
+    pub(super) fn new(
+        pool: Pool,
+        tls: MakeRustlsConnect,
+        statements: Vec<String>,
+        timeout: Duration,
+        metrics: &Metrics,
+    ) -> Connections {
         let connections = Connections {
             pool,
             timeout,
+            tls,
+            statements,
             gauges: PoolGauges {
                 connections: GaugePart::of(&metrics.postgres_pool_connections),
                 in_use: GaugePart::of(&metrics.postgres_pool_in_use),
@@ -218,12 +246,51 @@ impl Drop for Conn<'_> {
         if let Some(object) = self.object.take() {
             if self.finished {
                 drop(object);
+            } else if object.is_closed() {
+                // Nothing runs on a session that has ended.
+                drop(Object::take(object));
+            } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let c = self.connections;
+                runtime.spawn(settle(
+                    object,
+                    c.tls.clone(),
+                    c.statements.clone(),
+                    c.timeout,
+                ));
             } else {
-                // Dropping the client aborts its connection task: the socket closes, and the
-                // server ends the session (rolling back whatever it had not committed).
                 drop(Object::take(object));
             }
         }
         self.connections.show();
+    }
+}
+
+/// Settles a connection whose call did not finish (see the module): its statement cancelled,
+/// its session seen idle and outside a transaction, its statements prepared afresh, all within
+/// `within`; then it goes back to the pool. Otherwise it is closed. Meanwhile it counts in the
+/// pool's size, so no replacement is opened beside a session that may still be running.
+async fn settle(object: Object, tls: MakeRustlsConnect, statements: Vec<String>, within: Duration) {
+    let settled = tokio::time::timeout(within, async {
+        object.cancel_token().cancel_query(tls).await?;
+        // Answered only once the cancelled statement has ended; it ends any transaction
+        // left open (a schema setup cut short) and is a no-op outside one.
+        object.batch_execute("ROLLBACK").await?;
+        // A statement that failed may have been one the server no longer knows.
+        object.statement_cache.clear();
+        futures_util::future::try_join_all(statements.iter().map(|sql| object.prepare_cached(sql)))
+            .await
+            .map(drop)
+    })
+    .await;
+    match settled {
+        Ok(Ok(())) => drop(object),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "postgres: a connection whose call did not finish could not be settled; closed");
+            drop(Object::take(object));
+        }
+        Err(_) => {
+            tracing::debug!(within = ?within, "postgres: a connection whose call did not finish was not settled in time; closed");
+            drop(Object::take(object));
+        }
     }
 }

@@ -9,9 +9,14 @@
 //! The threads take jobs from one shared queue. A job whose caller gave up is skipped. A thread
 //! that panicked is one fewer to serve; when none is left, the queue is closed and every read
 //! fails at once with a store error.
+//!
+//! The queue is bounded ([`QUEUE`]): during a read stall (a disk that stopped answering, say)
+//! it would otherwise grow with the request rate, each caller's job kept long after the caller
+//! gave up at `store.timeout`. Past the bound a read fails at once, a store error (503) like
+//! any other, never a wait.
 
 use std::path::Path;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -27,6 +32,10 @@ use crate::store::StoreError;
 /// Read threads (and connections). Reads are short and the machine may be small: two serve
 /// replays beside the writer without crowding it.
 pub(super) const READERS: usize = 2;
+
+/// Reads waiting for a read thread, at most. Far more than a healthy file ever queues (each read
+/// takes microseconds), few enough to hold nothing worth counting.
+pub(super) const QUEUE: usize = 1024;
 
 const LIVE: &str = "SELECT value, expires_at FROM records WHERE key = ?1 AND expires_at > ?2";
 const VERSION: &str = "SELECT max(version) FROM schema_version";
@@ -74,7 +83,7 @@ type ReadJob = Box<dyn for<'c> FnOnce(&mut Reads<'c>, i64) + Send>;
 /// The read threads, as the store sees them.
 pub(super) struct Readers {
     /// `None` once dropping.
-    queue: Option<Sender<ReadJob>>,
+    queue: Option<SyncSender<ReadJob>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -85,7 +94,7 @@ impl Readers {
         let conns = (0..READERS)
             .map(|_| file::open_reader(path))
             .collect::<Result<Vec<_>, _>>()?;
-        let (queue, jobs) = std::sync::mpsc::channel::<ReadJob>();
+        let (queue, jobs) = std::sync::mpsc::sync_channel::<ReadJob>(QUEUE);
         let jobs = Arc::new(Mutex::new(jobs));
         let mut threads = Vec::with_capacity(READERS);
         for (i, conn) in conns.into_iter().enumerate() {
@@ -119,10 +128,17 @@ impl Readers {
             }
         });
         let stopped = || unavailable(op, "the SQLite read threads have stopped");
-        // The send never blocks: the queue is unbounded, as a read's caller waits under its
-        // deadline and an abandoned read is skipped.
+        // Never blocks the runtime's thread: a full queue is an error at once.
         let queue = self.queue.as_ref().ok_or_else(stopped)?;
-        queue.send(job).map_err(|_| stopped())?;
+        queue.try_send(job).map_err(|e| match e {
+            TrySendError::Full(_) => unavailable(
+                op,
+                &format!(
+                    "{QUEUE} SQLite reads are already waiting for a read thread (the file stalls)"
+                ),
+            ),
+            TrySendError::Disconnected(_) => stopped(),
+        })?;
         answer
             .await
             .map_err(|_| stopped())?

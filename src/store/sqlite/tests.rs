@@ -392,3 +392,77 @@ async fn a_lapsed_lease_can_never_complete() {
 fn token_of(h: &Held) -> Vec<u8> {
     token("test", h).expect("a claim").to_vec()
 }
+
+/// A read stall (both read threads stuck) fills the read queue up to its bound; past it, a
+/// read fails at once with a store error (a 503 to its request), never waits; once the threads
+/// run again, reads are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_read_queue_bound_a_read_fails_at_once_during_a_stall() {
+    use futures_util::FutureExt;
+    use std::sync::mpsc;
+
+    let f = Fixture::new();
+    assert!(f.handle.claim(&k(1), &held(1), LEASE).await.is_ok());
+    let readers = &f.store.inner.readers;
+    // Both read threads take a job that waits for the test: the stall.
+    let (started, stalls) = mpsc::channel::<()>();
+    let mut releases = Vec::new();
+    // Kept, so their jobs are not skipped as abandoned.
+    let mut stalling = Vec::new();
+    for _ in 0..readers::READERS {
+        let (release, released) = mpsc::channel::<()>();
+        releases.push(release);
+        let started = started.clone();
+        let mut stall = Box::pin(readers.read("get", move |_, _| {
+            let _ = started.send(());
+            let _ = released.recv();
+            Ok(())
+        }));
+        // Queued by the first poll.
+        std::future::poll_fn(|cx| {
+            assert!(stall.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        stalling.push(stall);
+    }
+    for _ in 0..readers::READERS {
+        stalls
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a read thread took its stalling job");
+    }
+    // Requests whose callers gave up at store.timeout: their jobs stay queued meanwhile.
+    for _ in 0..readers::QUEUE {
+        let read = readers.read("get", |_, _| Ok(()));
+        assert!(read.now_or_never().is_none(), "queued, not refused");
+    }
+    let started = Instant::now();
+    let past = tokio::time::timeout(Duration::from_secs(5), f.handle.get(&k(1)))
+        .await
+        .expect("a read past the bound never waits");
+    let Err(e) = past else {
+        panic!("a read past the bound fails: {past:?}");
+    };
+    assert!(matches!(e, StoreError::Backend { op: "get", .. }), "{e:?}");
+    assert!(e.to_string().contains("already waiting"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(1), "at once");
+    assert_eq!(
+        crate::problem::Problem::of_store(&e).status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    for release in releases {
+        let _ = release.send(());
+    }
+    for stall in stalling {
+        assert!(stall.await.is_ok(), "the stalled reads end");
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match f.handle.get(&k(1)).await {
+            Ok(Some(_)) => break,
+            other => assert!(Instant::now() < deadline, "reads answered again: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
