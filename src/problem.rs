@@ -152,78 +152,111 @@ impl Problem {
         }
     }
 
+    /// Its row of the kind table: every kind's slug, status and title, in one place.
+    #[allow(clippy::too_many_lines)] // A table: one row a kind.
+    fn kind(&self) -> Kind {
+        use StatusCode as S;
+        let (slug, status, title) = match self {
+            Problem::NoRoute => ("no-route", S::NOT_FOUND, "No route matches this request"),
+            Problem::MissingKey { .. } => (
+                "missing-idempotency-key",
+                S::BAD_REQUEST,
+                "Idempotency key missing",
+            ),
+            Problem::InvalidKey { .. } => (
+                "invalid-idempotency-key",
+                S::BAD_REQUEST,
+                "Invalid idempotency key",
+            ),
+            Problem::BodyTooLarge { .. } => (
+                "request-too-large",
+                S::PAYLOAD_TOO_LARGE,
+                "Request body too large",
+            ),
+            Problem::BadRequestBody { .. } => (
+                "bad-request-body",
+                S::BAD_REQUEST,
+                "Request body could not be read",
+            ),
+            Problem::KeyReused => (
+                "idempotency-key-reused",
+                S::UNPROCESSABLE_ENTITY,
+                "Idempotency key reused for a different request",
+            ),
+            Problem::InProgress { .. } => (
+                "request-in-progress",
+                S::CONFLICT,
+                "A request with this idempotency key is in progress",
+            ),
+            Problem::NotReplayable { .. } => (
+                "response-not-replayable",
+                S::CONFLICT,
+                "Response cannot be replayed",
+            ),
+            Problem::ResultNotKept { .. } => {
+                ("result-not-kept", S::BAD_GATEWAY, "Response not kept")
+            }
+            Problem::StoreUnavailable { .. } => (
+                "store-unavailable",
+                S::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            ),
+            Problem::UpstreamUnavailable { .. } => (
+                "upstream-unavailable",
+                S::BAD_GATEWAY,
+                "Upstream unavailable",
+            ),
+            Problem::UpstreamTimeout { .. } => {
+                ("upstream-timeout", S::GATEWAY_TIMEOUT, "Upstream timed out")
+            }
+            Problem::UpstreamFailed { .. } => {
+                ("upstream-failed", S::BAD_GATEWAY, "Upstream failed")
+            }
+            Problem::HopByHopConflict { .. } => (
+                "hop-by-hop-conflict",
+                S::BAD_REQUEST,
+                "A header idempotency relies on is named in Connection",
+            ),
+            Problem::BodyTimeout { .. } => (
+                "request-body-timeout",
+                S::REQUEST_TIMEOUT,
+                "Request body not received in time",
+            ),
+            Problem::Overloaded => (
+                "overloaded",
+                S::SERVICE_UNAVAILABLE,
+                "Too much unfinished work",
+            ),
+            Problem::Internal => (
+                "internal-error",
+                S::INTERNAL_SERVER_ERROR,
+                "Internal proxy error",
+            ),
+            Problem::UnreadableKeyPart { .. } => (
+                "unreadable-key-part",
+                S::BAD_REQUEST,
+                "Idempotency key cannot be derived",
+            ),
+            Problem::HeadersTooLarge { .. } => (
+                "headers-too-large",
+                S::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "Request head too large",
+            ),
+        };
+        Kind {
+            slug,
+            status,
+            title,
+        }
+    }
+
     /// The stable slug of this kind (the last part of its `type`).
     pub fn slug(&self) -> &'static str {
-        match self {
-            Problem::NoRoute => "no-route",
-            Problem::MissingKey { .. } => "missing-idempotency-key",
-            Problem::InvalidKey { .. } => "invalid-idempotency-key",
-            Problem::BodyTooLarge { .. } => "request-too-large",
-            Problem::BadRequestBody { .. } => "bad-request-body",
-            Problem::KeyReused => "idempotency-key-reused",
-            Problem::InProgress { .. } => "request-in-progress",
-            Problem::NotReplayable { .. } => "response-not-replayable",
-            Problem::ResultNotKept { .. } => "result-not-kept",
-            Problem::StoreUnavailable { .. } => "store-unavailable",
-            Problem::UpstreamUnavailable { .. } => "upstream-unavailable",
-            Problem::UpstreamTimeout { .. } => "upstream-timeout",
-            Problem::UpstreamFailed { .. } => "upstream-failed",
-            Problem::HopByHopConflict { .. } => "hop-by-hop-conflict",
-            Problem::BodyTimeout { .. } => "request-body-timeout",
-            Problem::Overloaded => "overloaded",
-            Problem::Internal => "internal-error",
-            Problem::UnreadableKeyPart { .. } => "unreadable-key-part",
-            Problem::HeadersTooLarge { .. } => "headers-too-large",
-        }
+        self.kind().slug
     }
 
     pub fn status(&self) -> StatusCode {
-        match self {
-            Problem::NoRoute => StatusCode::NOT_FOUND,
-            Problem::MissingKey { .. }
-            | Problem::InvalidKey { .. }
-            | Problem::BadRequestBody { .. } => StatusCode::BAD_REQUEST,
-            Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Problem::InProgress { .. } | Problem::NotReplayable { .. } => StatusCode::CONFLICT,
-            Problem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Problem::UpstreamUnavailable { .. }
-            | Problem::UpstreamFailed { .. }
-            | Problem::ResultNotKept { .. } => StatusCode::BAD_GATEWAY,
-            Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Problem::HopByHopConflict { .. } => StatusCode::BAD_REQUEST,
-            Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Problem::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
-            Problem::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            Problem::UnreadableKeyPart { .. } => StatusCode::BAD_REQUEST,
-            Problem::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-        }
-    }
-
-    fn title(&self) -> &'static str {
-        match self {
-            Problem::NoRoute => "No route matches this request",
-            Problem::MissingKey { .. } => "Idempotency key missing",
-            Problem::InvalidKey { .. } => "Invalid idempotency key",
-            Problem::BodyTooLarge { .. } => "Request body too large",
-            Problem::BadRequestBody { .. } => "Request body could not be read",
-            Problem::KeyReused => "Idempotency key reused for a different request",
-            Problem::InProgress { .. } => "A request with this idempotency key is in progress",
-            Problem::NotReplayable { .. } => "Response cannot be replayed",
-            Problem::ResultNotKept { .. } => "Response not kept",
-            Problem::StoreUnavailable { .. } => "Idempotency store unavailable",
-            Problem::UpstreamUnavailable { .. } => "Upstream unavailable",
-            Problem::UpstreamTimeout { .. } => "Upstream timed out",
-            Problem::UpstreamFailed { .. } => "Upstream failed",
-            Problem::HopByHopConflict { .. } => {
-                "A header idempotency relies on is named in Connection"
-            }
-            Problem::BodyTimeout { .. } => "Request body not received in time",
-            Problem::Overloaded => "Too much unfinished work",
-            Problem::Internal => "Internal proxy error",
-            Problem::UnreadableKeyPart { .. } => "Idempotency key cannot be derived",
-            Problem::HeadersTooLarge { .. } => "Request head too large",
-        }
+        self.kind().status
     }
 
     fn detail(&self) -> String {
@@ -290,7 +323,7 @@ impl Problem {
 
     /// The problem document's bytes.
     pub fn body(&self) -> Bytes {
-        document(self.slug(), self.title(), self.status(), &self.detail())
+        document(&self.kind(), &self.detail())
     }
 
     fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
@@ -364,48 +397,41 @@ impl AdminProblem {
         }
     }
 
-    /// The stable slug of this kind (the last part of its `type`).
-    pub(crate) fn slug(&self) -> &'static str {
-        match self {
-            AdminProblem::NoEndpoint => "no-admin-endpoint",
-            AdminProblem::KeyToolingOff => "key-tooling-off",
-            AdminProblem::Unauthorized => "unauthorized",
-            AdminProblem::MethodNotAllowed => "method-not-allowed",
-            AdminProblem::InvalidRecordName { .. } => "invalid-record-name",
-            AdminProblem::NoIdempotentRoute => "no-idempotent-route",
-            AdminProblem::NoRecord => "no-record",
-            AdminProblem::RecordInFlight => "record-in-flight",
-            AdminProblem::NotARecord => "not-a-record",
-            AdminProblem::StoreUnavailable { .. } => "admin-store-unavailable",
-        }
-    }
-
-    pub(crate) fn status(&self) -> StatusCode {
-        match self {
-            AdminProblem::NoEndpoint
-            | AdminProblem::KeyToolingOff
-            | AdminProblem::NoIdempotentRoute
-            | AdminProblem::NoRecord => StatusCode::NOT_FOUND,
-            AdminProblem::Unauthorized => StatusCode::UNAUTHORIZED,
-            AdminProblem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            AdminProblem::InvalidRecordName { .. } => StatusCode::BAD_REQUEST,
-            AdminProblem::RecordInFlight | AdminProblem::NotARecord => StatusCode::CONFLICT,
-            AdminProblem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-        }
-    }
-
-    fn title(&self) -> &'static str {
-        match self {
-            AdminProblem::NoEndpoint => "No such admin endpoint",
-            AdminProblem::KeyToolingOff => "Key tooling off",
-            AdminProblem::Unauthorized => "Admin token required",
-            AdminProblem::MethodNotAllowed => "Method not allowed",
-            AdminProblem::InvalidRecordName { .. } => "Record not named",
-            AdminProblem::NoIdempotentRoute => "No such idempotent route",
-            AdminProblem::NoRecord => "No record",
-            AdminProblem::RecordInFlight => "Claim in flight",
-            AdminProblem::NotARecord => "Not a record",
-            AdminProblem::StoreUnavailable { .. } => "Idempotency store unavailable",
+    /// Its row of the kind table: every kind's slug, status and title, in one place.
+    fn kind(&self) -> Kind {
+        use StatusCode as S;
+        let (slug, status, title) = match self {
+            AdminProblem::NoEndpoint => {
+                ("no-admin-endpoint", S::NOT_FOUND, "No such admin endpoint")
+            }
+            AdminProblem::KeyToolingOff => ("key-tooling-off", S::NOT_FOUND, "Key tooling off"),
+            AdminProblem::Unauthorized => ("unauthorized", S::UNAUTHORIZED, "Admin token required"),
+            AdminProblem::MethodNotAllowed => (
+                "method-not-allowed",
+                S::METHOD_NOT_ALLOWED,
+                "Method not allowed",
+            ),
+            AdminProblem::InvalidRecordName { .. } => {
+                ("invalid-record-name", S::BAD_REQUEST, "Record not named")
+            }
+            AdminProblem::NoIdempotentRoute => (
+                "no-idempotent-route",
+                S::NOT_FOUND,
+                "No such idempotent route",
+            ),
+            AdminProblem::NoRecord => ("no-record", S::NOT_FOUND, "No record"),
+            AdminProblem::RecordInFlight => ("record-in-flight", S::CONFLICT, "Claim in flight"),
+            AdminProblem::NotARecord => ("not-a-record", S::CONFLICT, "Not a record"),
+            AdminProblem::StoreUnavailable { .. } => (
+                "admin-store-unavailable",
+                S::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            ),
+        };
+        Kind {
+            slug,
+            status,
+            title,
         }
     }
 
@@ -427,8 +453,9 @@ impl AdminProblem {
     }
 
     pub(crate) fn response(&self) -> Response<Body> {
-        let body = document(self.slug(), self.title(), self.status(), &self.detail());
-        respond(self.status(), body, vec![content_type()])
+        let kind = self.kind();
+        let body = document(&kind, &self.detail());
+        respond(kind.status, body, vec![content_type()])
     }
 }
 
@@ -439,12 +466,20 @@ fn content_type() -> (HeaderName, HeaderValue) {
     )
 }
 
+/// A kind's row of its table: what every document of that kind shares.
+struct Kind {
+    /// The last part of its `type`: stable, clients may branch on it.
+    slug: &'static str,
+    status: StatusCode,
+    title: &'static str,
+}
+
 /// An RFC 9457 document: `type`, `title`, `status`, `detail`.
-fn document(slug: &str, title: &str, status: StatusCode, detail: &str) -> Bytes {
+fn document(kind: &Kind, detail: &str) -> Bytes {
     let doc = serde_json::json!({
-        "type": format!("{TYPE_PREFIX}{slug}"),
-        "title": title,
-        "status": status.as_u16(),
+        "type": format!("{TYPE_PREFIX}{}", kind.slug),
+        "title": kind.title,
+        "status": kind.status.as_u16(),
         "detail": detail,
     });
     Bytes::from(doc.to_string())
@@ -582,15 +617,15 @@ mod tests {
             .collect();
         for p in all_admin() {
             let resp = p.response();
-            assert_eq!(resp.status(), p.status());
+            assert_eq!(resp.status(), p.kind().status);
             assert_eq!(
                 resp.headers()[header::CONTENT_TYPE],
                 "application/problem+json"
             );
             assert!(resp.headers().get(header::RETRY_AFTER).is_none());
-            let body = document(p.slug(), p.title(), p.status(), &p.detail());
+            let body = document(&p.kind(), &p.detail());
             let doc: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
-            assert_eq!(doc["status"], p.status().as_u16());
+            assert_eq!(doc["status"], p.kind().status.as_u16());
             let ty = doc["type"].as_str().expect("type");
             assert!(types.insert(ty.to_owned()), "{ty} is used twice");
             assert!(!doc["title"].as_str().unwrap_or("").is_empty());
