@@ -18,11 +18,11 @@
 //! - [`store`]: the `Store` trait (claim, renew, complete, release, get) and its backends
 //!   ([`store::memory`], [`store::redis`]), all calls under a deadline.
 //! - [`proxy`]: the configuration in force (`generation`, swapped whole by `reload`) and the
-//!   per-request flow — match (`resolved`: a route resolved once per configuration), then
+//!   per-request flow — match (`matched`: a route built once per configuration), then
 //!   admission (key, body, fingerprint), the exchange (claim, forward, decide), the lease
-//!   (renew, complete, release), pending completions, replay, `detach`, `observe` (a route
+//!   (renew, complete, release), pending saves, replay, `detach`, `observe` (a route
 //!   that forwards everything and counts what enforce would have done); and
-//!   [`proxy::KeyResolver`], the store key of a record as the key tooling names it.
+//!   [`proxy::RouteKeys`], the store key of a record as the key tooling names it.
 //! - [`upstream`]: connection pools, header rewriting, timeouts, failure classification.
 //! - [`webhook`]: a webhook delivery's signature checked and its event id read (SPEC §4.9),
 //!   before anything is claimed; reached from the proxy, it imports no store, upstream or proxy.

@@ -225,6 +225,51 @@ impl Record {
     }
 }
 
+/// A finished record, encoded once: what a completion writes. A completion retried after a
+/// store failure writes these very bytes again, so the store's "already holds exactly this"
+/// check holds, and the pending-save bounds count them.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    record: Record,
+    encoded: Bytes,
+}
+
+impl Finished {
+    /// The finished record of the request whose fingerprint is `fingerprint`, encoded.
+    pub fn new(fingerprint: Fingerprint, saved: Saved) -> Finished {
+        let record = Record::Done { fingerprint, saved };
+        let encoded = record.encode();
+        Finished { record, encoded }
+    }
+
+    pub fn record(&self) -> &Record {
+        &self.record
+    }
+
+    pub fn encoded(&self) -> &Bytes {
+        &self.encoded
+    }
+}
+
+/// A record's bytes, as a completion hands them to the store: a [`Finished`] record, which the
+/// proxy writes; or `Bytes` encoded elsewhere (a tool, or a check that writes what it read
+/// back, or bytes that are no record at all).
+pub trait Encoded {
+    fn encoded(&self) -> &Bytes;
+}
+
+impl Encoded for Finished {
+    fn encoded(&self) -> &Bytes {
+        &self.encoded
+    }
+}
+
+impl Encoded for Bytes {
+    fn encoded(&self) -> &Bytes {
+        self
+    }
+}
+
 /// Whether encoded bytes are a claim in progress (without decoding the rest).
 pub fn is_in_flight(bytes: &[u8]) -> bool {
     bytes.len() > 4 && &bytes[..3] == MAGIC && bytes[3] == VERSION && bytes[4] == b'P'

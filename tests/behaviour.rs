@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Backend, Env, Reply, StoredKey, TestProxy, book, client, eventually, send};
-use idemproxy::proxy::Lookup;
+use idemproxy::proxy::RecordLookup;
 use reqwest::header::{HeaderName, HeaderValue};
 use tokio::task::JoinHandle;
 
@@ -427,7 +427,11 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
     let store_key = proxy
         .proxy
         .keys()
-        .store_key("create-booking", Lookup::Key(raw), &http::HeaderMap::new())
+        .store_key(
+            "create-booking",
+            RecordLookup::Key(raw),
+            &http::HeaderMap::new(),
+        )
         .expect("an idempotent route");
     assert_eq!(store_key.text(), expected);
     let entry = proxy
@@ -505,7 +509,7 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
         .keys()
         .store_key(
             "create-booking",
-            Lookup::Key("pfx"),
+            RecordLookup::Key("pfx"),
             &http::HeaderMap::new(),
         )
         .expect("an idempotent route");

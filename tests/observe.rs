@@ -21,7 +21,7 @@ use common::{
 };
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome, Would};
-use idemproxy::proxy::{Lookup, Proxy, Reloaded};
+use idemproxy::proxy::{Proxy, RecordLookup, Reloaded};
 use idemproxy::record::{Record, Saved};
 use idemproxy::store::StoreHandle;
 use tokio::net::TcpListener;
@@ -113,7 +113,7 @@ fn claims(proxy: &TestProxy) -> u64 {
 async fn record(proxy: &Proxy, key: &str) -> Option<Record> {
     let store_key = proxy
         .keys()
-        .store_key(ROUTE, Lookup::Key(key), &http::HeaderMap::new())
+        .store_key(ROUTE, RecordLookup::Key(key), &http::HeaderMap::new())
         .expect("an idempotent route");
     proxy.store().get(&store_key).await.expect("store read")
 }

@@ -27,10 +27,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::completion::Completion;
-use super::pending::PendingCompletions;
+use super::pending::PendingSaves;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
-use crate::record::Record;
+use crate::record::Finished;
 use crate::store::{Held, StoreError, StoreHandle};
 
 /// Once a failing save has backed off this far, it is retried at this steady pace.
@@ -173,22 +173,14 @@ impl Lease {
     /// be valid; the caller answers the client at once either way.
     pub(crate) async fn complete(
         mut self,
-        done: Record,
+        done: Finished,
         ttl: Duration,
         tasks: &TaskTracker,
-        pending: &Arc<PendingCompletions>,
+        pending: &Arc<PendingSaves>,
     ) {
-        let encoded = done.encode();
-        match self
-            .store
-            .complete(&self.key, &self.held, &encoded, ttl)
-            .await
-        {
+        match self.store.complete(&self.key, &self.held, &done, ttl).await {
             Ok(true) => {}
-            Ok(false) => {
-                self.lost_or_completed(&Completion::whole(done, encoded))
-                    .await
-            }
+            Ok(false) => self.lost_or_completed(&Completion::whole(done)).await,
             Err(e) => {
                 tracing::warn!(
                     route = %self.route,
@@ -196,11 +188,11 @@ impl Lease {
                     error = %e,
                     "completing the claim failed; retrying in the background"
                 );
-                let ticket =
-                    pending.begin(self.route.clone(), self.key.id_hex(), encoded.len() as u64);
+                let bytes = done.encoded().len() as u64;
+                let ticket = pending.begin(self.route.clone(), self.key.id_hex(), bytes);
                 let pending = pending.clone();
                 tasks.spawn(async move {
-                    let completion = Completion::whole(done, encoded);
+                    let completion = Completion::whole(done);
                     self.complete_in_background(completion, ttl, &ticket.downgrade)
                         .await;
                     pending.finish(&ticket);
@@ -260,7 +252,7 @@ impl Lease {
             backoff = (backoff * 2).min(slowest);
             match self
                 .store
-                .complete(&self.key, &self.held, &completion.encoded, ttl)
+                .complete(&self.key, &self.held, &completion.done, ttl)
                 .await
             {
                 Ok(true) if completion.is_downgraded() => {
@@ -291,7 +283,7 @@ impl Lease {
         tracing::error!(
             route = %self.route,
             key = %self.key.id_hex(),
-            bytes = completion.encoded.len(),
+            bytes = completion.done.encoded().len(),
             status = completion.status().as_u16(),
             "result not kept: the store keeps refusing to save it and the pending-save bounds are reached \
              (limits.max_pending_saves / max_pending_save_bytes); the key stays held, and a result-not-kept \
@@ -360,7 +352,7 @@ async fn next_answer(in_flight: &mut [Option<Renewal<'_>>]) -> (Instant, Result<
 mod tests {
     use super::*;
     use crate::metrics::Metrics;
-    use crate::record::{Saved, new_token};
+    use crate::record::{Record, Saved, new_token};
     use crate::store::memory::MemoryStore;
     use crate::store::{Store, StoreError};
     use async_trait::async_trait;
@@ -501,15 +493,15 @@ mod tests {
             lock_ttl,
             claimed_at,
         );
-        let done = Record::Done {
-            fingerprint: [1; 32],
-            saved: Saved::Response(crate::record::SavedResponse {
+        let done = Finished::new(
+            [1; 32],
+            Saved::Response(crate::record::SavedResponse {
                 status: StatusCode::CREATED,
                 headers: vec![],
                 body: Bytes::from(vec![b'x'; 1000]),
             }),
-        };
-        let pending = Arc::new(PendingCompletions::new(
+        );
+        let pending = Arc::new(PendingSaves::new(
             10,
             100,
             Default::default(),
@@ -711,13 +703,13 @@ mod tests {
             Duration::from_secs(1),
             metrics.clone(),
         );
-        let done = Record::Done {
-            fingerprint: [1; 32],
-            saved: Saved::NotReplayable {
+        let done = Finished::new(
+            [1; 32],
+            Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
-        };
-        let pending = Arc::new(PendingCompletions::new(
+        );
+        let pending = Arc::new(PendingSaves::new(
             10,
             1024,
             Default::default(),
@@ -740,13 +732,13 @@ mod tests {
         let memory = MemoryStore::new(10);
         let store = StoreHandle::new(Arc::new(memory), Duration::from_secs(1), metrics.clone());
         // Never claimed: the compare-and-set misses and the key holds nothing of ours.
-        let done = Record::Done {
-            fingerprint: [1; 32],
-            saved: Saved::NotReplayable {
+        let done = Finished::new(
+            [1; 32],
+            Saved::NotReplayable {
                 status: http::StatusCode::OK,
             },
-        };
-        let pending = Arc::new(PendingCompletions::new(
+        );
+        let pending = Arc::new(PendingSaves::new(
             10,
             1024,
             Default::default(),

@@ -26,7 +26,10 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::{RunError, begin_drain, bind_shared, serve_worker, stores};
+use super::bind::bind_shared;
+use super::error::RunError;
+use super::serving::{Drained, begin_drain, serve_worker};
+use super::stores;
 use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -42,13 +45,6 @@ pub struct Workers {
     first: JoinHandle<Drained>,
     /// Each other worker's end: its drain's, sent once its runtime is gone.
     others: Vec<oneshot::Receiver<Drained>>,
-}
-
-/// How one worker's drain ended.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Drained {
-    /// Whether every connection and background task finished within `shutdown_timeout`.
-    pub in_time: bool,
 }
 
 impl Workers {
@@ -222,7 +218,7 @@ impl Workers {
         } else {
             tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway");
         }
-        proxy.log_pending_completions();
+        proxy.log_pending_saves();
     }
 }
 

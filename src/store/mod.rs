@@ -26,7 +26,7 @@ use bytes::Bytes;
 
 pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp};
-use crate::record::{DecodeError, Record};
+use crate::record::{DecodeError, Encoded, Record};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
 /// answers 503 (or forwards, with `on_store_error: forward`), never guesses.
@@ -247,20 +247,20 @@ impl StoreHandle {
             .await
     }
 
-    /// See [`Store::complete`]; `done` is encoded once, by the caller, so a retried
-    /// completion writes the very same bytes.
+    /// See [`Store::complete`]; `done` was encoded once, by [`crate::record`] (a
+    /// [`Finished`](crate::record::Finished) record), so a retried completion writes the very
+    /// same bytes. Records cross here in one direction: the store decodes what it reads, and
+    /// never encodes a finished record itself.
     pub async fn complete(
         &self,
         key: &StoreKey,
         held: &Held,
-        done: &Bytes,
+        done: &impl Encoded,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.timed(
-            StoreOp::Complete,
-            self.inner.complete(key, held, done.clone(), ttl),
-        )
-        .await
+        let done = done.encoded().clone();
+        self.timed(StoreOp::Complete, self.inner.complete(key, held, done, ttl))
+            .await
     }
 
     /// See [`Store::release`].

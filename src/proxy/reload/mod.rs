@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use super::Proxy;
 use super::generation::Generation;
-use super::resolved::RouteNumbers;
+use super::matched::RouteNumbers;
 use crate::config::{Config, ConfigErrors, IdempotencySettings};
 use crate::metrics::ReloadResult;
 
@@ -355,7 +355,7 @@ impl Proxy {
             self.workers(),
         );
         let limits = generation.config.limits;
-        // One set of pending completions for every worker: bounded once.
+        // One set of pending saves for every worker: bounded once.
         self.worker(0)
             .pending
             .set_bounds(limits.max_pending_saves, limits.max_pending_save_bytes);

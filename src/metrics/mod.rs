@@ -260,9 +260,9 @@ pub struct Metrics {
     /// `idemproxy_config_reload_key_changes_total{route,field}`.
     reload_key_changes: Family<RouteField, Counter>,
     /// Completions being retried in the background.
-    pub pending_completions: Gauge,
+    pub pending_saves: Gauge,
     /// Bytes of the results those completions hold.
-    pub pending_completion_bytes: Gauge,
+    pub pending_save_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,
     /// Observed repeats held in the background (`on_conflict: wait`), at most
@@ -505,13 +505,13 @@ impl Metrics {
             })
             .collect();
         Metrics {
-            pending_completions: register(
+            pending_saves: register(
                 r,
                 "idemproxy_pending_saves",
                 "Results whose save is being retried in the background (the store refused or timed out)",
                 Gauge::default(),
             ),
-            pending_completion_bytes: register(
+            pending_save_bytes: register(
                 r,
                 "idemproxy_pending_save_bytes",
                 "Bytes held by results whose save is being retried",

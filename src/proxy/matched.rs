@@ -1,6 +1,6 @@
-//! A route resolved once per configuration — its upstream client, policy and metric series in
-//! one value — and the two answers every step of the flow can give on it: a refusal, or the request passed
-//! through as it is.
+//! The route a request matched, built once per configuration — its upstream client, policy and
+//! metric series in one value — and the two answers every step of the flow can give on it: a
+//! refusal, or the request passed through as it is.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -17,7 +17,7 @@ use crate::problem::Problem;
 use crate::route::{IdempotencySettings, Mode, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
 
-/// A route resolved once per configuration (at start, at each reload): everything a request on
+/// A route built once per configuration (at start, at each reload): everything a request on
 /// it needs, in one value.
 pub(super) struct Route {
     /// The route's name, for logs.
@@ -30,7 +30,7 @@ pub(super) struct Route {
     /// The route's metric series, registered at start.
     pub metrics: RouteMetrics,
     /// `Some` on an observed route (`mode: observe`): what enforce would have answered, its
-    /// series registered when the route is resolved (at start, or at the reload that makes it
+    /// series registered when the route is built (at start, or at the reload that makes it
     /// observed) and kept by the registry across later reloads.
     pub observed: Option<ObservedMetrics>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
@@ -41,9 +41,9 @@ pub(super) struct Route {
 }
 
 impl Route {
-    /// Resolves every route of `config`, in file order, over the upstream clients `upstreams`:
+    /// Builds every route of `config`, in file order, over the upstream clients `upstreams`:
     /// its policy, its metric series, and the number its name has in `numbers`.
-    pub(crate) fn resolve_all(
+    pub(crate) fn build_all(
         config: &Config,
         metrics: &Metrics,
         upstreams: &BTreeMap<String, Arc<Upstream>>,

@@ -45,14 +45,13 @@ use tokio::sync::oneshot;
 
 use self::shadow::{HeldRepeats, Shadow};
 use super::admission::{self, Admitted, KeySource, Underived};
+use super::context::Context;
 use super::detach::{self, Detachable};
 use super::exchange::first_response;
-use super::resolved::{Answer, Route, forward_plain, refuse};
+use super::matched::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
-use super::shared::Shared;
 use super::{KeyHash, Proxy, answer_of, body_with_deadline};
 use crate::body::{self, Body, ClientBodyError};
-use crate::config::Limits;
 use crate::metrics::{ObservedMetrics, Outcome, Unclaimed, Would};
 use crate::problem::Problem;
 use crate::route::{IdempotencySettings, OnUnknownOutcome};
@@ -61,19 +60,23 @@ use crate::upstream::{self, Bounded};
 impl Proxy {
     /// A request on an observed route (`observed`: its series): admitted as `enforce` would,
     /// counted, and forwarded whatever admission says.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn observed(
         &self,
-        shared: &Arc<Shared>,
-        route: &Arc<Route>,
-        idem: &Arc<IdempotencySettings>,
+        context: &Arc<Context>,
         observed: &ObservedMetrics,
         req: Request<Incoming>,
-        client: SocketAddr,
-        limits: &Limits,
     ) -> Answer {
+        let Context {
+            route,
+            policy: idem,
+            shared,
+            client,
+            limits,
+            ..
+        } = &**context;
+        let client = *client;
         let (parts, incoming) = req.into_parts();
-        let drop_key = (!idem.forward_key).then_some(&idem.header);
+        let drop_key = context.drop_key();
         let source = match admission::check_head(idem, &parts) {
             // No key on a route that neither requires nor derives one: plain traffic under
             // `enforce` too, nothing for idempotency to decide, so not counted.
@@ -100,7 +103,7 @@ impl Proxy {
             // (and a pass-through route) would, which is no idempotency refusal.
             Err(problem) => return refuse(problem, Outcome::BadRequest),
         };
-        let admitted = match admission::with_body(route, idem, source, parts, body) {
+        let admitted = match admission::with_body(context, source, parts, body) {
             Ok(admitted) => admitted,
             Err(underived) => {
                 let Underived {
@@ -134,16 +137,13 @@ impl Proxy {
             derived: admitted.derived,
         };
         let observation = Observation {
-            shared: shared.clone(),
-            route: route.clone(),
-            idem: idem.clone(),
+            context: context.clone(),
             observed: observed.clone(),
             held: HeldRepeats {
                 count: self.metrics.observed_held.clone(),
                 bound: limits.max_detached_exchanges,
             },
             request: admitted,
-            client,
         };
         // As on an enforced route: run here, moved to a task of its own if the client leaves
         // first, tracked either way (see `idempotent`).
@@ -153,7 +153,7 @@ impl Proxy {
             observation.forward().await
         }));
         let _watch = watch;
-        let (mut resp, outcome) = answer_of(exchange.await, &route.name);
+        let (mut resp, outcome) = answer_of(exchange.await, &route.name, context.start);
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
     }
@@ -161,14 +161,11 @@ impl Proxy {
 
 /// An admitted request on an observed route, from its forwarding to its answer.
 struct Observation {
-    shared: Arc<Shared>,
-    route: Arc<Route>,
-    idem: Arc<IdempotencySettings>,
+    context: Arc<Context>,
     observed: ObservedMetrics,
     /// How many repeats observe holds in the background, and how many it may.
     held: HeldRepeats,
     request: Admitted,
-    client: SocketAddr,
 }
 
 impl Observation {
@@ -177,13 +174,10 @@ impl Observation {
     /// means for the key.
     async fn forward(self) -> Answer {
         let Observation {
-            shared,
-            route,
-            idem,
+            context,
             observed,
             held,
             request,
-            client,
         } = self;
         let Admitted {
             parts,
@@ -194,34 +188,31 @@ impl Observation {
         } = request;
         let (settled, settlement) = oneshot::channel();
         let shadow = Shadow {
-            shared: shared.clone(),
-            route: route.clone(),
-            idem: idem.clone(),
+            context: context.clone(),
             observed,
             held,
             key,
             fingerprint,
-            client: client.ip(),
             derived,
         };
-        shared.tasks.spawn(shadow.run(settlement));
+        context.shared.tasks.spawn(shadow.run(settlement));
 
+        let (route, idem) = (&context.route, &context.policy);
         let up = &route.upstream;
-        let drop_key = (!idem.forward_key).then_some(&idem.header);
         // The request goes out as `enforce` would send it, resent after the keep-alive race
         // only where `enforce` would (SPEC §4.3).
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
-        let result = match up.request(parts, body, client, drop_key) {
+        let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => up.call_bounded(req, idem.max_response_body, resend).await,
             Err(e) => Err(e),
         };
         let (settlement, answer) = match result {
             Ok((parts, Bounded::Complete(bytes))) => (
-                Settlement::of_whole(&idem, &parts, &bytes),
+                Settlement::of_whole(idem, &parts, &bytes),
                 (first_response(parts, bytes), Outcome::Passthrough),
             ),
             Ok((parts, Bounded::Over { prefix, rest })) => (
-                Settlement::of_over(&idem, &parts),
+                Settlement::of_over(idem, &parts),
                 (
                     Response::from_parts(parts, upstream::chain(prefix, rest)),
                     Outcome::Passthrough,
@@ -229,7 +220,7 @@ impl Observation {
             ),
             Err(e) => {
                 tracing::warn!(route = %route.name, upstream = up.name(), error = %e, "upstream call failed");
-                let (settlement, problem, outcome) = Settlement::of_failure(&route, &idem, &e);
+                let (settlement, problem, outcome) = Settlement::of_failure(&context, &e);
                 (settlement, refuse(problem, outcome))
             }
         };
