@@ -539,6 +539,32 @@ async fn demo_serves_forward_and_replay_then_stops_on_sigterm() {
 }
 
 #[test]
+fn a_pid_file_that_cannot_be_written_stops_the_start_before_listening_is_logged() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pid = dir.path().join("no-such-dir").join("idemproxy.pid");
+    let yaml = valid_yaml(&format!("127.0.0.1:{}", free_port())).replace(
+        "upstreams:\n",
+        &format!("pid_file: {}\nupstreams:\n", pid.display()),
+    );
+    let file = write_config(&yaml);
+    let mut c = idemproxy();
+    c.arg("--config").arg(file.path());
+    let out = run(c);
+    assert_eq!(out.code, Some(1), "stderr:\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("cannot write pid_file") && out.stderr.contains("no-such-dir"),
+        "the reason, naming the file:\n{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("listening on"),
+        "a process that cannot start never says it listens:\n{}",
+        out.stderr
+    );
+    assert!(!pid.exists(), "no pid file left behind");
+}
+
+#[test]
 fn running_logs_the_listen_address_and_sigterm_exits_zero() {
     let mut p = ProxyProcess::spawn(&valid_yaml("127.0.0.1:0"));
     let addr = p.addr.to_string();
