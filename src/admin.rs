@@ -4,6 +4,7 @@
 //! | --- | --- |
 //! | `GET /healthz` | `200` while the process serves |
 //! | `GET /readyz` | `200` when the store answers within `store.timeout`; `503` when it does not, and while draining after SIGTERM (so a load balancer stops sending) |
+//! | `HEAD /healthz`, `HEAD /readyz` | the same status and headers, without a body: load balancers that probe with `HEAD` |
 //! | `GET /metrics` | Prometheus text (OpenMetrics) |
 //! | `GET /keys/ROUTE?key=K&scope=Name:%20value`, `GET /keys/ROUTE?part=V1&part=V2…` (a `key_from` route's part values, in order) or `GET /keys/ROUTE/HASH` | one record: state, fingerprint, saved status, header names, body size, age and remaining TTL; the body only with `&body=true` |
 //! | `DELETE /keys/ROUTE?key=K…` or `DELETE /keys/ROUTE/HASH` | forgets a finished record (`409` for a claim in flight, which is never forgotten); logged |
@@ -57,8 +58,9 @@ pub(crate) async fn handle(
 ) -> Response<Body> {
     let path = req.uri().path().to_owned();
     match (req.method(), path.as_str()) {
-        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") => readiness(proxy).await,
+        // HEAD as GET: hyper writes the head (Content-Length included) and leaves the body out.
+        (&Method::GET | &Method::HEAD, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET | &Method::HEAD, "/readyz") => readiness(proxy).await,
         (&Method::GET, "/metrics") => {
             let mut resp = Response::new(body::full(proxy.encode_metrics()));
             resp.headers_mut().insert(

@@ -7,16 +7,24 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use idemproxy::config::Config;
+use idemproxy::config::{Config, Secret};
 use idemproxy_mock::MockUpstream;
+
+/// The demo's admin token, printed with the lines to try: the demo listens on loopback
+/// addresses by default and keeps nothing worth protecting.
+const DEMO_TOKEN: &str = "demo-token";
 
 /// The `mock-upstream` binary's serving code, the one place that puts the mock on a socket.
 #[path = "bin/mock-upstream/serve.rs"]
 mod mock_upstream;
 
 /// Serves the mock booking service on `upstream_listen` and the proxy in front of it on
-/// `listen`, until a stop signal.
-pub(crate) async fn run(listen: SocketAddr, upstream_listen: SocketAddr) -> ExitCode {
+/// `listen`, with its admin listener on `admin_listen`, until a stop signal.
+pub(crate) async fn run(
+    listen: SocketAddr,
+    upstream_listen: SocketAddr,
+    admin_listen: SocketAddr,
+) -> ExitCode {
     let up = match idemproxy::server::bind(upstream_listen) {
         Ok(l) => l,
         Err(e) => {
@@ -31,22 +39,34 @@ pub(crate) async fn run(listen: SocketAddr, upstream_listen: SocketAddr) -> Exit
             return ExitCode::FAILURE;
         }
     };
+    // Tried here, so that a port in use is reported with the flag that moves it; the proxy
+    // binds it again (with port 0, the port found here) as it binds every admin listener.
+    let admin = match std::net::TcpListener::bind(admin_listen).and_then(|l| l.local_addr()) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(%admin_listen, error = %e, "cannot start the admin listener (pass --admin-listen)");
+            return ExitCode::FAILURE;
+        }
+    };
     let (Ok(up_addr), Ok(addr)) = (up.local_addr(), proxy.local_addr()) else {
         return ExitCode::FAILURE;
     };
-    let yaml = demo_config(addr, up_addr);
-    let config = match Config::from_yaml(&yaml) {
+    let yaml = demo_config(addr, up_addr, admin);
+    let mut config = match Config::from_yaml(&yaml) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "the demo configuration is invalid");
             return ExitCode::FAILURE;
         }
     };
+    // Set here rather than through admin_token_file or admin_token_env: the demo needs no
+    // file or variable of its own, and it rereads no configuration (SIGHUP is ignored).
+    config.admin_token = Some(Secret::new(DEMO_TOKEN));
     let (stop_mock, mock_stopped) = tokio::sync::oneshot::channel::<()>();
     let mock = tokio::spawn(mock_upstream::serve(up, MockUpstream::new(), async move {
         let _ = mock_stopped.await;
     }));
-    say!("{}", demo_instructions(addr, up_addr));
+    say!("{}", demo_instructions(addr, up_addr, admin, &own_path()));
     let result = idemproxy::run(
         proxy,
         config,
@@ -66,10 +86,11 @@ pub(crate) async fn run(listen: SocketAddr, upstream_listen: SocketAddr) -> Exit
 }
 
 /// The demo's configuration: the embedded store, `POST /bookings` idempotent, everything else
-/// passed through to the mock booking service.
-fn demo_config(listen: SocketAddr, upstream: SocketAddr) -> String {
+/// passed through to the mock booking service, and the admin listener.
+fn demo_config(listen: SocketAddr, upstream: SocketAddr, admin: SocketAddr) -> String {
     format!(
         r#"listen: {listen}
+admin_listen: {admin}
 store:
   backend: memory
 upstreams:
@@ -89,12 +110,35 @@ routes:
     )
 }
 
-/// What the demo prints: where things listen and the curl lines to try.
-fn demo_instructions(listen: SocketAddr, upstream: SocketAddr) -> String {
+/// This binary as the user can run it from where they are: `./target/release/idemproxy` after
+/// `cargo run --release -- demo` in the repository, else its absolute path.
+fn own_path() -> String {
+    let Ok(exe) = std::env::current_exe() else {
+        return "idemproxy".to_owned();
+    };
+    match std::env::current_dir()
+        .ok()
+        .and_then(|here| exe.strip_prefix(here).ok().map(|p| p.to_path_buf()))
+    {
+        Some(relative) => format!("./{}", relative.display()),
+        None => exe.display().to_string(),
+    }
+}
+
+/// What the demo prints: where things listen and the lines to try (README's quick start shows
+/// them as printed on the default ports).
+fn demo_instructions(
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    admin: SocketAddr,
+    exe: &str,
+) -> String {
     let p = format!("http://{listen}");
+    let a = format!("http://{admin}");
     format!(
         r#"
-idemproxy demo: the proxy on {p} (embedded store), in front of the mock booking service on http://{upstream}.
+idemproxy demo: the proxy on {p} (embedded store), in front of the mock booking service on http://{upstream};
+its admin listener on {a} (admin token: {DEMO_TOKEN}).
 Try these in another terminal:
 
 # 1. Forward: the first request with a key creates a booking (201, a new bk_ id).
@@ -111,8 +155,14 @@ sleep 1; curl -i -X POST {p}/bookings -H 'Idempotency-Key: demo-2' -d '{{"seat":
 # 4. 422: the same key reused for a different request.
 curl -i -X POST {p}/bookings -H 'Idempotency-Key: demo-1' -H 'Content-Type: application/json' -d '{{"seat":"99Z"}}'
 
-# How many bookings the mock really made (two: demo-1 and demo-2):
-curl -s {p}/_mock/stats; echo
+# How many bookings the mock really made (two: demo-1 and demo-2; wait lets demo-2's 5s end first):
+wait; curl -s {p}/_mock/stats; echo
+
+# 5. The admin listener: health, the request counters, and the record of demo-1 through the key tooling.
+curl -s {a}/healthz
+curl -s {a}/metrics | grep '^idemproxy_requests_total{{route="create-booking"' | grep -v ' 0$'
+{exe} health --admin {a} && echo healthy
+IDEMPROXY_ADMIN_TOKEN={DEMO_TOKEN} {exe} keys show --admin {a} --route create-booking --key demo-1
 
 Ctrl-C stops both.
 "#

@@ -72,6 +72,10 @@ enum Command {
         /// Where the mock booking service listens.
         #[arg(long, default_value = "127.0.0.1:8081")]
         upstream_listen: SocketAddr,
+        /// Where the admin listener listens (/healthz, /readyz, /metrics, /keys with the
+        /// token `demo-token`).
+        #[arg(long, default_value = "127.0.0.1:9090")]
+        admin_listen: SocketAddr,
     },
 }
 
@@ -132,10 +136,11 @@ fn main() -> ExitCode {
     if let Some(Command::Demo {
         listen,
         upstream_listen,
+        admin_listen,
     }) = args.command
     {
         init_logging(LogFormat::Text);
-        return block_on(demo::run(listen, upstream_listen));
+        return block_on(demo::run(listen, upstream_listen, admin_listen));
     }
     let Some(path) = args.config else {
         complain!(

@@ -442,7 +442,7 @@ fn help_mentions_check_config_and_demo() {
     c.args(["demo", "--help"]);
     let out = run(c);
     assert_eq!(out.code, Some(0), "stderr: {}", out.stderr);
-    for word in ["--listen", "--upstream-listen"] {
+    for word in ["--listen", "--upstream-listen", "--admin-listen"] {
         assert!(
             out.stdout.contains(word),
             "demo --help lacks {word}:\n{}",
@@ -464,8 +464,17 @@ fn an_unknown_flag_is_refused() {
 async fn demo_serves_forward_and_replay_then_stops_on_sigterm() {
     let listen = format!("127.0.0.1:{}", free_port());
     let upstream = format!("127.0.0.1:{}", free_port());
+    let admin = format!("127.0.0.1:{}", free_port());
     let mut c = idemproxy();
-    c.args(["demo", "--listen", &listen, "--upstream-listen", &upstream]);
+    c.args([
+        "demo",
+        "--listen",
+        &listen,
+        "--upstream-listen",
+        &upstream,
+        "--admin-listen",
+        &admin,
+    ]);
     let mut demo = Running::spawn(c);
     demo.wait_for("the curl lines", |out, _| {
         out.contains("Idempotency-Key") && out.contains(&listen)
@@ -498,9 +507,61 @@ async fn demo_serves_forward_and_replay_then_stops_on_sigterm() {
     assert_eq!(stats.status, 200, "{:?}", stats.body);
     assert_eq!(stats.json()["by_key"]["cli-demo-1"], 1, "{:?}", stats.body);
 
+    // Its admin listener, as the lines it printed use it: health, metrics, and the key
+    // tooling with the printed token.
+    assert!(
+        out.contains(&format!("http://{admin}/metrics"))
+            && out.contains("IDEMPROXY_ADMIN_TOKEN=demo-token"),
+        "admin lines:\n{out}"
+    );
+    let health = send(client().get(format!("http://{admin}/healthz"))).await;
+    assert_eq!(health.status, 200, "{:?}", health.body);
+    let metrics = send(client().get(format!("http://{admin}/metrics"))).await;
+    assert!(
+        String::from_utf8_lossy(&metrics.body)
+            .contains(r#"idemproxy_requests_total{route="create-booking",outcome="replayed"} 1"#),
+        "{:?}",
+        metrics.body
+    );
+    let record = send(
+        client()
+            .get(format!("http://{admin}/keys/create-booking?key=cli-demo-1"))
+            .header("Authorization", "Bearer demo-token"),
+    )
+    .await;
+    assert_eq!(record.status, 200, "{:?}", record.body);
+    assert_eq!(record.json()["state"], "finished", "{:?}", record.body);
+    assert_eq!(record.json()["status"], 201, "{:?}", record.body);
+
     demo.signal("-TERM");
     let code = tokio::task::block_in_place(|| demo.wait(Duration::from_secs(15)));
     assert_eq!(code, Some(0), "stderr:\n{}", demo.stderr());
+}
+
+#[test]
+fn a_pid_file_that_cannot_be_written_stops_the_start_before_listening_is_logged() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pid = dir.path().join("no-such-dir").join("idemproxy.pid");
+    let yaml = valid_yaml(&format!("127.0.0.1:{}", free_port())).replace(
+        "upstreams:\n",
+        &format!("pid_file: {}\nupstreams:\n", pid.display()),
+    );
+    let file = write_config(&yaml);
+    let mut c = idemproxy();
+    c.arg("--config").arg(file.path());
+    let out = run(c);
+    assert_eq!(out.code, Some(1), "stderr:\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("cannot write pid_file") && out.stderr.contains("no-such-dir"),
+        "the reason, naming the file:\n{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("listening on"),
+        "a process that cannot start never says it listens:\n{}",
+        out.stderr
+    );
+    assert!(!pid.exists(), "no pid file left behind");
 }
 
 #[test]

@@ -117,7 +117,7 @@ fn table() -> Vec<Row> {
         row("unknown upstream field", upstream("url: http://127.0.0.1:8081\nretries: 3"), "upstreams.booking.retries", &["unknown field", "retries"]),
         row("unknown route field", VALID.replace("    upstream: booking", "    upstream: booking\n    timeout: 3s"), "routes[0].timeout", &["unknown field", "timeout"]),
         // listen.
-        row("missing listen", VALID.replace("listen: 127.0.0.1:8080\n", ""), "", &["missing field", "listen"]),
+        row("missing listen", VALID.replace("listen: 127.0.0.1:8080\n", ""), "listen", &["missing field", "listen"]),
         row("listen without a port", VALID.replace("listen: 127.0.0.1:8080", "listen: 127.0.0.1"), "listen", &["invalid socket address", "127.0.0.1"]),
         row("listen not an address", VALID.replace("listen: 127.0.0.1:8080", "listen: everywhere"), "listen", &["invalid socket address", "everywhere"]),
         // Durations and sizes.
@@ -134,7 +134,7 @@ fn table() -> Vec<Row> {
         row("ttl that overflows any clock", idem("ttl: 500000000years"), "routes[0].idempotency.ttl", &["too long"]),
         row("lock_ttl over a day", idem("lock_ttl: 2days"), "routes[0].idempotency.lock_ttl", &["too long", "1d"]),
         row("wait_timeout over an hour", idem("on_conflict: wait\nwait_timeout: 2h"), "routes[0].idempotency.wait_timeout", &["too long", "1h"]),
-        row("request body over 1GiB", idem("max_request_body: 2GiB"), "routes[0].idempotency.max_request_body", &["too large", "at most 1073741824"]),
+        row("request body over 1GiB", idem("max_request_body: 2GiB"), "routes[0].idempotency.max_request_body", &["2GiB is too large", "at most 1GiB"]),
         row("response body over 1GiB", idem("max_response_body: 2GiB"), "routes[0].idempotency.max_response_body", &["too large"]),
         row("shutdown_timeout over an hour", top("shutdown_timeout: 2h"), "shutdown_timeout", &["too long", "1h"]),
         row("store timeout over a minute", store("timeout: 2m"), "store.timeout", &["too long", "1m"]),
@@ -183,7 +183,7 @@ fn table() -> Vec<Row> {
         row("route name with a space", VALID.replace("name: create-booking", "name: \"create booking\""), "routes[0].name", &["invalid route name", "create booking"]),
         row("route name with a colon", VALID.replace("name: create-booking", "name: \"a:b\""), "routes[0].name", &["invalid route name", "a:b"]),
         row("empty route name", VALID.replace("name: create-booking", "name: \"\""), "routes[0].name", &["invalid route name"]),
-        row("route missing its path", VALID.replace("    path: /bookings\n", ""), "routes[0]", &["missing field", "path"]),
+        row("route missing its path", VALID.replace("    path: /bookings\n", ""), "routes[0].path", &["missing field", "path"]),
         row("route referencing an unknown upstream", VALID.replace("upstream: booking", "upstream: billing"), "routes[0].upstream", &["unknown upstream", "billing", "booking"]),
         row("path without a leading slash", path("bookings"), "routes[0].path", &["invalid path", "start with '/'"]),
         row("star in the middle of a path", path("/a/*/b"), "routes[0].path", &["invalid path", "last segment"]),
@@ -208,7 +208,7 @@ fn table() -> Vec<Row> {
         row("upstream without a host", upstream("url: \"http://\""), "upstreams.booking.url", &["invalid upstream URL"]),
         row("upstream with a query", upstream("url: http://127.0.0.1:8081/api?x=1"), "upstreams.booking.url", &["invalid upstream URL", "query"]),
         row("upstream that is only a path", upstream("url: /api"), "upstreams.booking.url", &["invalid upstream URL", "/api"]),
-        row("upstream missing its url", upstream("timeout: 3s"), "upstreams.booking", &["missing field", "url"]),
+        row("upstream missing its url", upstream("timeout: 3s"), "upstreams.booking.url", &["missing field", "url"]),
         // Redis.
         row("redis url with another scheme", store("backend: redis\nurl: http://127.0.0.1:6379"), "store.url", &["invalid Redis URL", "redis://"]),
         row("redis url that does not parse", store("backend: redis\nurl: \"redis://:x@[zz/0\""), "store.url", &["invalid Redis URL"]),
@@ -270,7 +270,7 @@ fn table() -> Vec<Row> {
         row("tls key_file unreadable", top("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem"), "tls.key_file", &["cannot read", "/nonexistent/key.pem"]),
         row("tls cert_file not PEM", top(&format!("tls:\n  cert_file: {NOT_PEM}\n  key_file: {NOT_PEM}")), "tls.cert_file", &["no certificate", "Cargo.toml"]),
         row("tls key_file not PEM", top(&format!("tls:\n  cert_file: {NOT_PEM}\n  key_file: {NOT_PEM}")), "tls.key_file", &["no private key", "Cargo.toml"]),
-        row("tls without key_file", top("tls:\n  cert_file: /nonexistent/cert.pem"), "tls", &["missing field", "key_file"]),
+        row("tls without key_file", top("tls:\n  cert_file: /nonexistent/cert.pem"), "tls.key_file", &["missing field", "key_file"]),
         row("unknown tls field", top("tls:\n  cert_file: a\n  key_file: b\n  ciphers: all"), "tls.ciphers", &["unknown field", "ciphers"]),
         row("ca_file unreadable", upstream("url: https://127.0.0.1:8443\nca_file: /nonexistent/ca.pem"), "upstreams.booking.ca_file", &["cannot read", "/nonexistent/ca.pem"]),
         row("ca_file not PEM", upstream(&format!("url: https://127.0.0.1:8443\nca_file: {NOT_PEM}")), "upstreams.booking.ca_file", &["no certificate", "Cargo.toml"]),
@@ -278,9 +278,9 @@ fn table() -> Vec<Row> {
         // The document itself.
         row("empty file", String::new(), "", &["empty", "listen"]),
         row("only whitespace", "  \n\n".to_owned(), "", &["empty", "listen"]),
-        row("only a comment", "# nothing here\n".to_owned(), "", &["listen"]),
+        row("only a comment", "# nothing here\n".to_owned(), "listen", &["listen"]),
         row("a list instead of a mapping", "- listen: 127.0.0.1:8080\n".to_owned(), "", &["invalid type"]),
-        row("duplicate key", top("listen: 127.0.0.1:9999"), "", &["duplicate", "listen"]),
+        row("duplicate key", top("listen: 127.0.0.1:9999"), "listen", &["duplicate", "listen", "line 2 column 1"]),
     ]
 }
 
@@ -385,6 +385,66 @@ fn serde_errors_give_the_line_of_the_offending_field() {
     let errs = errors(&yaml);
     assert_eq!(errs.0[0].path, "routes[0].idempotency.ttll");
     assert!(errs.to_string().contains("line 12 column"), "{errs}");
+}
+
+/// What `--check` prints for `yaml`'s first error, whole.
+fn first_error(yaml: &str) -> String {
+    let errs = errors(yaml);
+    let first = errs.0.first().expect("an error");
+    format!("{}: {}", first.path, first.message)
+}
+
+#[test]
+fn a_value_that_does_not_read_is_reported_at_its_own_line_and_column() {
+    // At the top level: not "line 1 column 1", where the document's mapping starts.
+    let yaml = VALID.replace("upstreams:\n", "shutdown_timeout: 30\nupstreams:\n");
+    let e = first_error(&yaml);
+    assert!(
+        e.starts_with("shutdown_timeout: invalid duration") && e.ends_with("at line 2 column 19"),
+        "{e}"
+    );
+    // Inside a route, a duration and a size written after other fields.
+    let yaml = idem("ttl: 24h\nlock_ttl: soon");
+    assert_eq!(yaml.lines().nth(11), Some("      lock_ttl: soon"), "{yaml}");
+    let e = first_error(&yaml);
+    assert!(
+        e.starts_with("routes[0].idempotency.lock_ttl:") && e.ends_with("at line 12 column 17"),
+        "{e}"
+    );
+    let e = first_error(&idem("ttl: 24h\nmax_request_body: 12 parsecs"));
+    assert!(
+        e.starts_with("routes[0].idempotency.max_request_body: invalid size")
+            && e.ends_with("at line 12 column 25"),
+        "{e}"
+    );
+}
+
+#[test]
+fn repeated_and_missing_fields_are_named_by_their_path() {
+    // A field written twice: its path, and the line of the repeat.
+    let yaml = idem("ttl: 1h\nlock_ttl: 5s\nttl: 2h");
+    assert_eq!(yaml.lines().nth(12), Some("      ttl: 2h"), "{yaml}");
+    let e = first_error(&yaml);
+    assert_eq!(
+        e, "routes[0].idempotency.ttl: duplicate field `ttl` at line 13 column 7",
+        "{yaml}"
+    );
+    // A key written twice in the map of upstreams: refused too (it was the last one silently).
+    let yaml = VALID.replace(
+        "routes:\n",
+        "  booking:\n    url: http://127.0.0.1:8082\nroutes:\n",
+    );
+    let e = first_error(&yaml);
+    assert!(
+        e.starts_with("upstreams.booking: duplicate entry") && e.ends_with("at line 5 column 3"),
+        "{e}"
+    );
+    // A missing field: its path, where its mapping is.
+    let e = first_error(&VALID.replace("    path: /bookings\n", ""));
+    assert_eq!(
+        e, "routes[0].path: missing field `path` at line 6 column 5",
+        "the route's mapping starts on line 6"
+    );
 }
 
 #[test]

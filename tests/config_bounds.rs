@@ -151,7 +151,7 @@ fn a_removed_required_field_adds_no_missing_field_error() {
         "{errs}"
     );
     assert!(
-        has(&errs, "routes[1]", &["missing field", "path"]),
+        has(&errs, "routes[1].path", &["missing field", "path"]),
         "{errs}"
     );
 }
@@ -276,7 +276,10 @@ fn a_response_that_can_never_fit_the_pending_save_bounds_is_refused() {
         has(
             &errs,
             "routes[0].idempotency.max_response_body",
-            &["limits.max_pending_save_bytes", "67108864"]
+            &[
+                "100MiB is more than",
+                "limits.max_pending_save_bytes (64MiB)"
+            ]
         ),
         "{errs}"
     );
@@ -287,7 +290,7 @@ fn a_response_that_can_never_fit_the_pending_save_bounds_is_refused() {
         has(
             &errs,
             "routes[0].idempotency.max_response_body",
-            &["limits.max_pending_save_bytes", "8388608", "4194304"]
+            &["8MiB is more than", "limits.max_pending_save_bytes (4MiB)"]
         ),
         "the default max_response_body over a smaller bound: {errs}"
     );

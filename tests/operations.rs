@@ -208,6 +208,54 @@ async fn redis_readiness_follows_the_store_and_store_errors_are_counted() {
     assert!(value(&text, r#"idemproxy_store_errors_total{op="ping"}"#) >= 1.0);
 }
 
+/// What a raw `HEAD path` on `addr` gets back: the whole answer as text, read until the
+/// server closes (`Connection: close`) or 5s pass.
+async fn raw_head(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the admin listener");
+    let req = format!("HEAD {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(req.as_bytes()).await.expect("send HEAD");
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut got)).await;
+    assert!(
+        read.is_ok(),
+        "the answer to HEAD {path} did not end within 5s"
+    );
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Load balancers that probe with `HEAD` get what `GET` gets, without the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_probes_get_the_status_of_get_without_a_body() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let admin = admin(&proxy).await;
+    let addr = admin.base.trim_start_matches("http://").to_owned();
+    for (path, body) in [("/healthz", "ok\n"), ("/readyz", "ready\n")] {
+        let get = get(format!("{}{path}", admin.base), None).await;
+        assert_eq!(get.status, 200, "GET {path}");
+        assert_eq!(get.body, body.as_bytes(), "GET {path}");
+        let answer = raw_head(&addr, path).await;
+        let (head, rest) = answer
+            .split_once("\r\n\r\n")
+            .unwrap_or_else(|| panic!("no head in the answer to HEAD {path}: {answer:?}"));
+        assert!(head.starts_with("HTTP/1.1 200 "), "HEAD {path}: {head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-length: {}", body.len())),
+            "HEAD {path} announces GET's body: {head}"
+        );
+        assert_eq!(rest, "", "HEAD {path} has no body");
+    }
+    // Other paths are refused as before, HEAD or not.
+    let answer = raw_head(&addr, "/nothing").await;
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
+    admin.stop().await;
+    proxy.stop().await;
+}
+
 /// After SIGTERM, `/readyz` answers 503 while requests in flight finish (a load balancer stops
 /// sending), and the process exits 0 once they are done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

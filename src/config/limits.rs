@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::units::{at_most, bounds, byte_size, count_at_most, duration};
+use super::units::{at_most, bounds, byte_size, count_at_most, duration, size_at_most};
 
 /// `limits:` as written: what hostile or broken clients may hold at most.
 #[derive(Debug, Clone, Deserialize)]
@@ -121,7 +121,7 @@ impl RawLimits {
                 "must be greater than zero: no result could be kept for a retried save".into(),
             );
         }
-        count_at_most(
+        size_at_most(
             err,
             "limits.max_pending_save_bytes",
             self.max_pending_save_bytes,

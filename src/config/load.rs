@@ -59,10 +59,16 @@ pub(super) fn parse(text: &str) -> Parsed {
         return Parsed::stop(vec![e], SetAside::default());
     }
     let first = match typed(text) {
+        // A key written twice in a map of names (`upstreams`) passes the typed reading, the
+        // last one winning: the tree, which refuses it, says where.
         Ok(raw) => {
+            let errors = match yaml_serde::from_str::<Value>(text) {
+                Ok(_) => Vec::new(),
+                Err(e) => vec![duplicate_entry(text, &e)],
+            };
             return Parsed {
-                raw: Some(raw),
-                errors: Vec::new(),
+                raw: errors.is_empty().then_some(raw),
+                errors,
                 set_aside: SetAside::default(),
             };
         }
@@ -70,7 +76,7 @@ pub(super) fn parse(text: &str) -> Parsed {
     };
     let mut set_aside = SetAside::default();
     let mut segments: Vec<Segment> = first.path().iter().cloned().collect();
-    let mut failed = describe(first, true);
+    let mut failed = describe(first, Some(text));
     let mut errors = Vec::new();
     // A text that is not even a YAML tree (a syntax error, a duplicate key) has nothing
     // further to read: its one error, with line and column, is the whole answer.
@@ -104,7 +110,7 @@ pub(super) fn parse(text: &str) -> Parsed {
             }
             Err(e) => {
                 segments = e.path().iter().cloned().collect();
-                failed = describe(e, false);
+                failed = describe(e, None);
             }
         }
     }
@@ -128,9 +134,9 @@ fn error(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
     }
 }
 
-/// One deserialization error as a [`ConfigError`]: the precise path once, and (`located`) the
-/// line and column where YAML knows them.
-fn describe(e: TypedError, located: bool) -> ConfigError {
+/// One deserialization error as a [`ConfigError`]: the precise path once, and, for an error in
+/// the file's own `text` (not in a pruned copy), the line and column where YAML knows them.
+fn describe(e: TypedError, text: Option<&str>) -> ConfigError {
     let path = e.path().to_string();
     let inner = e.into_inner();
     let mut message = inner.to_string();
@@ -146,15 +152,35 @@ fn describe(e: TypedError, located: bool) -> ConfigError {
     }
     // serde_path_to_error writes `?` for a position it could not name (a syntax error before
     // the next key); the known part of the path is what helps.
-    let path = match path.as_str() {
+    let mut path = match path.as_str() {
         "?" | "." => String::new(),
         p => p.strip_suffix(".?").unwrap_or(p).to_owned(),
     };
-    if located {
+    // serde names a missing or repeated field in its message, at the path of the mapping
+    // around it: the field's own path is the one an operator looks for.
+    let repeated = named_field(&message, "duplicate field `").map(str::to_owned);
+    if let Some(field) = missing_field(&message).or(repeated.as_deref()) {
+        path = join(&path, field);
+    }
+    if let Some(text) = text {
         if let Some(loc) = inner.location() {
-            // yaml_serde already appends the position to some messages; say it once.
-            if !message.contains(" at line ") {
-                message = format!("{message} at line {} column {}", loc.line(), loc.column());
+            // A repeated field is reported where its mapping starts; the repeat is what to fix.
+            let repeat = repeated
+                .as_deref()
+                .and_then(|field| second_key(text, loc.line(), loc.column(), field));
+            // yaml_serde already appends the position to some messages (syntax errors): say
+            // it once, the repeat's own when there is one.
+            match (repeat, message.split_once(" at line ")) {
+                (Some((line, column)), Some((head, _))) => {
+                    message = format!("{head} at line {line} column {column}");
+                }
+                (None, Some(_)) => {}
+                (Some((line, column)), None) => {
+                    message = format!("{message} at line {line} column {column}");
+                }
+                (None, None) => {
+                    message = format!("{message} at line {} column {}", loc.line(), loc.column());
+                }
             }
         }
     } else if let Some((head, _)) = message.split_once(" at line ") {
@@ -164,12 +190,79 @@ fn describe(e: TypedError, located: bool) -> ConfigError {
     error(path, message)
 }
 
+/// A key written twice in a map that the typed reading takes whole (`upstreams`), as the
+/// YAML tree refuses it: at the repeated key's path, line and column.
+fn duplicate_entry(text: &str, e: &yaml_serde::Error) -> ConfigError {
+    let shown = e.to_string();
+    let message = shown
+        .split_once(" at line ")
+        .map_or(shown.as_str(), |(m, _)| m);
+    // yaml_serde starts the message with the map's path, when it has one.
+    let (map, message) = match message.split_once(": ") {
+        Some((path, rest)) if !path.contains(' ') => (path, rest),
+        _ => ("", message),
+    };
+    let key = message
+        .strip_prefix("duplicate entry with key \"")
+        .and_then(|rest| rest.strip_suffix('"'));
+    let (Some(key), Some(loc)) = (key, e.location()) else {
+        return error(map, shown.clone());
+    };
+    let (line, column) =
+        second_key(text, loc.line(), loc.column(), key).unwrap_or((loc.line(), loc.column()));
+    error(
+        join(map, key),
+        format!("{message} at line {line} column {column}"),
+    )
+}
+
 /// The field a "missing field `NAME`" error names.
 fn missing_field(message: &str) -> Option<&str> {
+    named_field(message, "missing field `")
+}
+
+/// The field an error that starts with `prefix` (up to the opening backquote) names.
+fn named_field<'a>(message: &'a str, prefix: &str) -> Option<&'a str> {
     message
-        .strip_prefix("missing field `")
+        .strip_prefix(prefix)
         .and_then(|rest| rest.split_once('`'))
         .map(|(name, _)| name)
+}
+
+/// Where `field` is written the second time in the block mapping whose first key is at `line`
+/// and `column` (1-based, as YAML reports them): the key of the block's lines at that column,
+/// until a line less indented ends the block. `None` for what this reading can't follow (a
+/// flow mapping, `{a: 1, a: 2}`): the mapping's own position is reported then.
+fn second_key(text: &str, line: usize, column: usize, field: &str) -> Option<(usize, usize)> {
+    let at = column.checked_sub(1)?;
+    let mut seen = 0;
+    for (i, l) in text.lines().enumerate().skip(line.checked_sub(1)?) {
+        let indent = l.len() - l.trim_start_matches(' ').len();
+        let rest = &l[indent..];
+        if rest.is_empty() || rest.starts_with('#') {
+            continue;
+        }
+        // The first line of a list item holds its mapping's first key after the dash.
+        let key_at = match rest.strip_prefix("- ") {
+            Some(item) if i + 1 == line => indent + 2 + (item.len() - item.trim_start().len()),
+            _ => indent,
+        };
+        if key_at < at || (i + 1 > line && key_at == at && rest.starts_with("- ")) {
+            return None;
+        }
+        if key_at != at {
+            continue;
+        }
+        let key = l[key_at..].split(':').next().unwrap_or("").trim_end();
+        let key = key.trim_matches(|c| c == '"' || c == '\'');
+        if key == field {
+            seen += 1;
+            if seen == 2 {
+                return Some((i + 1, key_at + 1));
+            }
+        }
+    }
+    None
 }
 
 /// One node taken out of the tree.
@@ -254,9 +347,9 @@ impl SetAside {
         })
     }
 
-    /// Whether the mapping at `path` (in the pruned tree) lacks `field` because it was set aside.
+    /// Whether `field`, at `path` (in the pruned tree), is missing because it was set aside.
     fn left_missing(&self, path: &str, field: &str) -> bool {
-        let in_file = join(&self.in_file(path), field);
+        let in_file = self.in_file(path);
         self.0
             .iter()
             .any(|r| r.key == Key::Field(field.to_owned()) && r.in_file == in_file)
@@ -321,5 +414,20 @@ mod tests {
     fn a_missing_field_is_named() {
         assert_eq!(missing_field("missing field `path`"), Some("path"));
         assert_eq!(missing_field("invalid type: map"), None);
+    }
+
+    #[test]
+    fn the_second_key_of_a_repeated_field_is_found_in_its_block() {
+        let text = "listen: a\nroutes:\n  - name: x\n    # a comment\n    ttl: 1h\n\n    ttl: 2h\n  - name: y\n    ttl: 3h\nttl: 4h\n";
+        // The list item's mapping starts on line 3, column 5.
+        assert_eq!(second_key(text, 3, 5, "ttl"), Some((7, 5)));
+        // The next item, and the outer mapping's keys, are not this block's.
+        assert_eq!(second_key(text, 8, 5, "ttl"), None);
+        assert_eq!(second_key(text, 1, 1, "listen"), None);
+        assert_eq!(
+            second_key("a: 1\nb: 2\n\"a\": 3\n", 1, 1, "a"),
+            Some((3, 1))
+        );
+        assert_eq!(second_key("{a: 1, a: 2}", 1, 2, "a"), None);
     }
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer};
 use super::ConfigWarning;
 use super::limits::RawLimits;
 use super::store::{RawStore, StoreSettings};
-use super::units::{at_most, bounds, byte_size, count_at_most, duration};
+use super::units::{at_most, bounds, byte_size, duration, show_size, size_at_most};
 use super::upstream::RawUpstream;
 use crate::route::KeyPart;
 use crate::route::{
@@ -381,13 +381,13 @@ impl RawIdempotency {
             self.wait_timeout,
             bounds::WAIT_TIMEOUT,
         );
-        count_at_most(
+        size_at_most(
             err,
             &format!("{path}.max_request_body"),
             self.max_request_body,
             bounds::BODY,
         );
-        count_at_most(
+        size_at_most(
             err,
             &format!("{path}.max_response_body"),
             self.max_response_body,
@@ -535,8 +535,9 @@ impl RawIdempotency {
             err(
                 format!("{path}.max_response_body"),
                 format!(
-                    "{} bytes is more than limits.max_pending_save_bytes ({pending} bytes): a response this large could never be kept while its save is retried; lower it or raise limits.max_pending_save_bytes",
-                    self.max_response_body
+                    "{} is more than limits.max_pending_save_bytes ({}): a response this large could never be kept while its save is retried; lower it or raise limits.max_pending_save_bytes",
+                    show_size(self.max_response_body),
+                    show_size(pending)
                 ),
             );
         }

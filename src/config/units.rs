@@ -4,19 +4,16 @@
 use std::fmt;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
-
 /// Durations written as strings: `250ms`, `30s`, `24h`, `1h 30m`.
 pub(super) mod duration {
     use std::time::Duration;
 
-    use serde::{Deserialize, Deserializer, de::Error};
+    use serde::Deserializer;
 
     pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<Duration, D::Error> {
-        let text = super::StringOrNumber::deserialize(d)?.0;
-        super::parse_duration(&text).map_err(D::Error::custom)
+        d.deserialize_any(super::Parse(super::parse_duration))
     }
 
     /// An optional duration: absent is `None` (with `#[serde(default)]`).
@@ -35,40 +32,36 @@ pub(super) mod duration {
 
 /// Sizes written as bytes (`1048576`) or strings (`64KiB`, `8MiB`, `1MB`).
 pub(super) mod byte_size {
-    use serde::{Deserialize, Deserializer, de::Error};
+    use serde::Deserializer;
 
     pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        let text = super::StringOrNumber::deserialize(d)?.0;
-        super::parse_size(&text).map_err(D::Error::custom)
+        d.deserialize_any(super::Parse(super::parse_size))
     }
 }
 
-/// A scalar read as text, so that `max_request_body: 1024` and `max_request_body: 1KiB` both work
-/// and `ttl: 30` reaches the duration parser, which then says what it expects.
-struct StringOrNumber(String);
+/// A scalar read as text and parsed by the function it holds, so that `max_request_body: 1024`
+/// and `max_request_body: 1KiB` both work and `ttl: 30` reaches the duration parser, which then
+/// says what it expects. The parse runs inside the visitor, while the deserializer still stands
+/// on the scalar: its error carries the value's own line and column, not those of the mapping
+/// around it.
+struct Parse<T>(fn(&str) -> Result<T, String>);
 
-impl<'de> Deserialize<'de> for StringOrNumber {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl serde::de::Visitor<'_> for Visitor {
-            type Value = StringOrNumber;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string or a number")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(StringOrNumber(v.to_owned()))
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                Ok(StringOrNumber(v.to_string()))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                Ok(StringOrNumber(v.to_string()))
-            }
-            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
-                Ok(StringOrNumber(v.to_string()))
-            }
-        }
-        d.deserialize_any(Visitor)
+impl<T> serde::de::Visitor<'_> for Parse<T> {
+    type Value = T;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string or a number")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<T, E> {
+        (self.0)(v).map_err(E::custom)
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<T, E> {
+        self.visit_str(&v.to_string())
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<T, E> {
+        self.visit_str(&v.to_string())
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<T, E> {
+        self.visit_str(&v.to_string())
     }
 }
 
@@ -186,7 +179,40 @@ fn whole_unit(d: Duration) -> String {
     format!("{secs}s")
 }
 
-/// Refuses a count or size above `max`, naming the field and the bound.
+/// A size as a person writes it: in the largest unit it is a whole number of (`64KiB`, `2GB`),
+/// else in bytes (`1000003`).
+pub(super) fn show_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 6] = [
+        ("GiB", 1 << 30),
+        ("GB", 1_000_000_000),
+        ("MiB", 1 << 20),
+        ("MB", 1_000_000),
+        ("KiB", 1 << 10),
+        ("KB", 1000),
+    ];
+    for (unit, n) in UNITS {
+        if bytes >= n && bytes.is_multiple_of(n) {
+            return format!("{}{unit}", bytes / n);
+        }
+    }
+    bytes.to_string()
+}
+
+/// Refuses a size above `max`, naming the field and the bound, both as sizes are written.
+pub(super) fn size_at_most(err: &mut impl FnMut(String, String), path: &str, value: u64, max: u64) {
+    if value > max {
+        err(
+            path.to_owned(),
+            format!(
+                "{} is too large: at most {}",
+                show_size(value),
+                show_size(max)
+            ),
+        );
+    }
+}
+
+/// Refuses a count above `max`, naming the field and the bound.
 pub(super) fn count_at_most(
     err: &mut impl FnMut(String, String),
     path: &str,
@@ -217,5 +243,28 @@ mod tests {
         assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86400)));
         assert!(parse_duration("30").is_err());
         assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_duration("2d"), Ok(Duration::from_secs(2 * 86400)));
+    }
+
+    #[test]
+    fn sizes_are_shown_in_the_unit_they_are_written_in() {
+        assert_eq!(show_size(64 * 1024), "64KiB");
+        assert_eq!(show_size(2 << 30), "2GiB");
+        assert_eq!(show_size(2_000_000_000), "2GB");
+        assert_eq!(show_size(1_500_000), "1500KB");
+        assert_eq!(show_size(1000), "1KB");
+        assert_eq!(show_size(1_000_003), "1000003");
+        assert_eq!(show_size(0), "0");
+        let mut said = Vec::new();
+        size_at_most(
+            &mut |path, message| said.push(format!("{path}: {message}")),
+            "routes[0].idempotency.max_request_body",
+            2 << 30,
+            bounds::BODY,
+        );
+        assert_eq!(
+            said,
+            ["routes[0].idempotency.max_request_body: 2GiB is too large: at most 1GiB"]
+        );
     }
 }

@@ -45,7 +45,8 @@ use workers::Workers;
 
 /// Runs the proxy on `listener` until `shutdown` completes, then shuts down gracefully.
 /// `reloads` says what a SIGHUP rereads. With `pid_file` set, the process id is written
-/// there once everything listens (and SIGHUP is handled), and removed on the way out.
+/// there once the listener's socket listens and SIGHUP is handled, before the workers start
+/// serving, and removed on the way out.
 ///
 /// Serves with `config.workers` workers ([`workers`]): worker 0 on the runtime this is called
 /// on, with the signal handling, the reloads, the pid file and the admin listener; each other
@@ -64,19 +65,19 @@ pub async fn run(
         Some(addr) => Some(bind(addr)?),
         None => None,
     };
-    let pid_file = config.pid_file.clone();
-    let workers = Workers::start(listener, config, metrics).await?;
-    let proxy = workers.proxy().clone();
-    let _pid_file = match pid_file {
+    // Before the workers start: a pid file that can't be written ends the process before
+    // anything logs that it listens. The socket listens already (the kernel queues its
+    // connections) and SIGHUP is handled, so the file names a process ready for a reload; if
+    // the start fails after all, the file goes with `_pid_file`.
+    let _pid_file = match config.pid_file.clone() {
         Some(path) => match PidFile::write(&path) {
             Ok(written) => Some(written),
-            Err(error) => {
-                workers.stop().await;
-                return Err(RunError::PidFile { path, error });
-            }
+            Err(error) => return Err(RunError::PidFile { path, error }),
         },
         None => None,
     };
+    let workers = Workers::start(listener, config, metrics).await?;
+    let proxy = workers.proxy().clone();
     let reloader = tokio::spawn(hangups.serve(proxy.clone()));
     // The admin listener outlives the drain (readiness says 503 meanwhile) and stops after it.
     let (admin_stop, admin_stopped) = tokio::sync::oneshot::channel::<()>();
