@@ -93,7 +93,9 @@ impl Exchange {
             }
             match existing {
                 Record::Done { saved, .. } => return replay(saved),
-                Record::InFlight { .. } => {
+                // A claim that can be resolved is in flight too, or being resolved: either way
+                // the operation may have run, so a repeat waits or gets 409.
+                Record::InFlight { .. } | Record::Resolvable(_) => {
                     let now = Instant::now();
                     // A waiter whose client left has nobody to answer: stop polling.
                     if idem.on_conflict == OnConflict::Reject
