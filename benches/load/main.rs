@@ -206,8 +206,8 @@ fn run(args: Args) -> Result<bool, String> {
     let postgres = match selected.iter().any(|s| s.store() == Some(Store::Postgres)) {
         false => None,
         true => match pg::find_bin_dir() {
-            Some(bin) => {
-                let postgres = Postgres::start(&bin, dir.path())?;
+            Some(_) => {
+                let postgres = Postgres::start(dir.path())?;
                 println!(
                     "postgres on {} (fsync on, synchronous_commit on)",
                     postgres.url()
