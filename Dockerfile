@@ -21,15 +21,19 @@ WORKDIR /src
 #    [[example]] sections are dropped from the image's copy of the manifest (dependencies,
 #    including dev-dependencies, stay, so Cargo.lock still matches and --locked holds), and
 #    the library, both binaries and the mock crate (mock/, a workspace member both binaries
-#    depend on) get stub sources.
+#    depend on) get stub sources. The test harness (harness/, a workspace member and a
+#    dev-dependency) is never built here: its manifest and an empty stub keep the workspace
+#    and Cargo.lock whole.
 COPY Cargo.toml Cargo.lock ./
 COPY mock/Cargo.toml ./mock/
+COPY harness/Cargo.toml ./harness/
 RUN set -eu; \
     awk '/^\[/ { skip = ($0 ~ /^\[\[(bench|test|example)\]\]/) } !skip' Cargo.toml > Cargo.toml.bins; \
     mv Cargo.toml.bins Cargo.toml; \
-    mkdir -p src/bin/mock-upstream mock/src; \
+    mkdir -p src/bin/mock-upstream mock/src harness/src; \
     : > src/lib.rs; \
     : > mock/src/lib.rs; \
+    : > harness/src/lib.rs; \
     echo 'fn main() {}' > src/main.rs; \
     echo 'fn main() {}' > src/bin/mock-upstream/main.rs; \
     cargo build --release --locked --bins; \
