@@ -46,168 +46,6 @@ every_store!(
     fifty_duplicates_with_wait_run_once_and_replay,
 );
 
-/// Sends a request in a task of its own, so the test can act while it is in flight.
-fn spawn_send(req: reqwest::RequestBuilder) -> JoinHandle<Reply> {
-    tokio::spawn(send(req))
-}
-
-/// The `store:` lines of a store [`break_store`] can break: memory holds one record at most.
-fn breakable(backend: Backend) -> &'static str {
-    if backend == Backend::Memory {
-        "max_entries: 1"
-    } else {
-        ""
-    }
-}
-
-/// Makes the store fail claims for new keys: memory (with [`breakable`]'s `max_entries: 1`) is
-/// filled by one operation, which it goes on replaying; every other store has one finished
-/// operation too, and is then cut off (`Env::make_store_unreachable`).
-async fn break_store(env: &mut Env, proxy: &TestProxy) {
-    let filler = book(proxy, "filler", SEAT).await;
-    assert_fresh(&filler, 201);
-    if env.backend != Backend::Memory {
-        env.make_store_unreachable();
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Concurrency.
-
-/// A generous store deadline: these tests are about concurrency, not about a slow store (a
-/// claim that times out is a 503 by design, SPEC §4.5). Shorter than the 2s lease of the
-/// harness's `pay` route, as every store deadline must be.
-const FIFTY_STORE: &str = "timeout: 1500ms";
-
-/// How many answers had each status, with the problem type of refusals.
-fn summary(replies: &[Reply]) -> std::collections::BTreeMap<String, usize> {
-    let mut counts = std::collections::BTreeMap::new();
-    for r in replies {
-        let kind = match serde_json::from_slice::<serde_json::Value>(&r.body) {
-            Ok(doc) if doc["type"].is_string() => format!("{} {}", r.status, doc["type"]),
-            _ => format!(
-                "{} replayed={:?}",
-                r.status,
-                r.header("idempotent-replayed")
-            ),
-        };
-        *counts.entry(kind).or_insert(0) += 1;
-    }
-    counts
-}
-
-/// Sends 50 identical requests at once (same key, same body) against an upstream that takes 1s,
-/// so that every duplicate arrives while the first is in flight even on a loaded machine.
-async fn fifty_at_once(proxy: &TestProxy, key: &str) -> Vec<Reply> {
-    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(50));
-    let tasks: Vec<JoinHandle<Reply>> = (0..50)
-        .map(|_| {
-            let req = post(proxy, "/bookings", key, SEAT).header("X-Mock-Delay", "1s");
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                send(req).await
-            })
-        })
-        .collect();
-    let mut replies = Vec::with_capacity(50);
-    for t in tasks {
-        replies.push(t.await.expect("request task"));
-    }
-    replies
-}
-
-// ---------------------------------------------------------------------------------------------
-// Several instances on one Redis
-// ---------------------------------------------------------------------------------------------
-
-/// Sends 50 identical requests at once, alternating between `a` and `b`.
-async fn fifty_duplicates(a: &TestProxy, b: &TestProxy, key: &'static str) -> Vec<Reply> {
-    let bases = [base(a), base(b)];
-    let tasks: Vec<_> = (0..50)
-        .map(|i| {
-            let base = bases[i % 2].clone();
-            tokio::spawn(
-                async move { book_with(&base, key, BODY, &[("X-Mock-Delay", "500ms")]).await },
-            )
-        })
-        .collect();
-    let mut replies = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        replies.push(t.await.expect("request"));
-    }
-    replies
-}
-
-/// The one reply that came from the upstream.
-fn the_original(replies: &[Reply]) -> Reply {
-    let originals: Vec<&Reply> = replies
-        .iter()
-        .filter(|r| r.status == 201 && r.header("idempotent-replayed").is_empty())
-        .collect();
-    assert_eq!(originals.len(), 1, "exactly one forwarded answer");
-    originals[0].clone()
-}
-
-// ---------------------------------------------------------------------------------------------
-// §4.5 A claim answered after its lease could have expired forwards nothing
-// ---------------------------------------------------------------------------------------------
-
-/// The memory store, whose claims are answered `delay` after they were made while the delay
-/// is set: the claim is taken at once, the answer comes late (a stalled scheduler, a slow
-/// network on the way back).
-struct LateClaims {
-    inner: MemoryStore,
-    delay_ms: AtomicU32,
-}
-
-#[async_trait]
-impl Store for LateClaims {
-    async fn claim(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        let found = self.inner.claim(key, held, lease).await;
-        let delay = self.delay_ms.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(u64::from(delay))).await;
-        found
-    }
-    async fn renew(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(key, held, lease).await
-    }
-    async fn complete(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        done: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(key, held, done, ttl).await
-    }
-    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        self.inner.release(key, held).await
-    }
-    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
-    }
-    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        self.inner.inspect(key).await
-    }
-    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
-        self.inner.forget(key).await
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // §4.1 The key.
 
@@ -417,6 +255,11 @@ async fn same_key_on_two_routes_is_two_operations(backend: Backend) {
     let payment_again = send(post(&proxy, "/pay/x", "two-routes", SEAT)).await;
     assert_replay_of(&payment, &payment_again);
     assert_eq!(env.mock.calls("two-routes"), 2);
+}
+
+/// Sends a request in a task of its own, so the test can act while it is in flight.
+fn spawn_send(req: reqwest::RequestBuilder) -> JoinHandle<Reply> {
+    tokio::spawn(send(req))
 }
 
 async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
@@ -653,6 +496,26 @@ async fn fingerprint_covers_path_and_query(backend: Backend) {
     assert_eq!(env.mock.calls("fp"), 1);
 }
 
+/// The `store:` lines of a store [`break_store`] can break: memory holds one record at most.
+fn breakable(backend: Backend) -> &'static str {
+    if backend == Backend::Memory {
+        "max_entries: 1"
+    } else {
+        ""
+    }
+}
+
+/// Makes the store fail claims for new keys: memory (with [`breakable`]'s `max_entries: 1`) is
+/// filled by one operation, which it goes on replaying; every other store has one finished
+/// operation too, and is then cut off (`Env::make_store_unreachable`).
+async fn break_store(env: &mut Env, proxy: &TestProxy) {
+    let filler = book(proxy, "filler", SEAT).await;
+    assert_fresh(&filler, 201);
+    if env.backend != Backend::Memory {
+        env.make_store_unreachable();
+    }
+}
+
 async fn store_unreachable_with_reject_is_503(backend: Backend) {
     let mut env = Env::new(backend).await;
     let proxy = env
@@ -688,6 +551,52 @@ async fn store_unreachable_with_forward_is_forwarded_and_counted(backend: Backen
         metrics.contains(r#"idemproxy_unprotected_requests_total{route="create-booking"} 1"#),
         "counted as unprotected:\n{metrics}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency.
+
+/// A generous store deadline: these tests are about concurrency, not about a slow store (a
+/// claim that times out is a 503 by design, SPEC §4.5). Shorter than the 2s lease of the
+/// harness's `pay` route, as every store deadline must be.
+const FIFTY_STORE: &str = "timeout: 1500ms";
+
+/// Sends 50 identical requests at once (same key, same body) against an upstream that takes 1s,
+/// so that every duplicate arrives while the first is in flight even on a loaded machine.
+async fn fifty_at_once(proxy: &TestProxy, key: &str) -> Vec<Reply> {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(50));
+    let tasks: Vec<JoinHandle<Reply>> = (0..50)
+        .map(|_| {
+            let req = post(proxy, "/bookings", key, SEAT).header("X-Mock-Delay", "1s");
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(req).await
+            })
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(50);
+    for t in tasks {
+        replies.push(t.await.expect("request task"));
+    }
+    replies
+}
+
+/// How many answers had each status, with the problem type of refusals.
+fn summary(replies: &[Reply]) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for r in replies {
+        let kind = match serde_json::from_slice::<serde_json::Value>(&r.body) {
+            Ok(doc) if doc["type"].is_string() => format!("{} {}", r.status, doc["type"]),
+            _ => format!(
+                "{} replayed={:?}",
+                r.status,
+                r.header("idempotent-replayed")
+            ),
+        };
+        *counts.entry(kind).or_insert(0) += 1;
+    }
+    counts
 }
 
 async fn fifty_duplicates_with_reject_run_once(backend: Backend) {
@@ -821,6 +730,38 @@ async fn redis_waiters_stop_polling_when_their_client_is_gone() {
     assert_eq!(env.mock.calls(key), 1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Several instances on one Redis
+// ---------------------------------------------------------------------------------------------
+
+/// Sends 50 identical requests at once, alternating between `a` and `b`.
+async fn fifty_duplicates(a: &TestProxy, b: &TestProxy, key: &'static str) -> Vec<Reply> {
+    let bases = [base(a), base(b)];
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            let base = bases[i % 2].clone();
+            tokio::spawn(
+                async move { book_with(&base, key, BODY, &[("X-Mock-Delay", "500ms")]).await },
+            )
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        replies.push(t.await.expect("request"));
+    }
+    replies
+}
+
+/// The one reply that came from the upstream.
+fn the_original(replies: &[Reply]) -> Reply {
+    let originals: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == 201 && r.header("idempotent-replayed").is_empty())
+        .collect();
+    assert_eq!(originals.len(), 1, "exactly one forwarded answer");
+    originals[0].clone()
+}
+
 /// Two instances, `on_conflict: reject`: one booking; every other answer a 409 or a
 /// byte-identical replay; a later repeat through either instance replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -874,6 +815,65 @@ async fn redis_two_instances_waiting_duplicates_all_get_the_booking() {
         assert_eq!(r.body, original.body, "byte-identical");
     }
     assert_eq!(env.mock.calls("multi-wait"), 1, "exactly one booking");
+}
+
+// ---------------------------------------------------------------------------------------------
+// §4.5 A claim answered after its lease could have expired forwards nothing
+// ---------------------------------------------------------------------------------------------
+
+/// The memory store, whose claims are answered `delay` after they were made while the delay
+/// is set: the claim is taken at once, the answer comes late (a stalled scheduler, a slow
+/// network on the way back).
+struct LateClaims {
+    inner: MemoryStore,
+    delay_ms: AtomicU32,
+}
+
+#[async_trait]
+impl Store for LateClaims {
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let found = self.inner.claim(key, held, lease).await;
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(u64::from(delay))).await;
+        found
+    }
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, held, lease).await
+    }
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        done: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(key, held, done, ttl).await
+    }
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        self.inner.release(key, held).await
+    }
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        self.inner.inspect(key).await
+    }
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        self.inner.forget(key).await
+    }
 }
 
 /// A claim whose answer takes 1.3s under a `lock_ttl` of 1s: its lease may have expired (and

@@ -14,74 +14,6 @@ every_store!(
     stale_holder_cannot_overwrite_a_newer_holder,
 );
 
-/// As above with large responses (staged on Redis: each written to a key of its own first),
-/// on Redis and on Redis Cluster: the first holder's late save writes its large record to its
-/// own staging key and then finds the second holder's record under the key; nothing of it
-/// becomes visible, the second's result replays, and no staging key is left behind.
-async fn taken_over_holder_with_a_large_body_changes_nothing(backend: Backend) {
-    let env = Env::new(backend).await;
-    let proxy = env
-        .proxy(&env.config("lock_ttl: 600ms\nmax_response_body: 1MiB"))
-        .await;
-    let base = base(&proxy);
-    let key = "taken-over-large";
-    // Two sizes, so that the two results differ.
-    let (first_size, second_size) = (96 * 1024, 64 * 1024);
-    let first = {
-        let base = base.clone();
-        let size = first_size.to_string();
-        tokio::spawn(async move {
-            book_with(
-                &base,
-                key,
-                BODY,
-                &[("X-Mock-Delay", "1s"), ("X-Mock-Body-Size", &size)],
-            )
-            .await
-        })
-    };
-    assert!(
-        eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
-        "the first request reached the upstream"
-    );
-    let deleted: i64 = ::redis::cmd("DEL")
-        .arg(booking_store_key(key))
-        .query(&mut env.redis_conn())
-        .expect("DEL");
-    assert_eq!(deleted, 1, "the first's claim is under the store key");
-
-    let second_size_text = second_size.to_string();
-    let second = book_with(
-        &base,
-        key,
-        BODY,
-        &[("X-Mock-Body-Size", second_size_text.as_str())],
-    )
-    .await;
-    assert_eq!(second.status, 201, "forwarded");
-    assert_eq!(second.body.len(), second_size);
-    let first = first.await.expect("first request");
-    assert_eq!(
-        first.status, 201,
-        "the first client still gets its response"
-    );
-    assert_eq!(first.body.len(), first_size);
-    assert!(
-        eventually(Duration::from_secs(2), || proxy.lost_leases() >= 1).await,
-        "the first's lost lease is counted"
-    );
-
-    let repeat = book_with(&base, key, BODY, &[]).await;
-    assert_replay_status_and_body(&repeat, &second);
-    assert_eq!(env.mock.calls(key), 2);
-    let keys = env.stored_key_names().expect("a Redis store");
-    assert_eq!(
-        keys,
-        [booking_store_key(key)],
-        "the record key alone: the late save's staging key is gone"
-    );
-}
-
 // ---------------------------------------------------------------------------------------------
 // Leases
 // ---------------------------------------------------------------------------------------------
@@ -176,6 +108,74 @@ async fn redis_taken_over_holder_does_not_overwrite_and_counts_a_lost_lease() {
     let repeat = book_with(&base, key, BODY, &[]).await;
     assert_replay_status_and_body(&repeat, &second);
     assert_eq!(env.mock.calls(key), 2);
+}
+
+/// As above with large responses (staged on Redis: each written to a key of its own first),
+/// on Redis and on Redis Cluster: the first holder's late save writes its large record to its
+/// own staging key and then finds the second holder's record under the key; nothing of it
+/// becomes visible, the second's result replays, and no staging key is left behind.
+async fn taken_over_holder_with_a_large_body_changes_nothing(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&env.config("lock_ttl: 600ms\nmax_response_body: 1MiB"))
+        .await;
+    let base = base(&proxy);
+    let key = "taken-over-large";
+    // Two sizes, so that the two results differ.
+    let (first_size, second_size) = (96 * 1024, 64 * 1024);
+    let first = {
+        let base = base.clone();
+        let size = first_size.to_string();
+        tokio::spawn(async move {
+            book_with(
+                &base,
+                key,
+                BODY,
+                &[("X-Mock-Delay", "1s"), ("X-Mock-Body-Size", &size)],
+            )
+            .await
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
+        "the first request reached the upstream"
+    );
+    let deleted: i64 = ::redis::cmd("DEL")
+        .arg(booking_store_key(key))
+        .query(&mut env.redis_conn())
+        .expect("DEL");
+    assert_eq!(deleted, 1, "the first's claim is under the store key");
+
+    let second_size_text = second_size.to_string();
+    let second = book_with(
+        &base,
+        key,
+        BODY,
+        &[("X-Mock-Body-Size", second_size_text.as_str())],
+    )
+    .await;
+    assert_eq!(second.status, 201, "forwarded");
+    assert_eq!(second.body.len(), second_size);
+    let first = first.await.expect("first request");
+    assert_eq!(
+        first.status, 201,
+        "the first client still gets its response"
+    );
+    assert_eq!(first.body.len(), first_size);
+    assert!(
+        eventually(Duration::from_secs(2), || proxy.lost_leases() >= 1).await,
+        "the first's lost lease is counted"
+    );
+
+    let repeat = book_with(&base, key, BODY, &[]).await;
+    assert_replay_status_and_body(&repeat, &second);
+    assert_eq!(env.mock.calls(key), 2);
+    let keys = env.stored_key_names().expect("a Redis store");
+    assert_eq!(
+        keys,
+        [booking_store_key(key)],
+        "the record key alone: the late save's staging key is gone"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,15 +31,6 @@ every_store!(
     h2c_clients_get_forwarding_and_replays,
 );
 
-fn redis_config(conn: &mut ::redis::Connection, name: &str, value: &str) {
-    let _: () = ::redis::cmd("CONFIG")
-        .arg("SET")
-        .arg(name)
-        .arg(value)
-        .query(conn)
-        .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
-}
-
 // ---------------------------------------------------------------------------------------------
 // The sample.
 
@@ -628,6 +619,15 @@ async fn redis_lost_save_is_retried_in_the_background() {
     assert_replay_status_and_body(&replay, &first);
     assert_eq!(env.mock.calls("cut-1"), 1, "nothing ran twice");
     assert_eq!(proxy.lost_leases(), 0, "nothing lost");
+}
+
+fn redis_config(conn: &mut ::redis::Connection, name: &str, value: &str) {
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query(conn)
+        .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,29 +10,6 @@ use harness::{
 use idemproxy::metrics::Outcome;
 use std::time::{Duration, Instant};
 
-/// A request with this key, sent through `base` and answered 201 by the upstream, retried at
-/// most `attempts` times 100ms apart while the answer is a 503 (the store coming back). Each
-/// attempt uses a new key `{prefix}-{n}`, so a refused attempt leaves nothing behind that a
-/// later one could replay. Returns the key that went through and its reply.
-async fn first_forwarded_after_outage(
-    env: &Env,
-    base: &str,
-    prefix: &str,
-    attempts: usize,
-) -> (String, Reply) {
-    for n in 0..attempts {
-        let key = format!("{prefix}-{n}");
-        let r = book_with(base, &key, BODY, &[]).await;
-        if r.status == 201 {
-            return (key, r);
-        }
-        r.assert_problem(503, "store-unavailable");
-        assert_eq!(env.mock.calls(&key), 0, "a 503 forwards nothing");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the proxy did not recover within {attempts} attempts");
-}
-
 /// WRONGTYPE: a value of another Redis type under a store key is a corrupt record — 503 and
 /// never forwarded, not even with `on_store_error: forward` (before the fix: forwarded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,6 +42,29 @@ async fn redis_wrongtype_under_a_store_key_is_a_corrupt_record() {
         .query(&mut conn)
         .expect("LRANGE");
     assert_eq!(still, vec!["not a record".to_owned()], "left as it was");
+}
+
+/// A request with this key, sent through `base` and answered 201 by the upstream, retried at
+/// most `attempts` times 100ms apart while the answer is a 503 (the store coming back). Each
+/// attempt uses a new key `{prefix}-{n}`, so a refused attempt leaves nothing behind that a
+/// later one could replay. Returns the key that went through and its reply.
+async fn first_forwarded_after_outage(
+    env: &Env,
+    base: &str,
+    prefix: &str,
+    attempts: usize,
+) -> (String, Reply) {
+    for n in 0..attempts {
+        let key = format!("{prefix}-{n}");
+        let r = book_with(base, &key, BODY, &[]).await;
+        if r.status == 201 {
+            return (key, r);
+        }
+        r.assert_problem(503, "store-unavailable");
+        assert_eq!(env.mock.calls(&key), 0, "a 503 forwards nothing");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the proxy did not recover within {attempts} attempts");
 }
 
 // ---------------------------------------------------------------------------------------------

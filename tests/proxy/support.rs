@@ -6,9 +6,6 @@ use std::time::Duration;
 /// The request body every booking here sends.
 pub(crate) const BODY: &str = r#"{"seat":"12A"}"#;
 
-// ---------------------------------------------------------------------------------------------
-// Helpers local to this file.
-
 pub(crate) const SEAT: &str = r#"{"seat":"12A"}"#;
 
 /// Asserts `r` came from the upstream now (not a replay) with a new booking.

@@ -34,248 +34,6 @@ every_store!(
     upstream_head_refusals_are_passed_on_and_not_saved,
 );
 
-async fn relay_until_idle(down: TcpStream, up: TcpStream) {
-    let idle = Duration::from_secs(2);
-    let latency = Duration::from_millis(20);
-    let (mut dr, mut dw) = down.into_split();
-    let (mut ur, mut uw) = up.into_split();
-    let mut from_down = vec![0u8; 64 * 1024];
-    let mut from_up = vec![0u8; 64 * 1024];
-    loop {
-        tokio::select! {
-            n = dr.read(&mut from_down) => {
-                let Ok(n @ 1..) = n else { return };
-                tokio::time::sleep(latency).await;
-                if uw.write_all(&from_down[..n]).await.is_err() { return; }
-            }
-            n = ur.read(&mut from_up) => {
-                let Ok(n @ 1..) = n else { return };
-                tokio::time::sleep(latency).await;
-                if dw.write_all(&from_up[..n]).await.is_err() { return; }
-            }
-            () = tokio::time::sleep(idle) => {
-                // Closing: what arrives now is lost, then the connection goes.
-                let until = tokio::time::Instant::now() + latency;
-                while let Ok(Ok(1..)) = tokio::time::timeout_at(until, dr.read(&mut from_down)).await {}
-                return;
-            }
-        }
-    }
-}
-
-/// Requests from several lanes, each lane sending again after an idle gap spread around the
-/// upstream's 2s idle limit. Returns every reply with its key.
-async fn requests_around_the_idle_limit(proxy: &TestProxy, prefix: &str) -> Vec<(String, Reply)> {
-    let lanes = 10;
-    let mut tasks = Vec::new();
-    for lane in 0..lanes {
-        let url = proxy.url("/bookings");
-        let prefix = prefix.to_owned();
-        tasks.push(tokio::spawn(async move {
-            let mut out = Vec::new();
-            // Gaps from 1.96s to 2.05s: some requests land as the upstream closes.
-            let gap = Duration::from_millis(1960 + 10 * lane);
-            for round in 0..3 {
-                let key = format!("{prefix}-{lane}-{round}");
-                let r = send(
-                    client()
-                        .post(&url)
-                        .header("Idempotency-Key", &key)
-                        .body(BODY),
-                )
-                .await;
-                out.push((key, r));
-                tokio::time::sleep(gap).await;
-            }
-            out
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.expect("lane"));
-    }
-    all
-}
-
-// ---------------------------------------------------------------------------------------------
-// §4.3 The upstream keep-alive race
-// ---------------------------------------------------------------------------------------------
-
-/// An upstream 20ms away that closes keep-alive connections idle for 2s, like gunicorn: a TCP
-/// relay in front of the mock. When a connection has been idle 2s it starts closing: for the
-/// next 20ms (the close travelling back) whatever the proxy writes into it is lost, then it is
-/// closed. Returns the relay's address.
-async fn idle_closing_upstream(target: std::net::SocketAddr) -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
-    let addr = listener.local_addr().expect("relay addr");
-    tokio::spawn(async move {
-        while let Ok((down, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let Ok(up) = TcpStream::connect(target).await else {
-                    return;
-                };
-                relay_until_idle(down, up).await;
-            });
-        }
-    });
-    addr
-}
-
-/// Keeps what the proxy wrote on each upstream connection (the first 64 KiB of each), to tell
-/// which connection carried which request.
-#[derive(Default)]
-struct Written(std::sync::Mutex<std::collections::BTreeMap<u64, Vec<u8>>>);
-
-impl Tap for Written {
-    fn forwarded(&self, conn: u64, dir: Direction, bytes: &[u8]) {
-        if dir != Direction::Up {
-            return;
-        }
-        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let kept = all.entry(conn).or_default();
-        let room = (64 * 1024usize).saturating_sub(kept.len());
-        kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
-    }
-}
-
-impl Written {
-    /// The connections on which `needle` was written.
-    fn connections_with(&self, needle: &str) -> Vec<u64> {
-        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        all.iter()
-            .filter(|(_, bytes)| bytes.windows(needle.len()).any(|w| w == needle.as_bytes()))
-            .map(|(conn, _)| *conn)
-            .collect()
-    }
-}
-
-/// The harness's configuration for `upstream`, on one worker (so one pool holds every upstream
-/// connection), with the upstream's `extra` lines.
-fn one_worker_to(env: &Env, idem: &str, upstream: std::net::SocketAddr, extra: &str) -> String {
-    let yaml = env.config(idem);
-    let out = yaml
-        .replacen("workers: 2\n", "workers: 1\n", 1)
-        .replace(&env.mock.url(), &format!("http://{upstream}{extra}"));
-    assert!(
-        out.contains("workers: 1\n") && out.contains(&upstream.to_string()),
-        "the harness's configuration changed shape:\n{yaml}"
-    );
-    out
-}
-
-/// An upstream that answers the first request on each connection, then resets the connection
-/// (`SO_LINGER 0`) when the next one arrives, before any byte of an answer and without passing
-/// it on: what a server that closed a keep-alive connection with a request unread sends.
-/// A relay in front of `target`; returns its address.
-async fn resetting_second_requests(target: std::net::SocketAddr) -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
-    let addr = listener.local_addr().expect("relay addr");
-    tokio::spawn(async move {
-        while let Ok((down, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let Ok(up) = TcpStream::connect(target).await else {
-                    return;
-                };
-                let (mut dr, mut dw) = down.into_split();
-                let (mut ur, mut uw) = up.into_split();
-                let mut from_down = vec![0u8; 64 * 1024];
-                let mut from_up = vec![0u8; 64 * 1024];
-                let mut answered = false;
-                loop {
-                    tokio::select! {
-                        n = dr.read(&mut from_down) => {
-                            let Ok(n @ 1..) = n else { return };
-                            if answered {
-                                // A second request: reset, pass nothing on.
-                                if let Ok(down) = dr.reunite(dw) {
-                                    let _ = down.set_zero_linger();
-                                }
-                                return;
-                            }
-                            if uw.write_all(&from_down[..n]).await.is_err() { return; }
-                        }
-                        n = ur.read(&mut from_up) => {
-                            let Ok(n @ 1..) = n else { return };
-                            answered = true;
-                            if dw.write_all(&from_up[..n]).await.is_err() { return; }
-                        }
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
-/// The value of a metric without labels.
-fn gauge(proxy: &TestProxy, name: &str) -> i64 {
-    let text = proxy.metrics().encode();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} not found in:\n{text}"))
-}
-
-/// `yaml` with the upstream's response timeout set to `t`, and its connect timeout to
-/// `connect` (it must be the shorter: SPEC §4.4). A loopback connect is made by the kernel,
-/// however busy the mock is, so a short one is safe.
-fn with_upstream_timeouts(yaml: &str, connect: &str, t: &str) -> String {
-    let out = yaml.replace(
-        "    connect_timeout: 1s\n    timeout: 5s\n",
-        &format!("    connect_timeout: {connect}\n    timeout: {t}\n"),
-    );
-    assert_ne!(out, yaml, "the harness's upstream timeout lines moved");
-    out
-}
-
-/// A listener whose accept queue is full, as an overloaded upstream's: the kernel drops new
-/// connections' SYNs, so a connect to it hangs. Returns it with the connections that fill its
-/// queue, which must stay open until it accepts.
-async fn listener_dropping_syns() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .bind("127.0.0.1:0".parse().expect("addr"))
-        .expect("bind");
-    // A backlog of 0 still queues one connection: the next SYN is dropped.
-    let listener = socket.listen(0).expect("listen");
-    let addr = listener.local_addr().expect("addr");
-    let mut fillers = Vec::new();
-    for _ in 0..8 {
-        let connect = tokio::net::TcpStream::connect(addr);
-        match tokio::time::timeout(Duration::from_millis(300), connect).await {
-            Ok(Ok(tcp)) => fillers.push(tcp),
-            _ => return (listener, fillers),
-        }
-    }
-    panic!("the accept queue of a listen(0) socket never filled");
-}
-
-/// An upstream that sends a response head and part of the body, then stalls for good.
-async fn stalling_upstream() -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        // Bounded: the test makes one request.
-        for _ in 0..4 {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = sock.read(&mut buf).await;
-                let _ = sock
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
-                    .await;
-                tokio::time::sleep(std::time::Duration::from_secs(10)).await;
-            });
-        }
-    });
-    addr
-}
-
 // ---------------------------------------------------------------------------------------------
 // §4.3 The upstream.
 
@@ -492,6 +250,93 @@ async fn redis_forward_key_false_holds_when_forwarding_unprotected() {
     );
 }
 
+// ---------------------------------------------------------------------------------------------
+// §4.3 The upstream keep-alive race
+// ---------------------------------------------------------------------------------------------
+
+/// An upstream 20ms away that closes keep-alive connections idle for 2s, like gunicorn: a TCP
+/// relay in front of the mock. When a connection has been idle 2s it starts closing: for the
+/// next 20ms (the close travelling back) whatever the proxy writes into it is lost, then it is
+/// closed. Returns the relay's address.
+async fn idle_closing_upstream(target: std::net::SocketAddr) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+    let addr = listener.local_addr().expect("relay addr");
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(up) = TcpStream::connect(target).await else {
+                    return;
+                };
+                relay_until_idle(down, up).await;
+            });
+        }
+    });
+    addr
+}
+
+async fn relay_until_idle(down: TcpStream, up: TcpStream) {
+    let idle = Duration::from_secs(2);
+    let latency = Duration::from_millis(20);
+    let (mut dr, mut dw) = down.into_split();
+    let (mut ur, mut uw) = up.into_split();
+    let mut from_down = vec![0u8; 64 * 1024];
+    let mut from_up = vec![0u8; 64 * 1024];
+    loop {
+        tokio::select! {
+            n = dr.read(&mut from_down) => {
+                let Ok(n @ 1..) = n else { return };
+                tokio::time::sleep(latency).await;
+                if uw.write_all(&from_down[..n]).await.is_err() { return; }
+            }
+            n = ur.read(&mut from_up) => {
+                let Ok(n @ 1..) = n else { return };
+                tokio::time::sleep(latency).await;
+                if dw.write_all(&from_up[..n]).await.is_err() { return; }
+            }
+            () = tokio::time::sleep(idle) => {
+                // Closing: what arrives now is lost, then the connection goes.
+                let until = tokio::time::Instant::now() + latency;
+                while let Ok(Ok(1..)) = tokio::time::timeout_at(until, dr.read(&mut from_down)).await {}
+                return;
+            }
+        }
+    }
+}
+
+/// Requests from several lanes, each lane sending again after an idle gap spread around the
+/// upstream's 2s idle limit. Returns every reply with its key.
+async fn requests_around_the_idle_limit(proxy: &TestProxy, prefix: &str) -> Vec<(String, Reply)> {
+    let lanes = 10;
+    let mut tasks = Vec::new();
+    for lane in 0..lanes {
+        let url = proxy.url("/bookings");
+        let prefix = prefix.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            // Gaps from 1.96s to 2.05s: some requests land as the upstream closes.
+            let gap = Duration::from_millis(1960 + 10 * lane);
+            for round in 0..3 {
+                let key = format!("{prefix}-{lane}-{round}");
+                let r = send(
+                    client()
+                        .post(&url)
+                        .header("Idempotency-Key", &key)
+                        .body(BODY),
+                )
+                .await;
+                out.push((key, r));
+                tokio::time::sleep(gap).await;
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("lane"));
+    }
+    all
+}
+
 /// With the defaults (`pool_idle_timeout: 1s`, `on_unknown_outcome: keep`), a connection idle
 /// long enough for the upstream to drop it is never reused: no 5xx, every booking made once.
 /// (With a 60s pool idle timeout, as before the fix, some of these got a saved 502.)
@@ -528,6 +373,48 @@ async fn keep_alive_race_release_resends_on_a_fresh_connection() {
     for (key, r) in &replies {
         assert_eq!(r.status, 201, "{key}: {:?}", r.body);
         assert_eq!(env.mock.calls(key), 1, "{key} booked once");
+    }
+}
+
+/// The harness's configuration for `upstream`, on one worker (so one pool holds every upstream
+/// connection), with the upstream's `extra` lines.
+fn one_worker_to(env: &Env, idem: &str, upstream: std::net::SocketAddr, extra: &str) -> String {
+    let yaml = env.config(idem);
+    let out = yaml
+        .replacen("workers: 2\n", "workers: 1\n", 1)
+        .replace(&env.mock.url(), &format!("http://{upstream}{extra}"));
+    assert!(
+        out.contains("workers: 1\n") && out.contains(&upstream.to_string()),
+        "the harness's configuration changed shape:\n{yaml}"
+    );
+    out
+}
+
+/// Keeps what the proxy wrote on each upstream connection (the first 64 KiB of each), to tell
+/// which connection carried which request.
+#[derive(Default)]
+struct Written(std::sync::Mutex<std::collections::BTreeMap<u64, Vec<u8>>>);
+
+impl Tap for Written {
+    fn forwarded(&self, conn: u64, dir: Direction, bytes: &[u8]) {
+        if dir != Direction::Up {
+            return;
+        }
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = all.entry(conn).or_default();
+        let room = (64 * 1024usize).saturating_sub(kept.len());
+        kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+}
+
+impl Written {
+    /// The connections on which `needle` was written.
+    fn connections_with(&self, needle: &str) -> Vec<u64> {
+        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter()
+            .filter(|(_, bytes)| bytes.windows(needle.len()).any(|w| w == needle.as_bytes()))
+            .map(|(conn, _)| *conn)
+            .collect()
     }
 }
 
@@ -586,6 +473,50 @@ async fn a_connection_whose_body_was_read_slowly_is_not_lent_again() {
     );
 }
 
+/// An upstream that answers the first request on each connection, then resets the connection
+/// (`SO_LINGER 0`) when the next one arrives, before any byte of an answer and without passing
+/// it on: what a server that closed a keep-alive connection with a request unread sends.
+/// A relay in front of `target`; returns its address.
+async fn resetting_second_requests(target: std::net::SocketAddr) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+    let addr = listener.local_addr().expect("relay addr");
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(up) = TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut dr, mut dw) = down.into_split();
+                let (mut ur, mut uw) = up.into_split();
+                let mut from_down = vec![0u8; 64 * 1024];
+                let mut from_up = vec![0u8; 64 * 1024];
+                let mut answered = false;
+                loop {
+                    tokio::select! {
+                        n = dr.read(&mut from_down) => {
+                            let Ok(n @ 1..) = n else { return };
+                            if answered {
+                                // A second request: reset, pass nothing on.
+                                if let Ok(down) = dr.reunite(dw) {
+                                    let _ = down.set_zero_linger();
+                                }
+                                return;
+                            }
+                            if uw.write_all(&from_down[..n]).await.is_err() { return; }
+                        }
+                        n = ur.read(&mut from_up) => {
+                            let Ok(n @ 1..) = n else { return };
+                            answered = true;
+                            if dw.write_all(&from_up[..n]).await.is_err() { return; }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
 /// SPEC §4.3: under `on_unknown_outcome: release`, a request that got no response byte on a
 /// reused connection — here the connection is reset as the request arrives — is sent once more
 /// on a fresh connection: the client gets the booking, made once. (Only a clean close was
@@ -626,6 +557,15 @@ async fn a_reset_on_a_reused_connection_is_resent_once_on_a_fresh_one_under_rele
     let second = post_booking(&keep, "keep-second", &[]).await;
     second.assert_problem(502, "upstream-failed");
     assert_eq!(env.mock.calls("keep-second"), 0, "never resent under keep");
+}
+
+/// The value of a metric without labels.
+fn gauge(proxy: &TestProxy, name: &str) -> i64 {
+    let text = proxy.metrics().encode();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not found in:\n{text}"))
 }
 
 /// Clients that leave while their exchange runs: the exchanges finish (their results are
@@ -737,6 +677,40 @@ async fn connect_failure_releases_the_claim(backend: Backend) {
     );
     let _ = stop.send(());
     let _ = served.await;
+}
+
+/// `yaml` with the upstream's response timeout set to `t`, and its connect timeout to
+/// `connect` (it must be the shorter: SPEC §4.4). A loopback connect is made by the kernel,
+/// however busy the mock is, so a short one is safe.
+fn with_upstream_timeouts(yaml: &str, connect: &str, t: &str) -> String {
+    let out = yaml.replace(
+        "    connect_timeout: 1s\n    timeout: 5s\n",
+        &format!("    connect_timeout: {connect}\n    timeout: {t}\n"),
+    );
+    assert_ne!(out, yaml, "the harness's upstream timeout lines moved");
+    out
+}
+
+/// A listener whose accept queue is full, as an overloaded upstream's: the kernel drops new
+/// connections' SYNs, so a connect to it hangs. Returns it with the connections that fill its
+/// queue, which must stay open until it accepts.
+async fn listener_dropping_syns() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("addr"))
+        .expect("bind");
+    // A backlog of 0 still queues one connection: the next SYN is dropped.
+    let listener = socket.listen(0).expect("listen");
+    let addr = listener.local_addr().expect("addr");
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(300), connect).await {
+            Ok(Ok(tcp)) => fillers.push(tcp),
+            _ => return (listener, fillers),
+        }
+    }
+    panic!("the accept queue of a listen(0) socket never filled");
 }
 
 /// SPEC §4.4: a connection that is not made within `connect_timeout` sent nothing: the claim is
@@ -930,6 +904,32 @@ async fn upstream_head_refusals_are_passed_on_and_not_saved(backend: Backend) {
             assert_eq!(env.mock.calls(key), attempt, "{key}: each attempt ran");
         }
     }
+}
+
+/// An upstream that sends a response head and part of the body, then stalls for good.
+async fn stalling_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        // Bounded: the test makes one request.
+        for _ in 0..4 {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                let _ = sock
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                    .await;
+                tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+            });
+        }
+    });
+    addr
 }
 
 /// `upstreams.*.timeout` bounds the whole response on pass-through routes too: a body that
