@@ -11,12 +11,13 @@
 //! - [`sqlite::SqliteFile`]: an SQLite file in a temp dir, read from outside the proxy and
 //!   write-locked on command.
 //! - [`postgres::PgServer`]: a PostgreSQL server of the test binary's own (initdb in a temp
-//!   dir), shared by its tests, each in a schema of its own.
+//!   dir), shared by its tests, each in a schema of its own, or private to a test that stops,
+//!   pauses or crashes it; the load bench's too ([`postgres::PgServer::try_start`]).
 //! - [`TestProxy`]: the proxy served in this process (so tests can read its metrics), with
 //!   the workers its file asks for (by default one a core), stopped gracefully on
 //!   [`TestProxy::stop`] or dropped.
-//! - [`ProxyProcess`]: the `idemproxy` binary as a child process, for what needs a process
-//!   (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
+//! - [`ProxyProcess`]: the `idemproxy` binary ([`binary`]) as a child process, for what needs
+//!   a process (SIGKILL mid-request, SIGTERM, `--check`, start-up warnings).
 //! - [`relay::Relay`]: a TCP relay in front of a store or the upstream that adds latency,
 //!   blackholes, resets or cuts connections on command.
 //! - [`cluster::RedisCluster`]: a Redis Cluster on loopback — primaries and replicas, with

@@ -1,8 +1,11 @@
-//! Hostile input over raw TCP (tracker "Hardening", item 3): requests no client library would
-//! send — malformed keys, control bytes, line breaks inside headers, too many or too large
-//! headers, oversized bodies, and framing conflicts that smuggle one request inside another.
+//! What a request must be to be admitted (SPEC §4.1, §4.2): first hostile input over raw TCP,
+//! requests no client library would send — malformed keys, control bytes, line breaks inside
+//! headers, too many or too large headers, oversized bodies, and framing conflicts that smuggle
+//! one request inside another; then, through a client library, bodies over
+//! `max_request_body`, a request no route matches, a `Connection` header naming the key, scope
+//! or fingerprint headers, and broken client bodies on a pass-through route.
 //!
-//! Each test writes raw bytes to the proxy and asserts the status, who answered (the proxy, with
+//! Each raw test writes bytes to the proxy and asserts the status, who answered (the proxy, with
 //! `application/problem+json`, or hyper itself, before the proxy's service runs), that nothing
 //! was claimed, and what the upstream saw.
 
