@@ -310,6 +310,25 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
     }
 }
 
+/// Where the binary of the README's first command (`cargo run … -- demo`) lands, as the demo
+/// prints it: `./target/release/idemproxy` for `--release`, `./target/NAME/idemproxy` for
+/// `--profile NAME`, `./target/debug/idemproxy` without either.
+fn built_by_first_command(readme: &str) -> String {
+    let quick = between(readme, "## Quick start", "\n```\n");
+    let line = quick
+        .lines()
+        .find(|l| l.starts_with("cargo run") && l.contains("demo"))
+        .expect("the quick start's first command runs the demo");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let profile = match words.iter().position(|w| *w == "--profile") {
+        Some(at) => words.get(at + 1).copied().expect("a profile name"),
+        None if words.contains(&"--release") => "release",
+        None => "debug",
+    };
+    let dir = if profile == "dev" { "debug" } else { profile };
+    format!("./target/{dir}/idemproxy")
+}
+
 #[test]
 fn the_quick_start_shows_what_the_demo_prints() {
     let (listen, upstream, admin) = (free_port(), free_port(), free_port());
@@ -350,6 +369,8 @@ fn the_quick_start_shows_what_the_demo_prints() {
     let _ = child.kill();
     let _ = child.wait();
     // As printed on the default ports, by the binary the README's first command builds.
+    let readme = doc("README.md");
+    let built = built_by_first_command(&readme);
     let exe = common::binary();
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = format!("./{}", exe.strip_prefix(here).unwrap_or(&exe).display());
@@ -357,12 +378,11 @@ fn the_quick_start_shows_what_the_demo_prints() {
         .replace(&format!("127.0.0.1:{listen}"), "127.0.0.1:8080")
         .replace(&format!("127.0.0.1:{upstream}"), "127.0.0.1:8081")
         .replace(&format!("127.0.0.1:{admin}"), "127.0.0.1:9090")
-        .replace(&exe, "./target/release/idemproxy");
+        .replace(&exe, &built);
     assert!(
         printed.contains("Ctrl-C stops both."),
         "the demo printed no lines to try within 20s:\n{printed}"
     );
-    let readme = doc("README.md");
     let section = between(&readme, "`demo` prints these lines", "\n```\n");
     let shown = section
         .split_once("```sh\n")

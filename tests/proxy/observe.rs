@@ -378,10 +378,20 @@ async fn missing_and_invalid_keys_are_forwarded_and_counted(backend: Backend) {
         "forwarded as sent"
     );
 
-    assert_eq!(env.mock.total(), 3, "every one forwarded");
-    until_counted(&proxy, &[(Would::MissingKey, 1), (Would::InvalidKey, 2)]).await;
+    // `Connection` naming the key header: enforce answers 400 hop-by-hop-conflict and counts
+    // it `invalid_key`; observe counts it so too.
+    let hop = send(
+        post()
+            .header("Idempotency-Key", "obs-hop")
+            .header("Connection", "Idempotency-Key"),
+    )
+    .await;
+    assert_forwarded(&hop, 201);
+
+    assert_eq!(env.mock.total(), 4, "every one forwarded");
+    until_counted(&proxy, &[(Would::MissingKey, 1), (Would::InvalidKey, 3)]).await;
     assert_eq!(claims(&proxy), 0, "nothing claimed");
-    assert_passed_through(&proxy, 3);
+    assert_passed_through(&proxy, 4);
 }
 
 async fn unreadable_key_from_parts_are_invalid_keys_and_derived_keys_are_claimed(backend: Backend) {

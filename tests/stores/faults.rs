@@ -334,6 +334,49 @@ async fn a_second_try_stays_within_store_timeout() {
     );
 }
 
+/// Redis down — nothing listens on its port, every connection is refused — is a store error at
+/// once, every time, not a wait for reconnections until `store.timeout`; and once Redis is back
+/// the next claim is served, without a restart of the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_an_error_at_once_and_redis_back_is_served() {
+    let mut redis = RedisServer::start();
+    let timeout = Duration::from_secs(3);
+    let store = handle(
+        RedisStore::new(&redis.url(), timeout).expect("redis store"),
+        timeout,
+    );
+    let lease = Duration::from_secs(30);
+    assert_eq!(
+        store
+            .claim(&store_key(41), &held(1), lease)
+            .await
+            .expect("warm"),
+        Claim::Claimed
+    );
+    redis.kill();
+    for n in 0..4u8 {
+        let started = std::time::Instant::now();
+        let claim = store.claim(&store_key(42 + n), &held(1), lease).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(claim, Err(StoreError::Backend { .. })),
+            "try {n}: a refused connection is a backend error: {claim:?}"
+        );
+        assert!(
+            took < Duration::from_millis(500),
+            "try {n}: refused at once, not after waiting for reconnections (store.timeout {timeout:?}): took {took:?}"
+        );
+    }
+    tokio::task::block_in_place(|| redis.restart());
+    assert_eq!(
+        store
+            .claim(&store_key(50), &held(1), lease)
+            .await
+            .expect("Redis is back"),
+        Claim::Claimed
+    );
+}
+
 /// With `wait_replicas`, a claim whose answer was lost (the connection broke after Redis ran
 /// the `SET`) is sent again on a new connection, finds its own claim, and writes nothing
 /// there. `WAIT` waits for the offset its connection last noted, so the claim must still be

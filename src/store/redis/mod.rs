@@ -71,9 +71,15 @@ pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
     /// Readiness: every key can be served. One Redis answers `PING`; on a cluster, the
     /// primary of every slot does (a replica that is down serves no key).
     fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
+
+    /// Whether a command refused a connection gets one more try ([`resend`]): where the
+    /// refusal may be a stale one and the next try a fresh connection attempt.
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool;
 }
 
 impl RedisConnection for ConnectionManager {
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool = true;
+
     async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
         let mut conn = self.clone();
         let value = match cmd.query_async::<Value>(&mut conn).await {
@@ -94,6 +100,8 @@ impl RedisConnection for ConnectionManager {
 }
 
 impl RedisConnection for ClusterConnection {
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool = false;
+
     async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
         let mut conn = self.clone();
         // No response policy: the cluster client then answers with a map of each node's
@@ -215,11 +223,17 @@ impl RedisStore<ConnectionManager> {
 
     fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
         let server = client.get_connection_info().addr().to_string();
+        // One connection attempt per (re)connection, no retries with backoff: a refused
+        // connection (Redis down) must fail the operation at once, as a 503, where retries
+        // would hold it until `store.timeout`. The next operation tries again, so Redis back
+        // is served at once too.
+        // A connection attempt may outlive the operation that started it (a hung Redis): the
+        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
+        // finds the attempt still going rather than starting another.
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
+            .set_connection_timeout(Some(timeout.saturating_mul(2)))
             .set_response_timeout(Some(timeout))
-            .set_number_of_retries(3)
-            .set_max_delay(Duration::from_secs(1));
+            .set_number_of_retries(0);
         let conn = client
             .get_connection_manager_lazy(config)
             .map_err(backend("connect"))?;
@@ -278,9 +292,11 @@ impl<C: RedisConnection> RedisStore<C> {
     where
         Fut: Future<Output = RedisResult<T>>,
     {
-        resend::once_more(op, || attempt(self.conn.clone()))
-            .await
-            .map_err(backend(op))
+        resend::once_more(op, C::FRESH_ATTEMPT_AFTER_REFUSAL, || {
+            attempt(self.conn.clone())
+        })
+        .await
+        .map_err(backend(op))
     }
 
     /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One
