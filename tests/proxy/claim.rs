@@ -297,7 +297,11 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
     let store_key = proxy
         .proxy
         .keys()
-        .store_key("create-booking", RecordLookup::Key(raw), &http::HeaderMap::new())
+        .store_key(
+            "create-booking",
+            RecordLookup::Key(raw),
+            &http::HeaderMap::new(),
+        )
         .expect("an idempotent route");
     assert_eq!(store_key.text(), expected);
     let entry = proxy
