@@ -34,7 +34,6 @@ pub(crate) fn new_token() -> Token {
 /// A saved upstream response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedResponse {
-    /// The status code.
     pub status: StatusCode,
     /// End-to-end headers, in the upstream's order (hop-by-hop ones already removed).
     pub headers: Vec<(HeaderName, HeaderValue)>,

@@ -54,7 +54,7 @@ use self::replicas::Replicas;
 use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
-use crate::metrics::{Metrics, StoreOp};
+use crate::metrics::{Metrics, StoreKind, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
 
 /// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
@@ -214,6 +214,7 @@ impl RedisStore<ConnectionManager> {
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
         let client = client(url, access).map_err(backend("connect"))?;
+        metrics.stores.in_use(StoreKind::Redis);
         let mut store = Self::with_client(client.clone(), timeout)?;
         if wait_replicas > 0 {
             store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
