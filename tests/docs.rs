@@ -268,11 +268,17 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
         "the reload was not applied:\n{}",
         proc.log()
     );
-    let (names, histograms) = served(&scrape(admin).await);
+    let (mut names, mut histograms) = served(&scrape(admin).await);
     assert!(
         names.contains("idemproxy_requests_total") && names.len() > 20,
         "the scrape lacks the proxy's families: {names:?}"
     );
+    // Each store exports its own series only when it is the store in use: the table names
+    // them all, so the served names are those of a proxy on each store.
+    for (store_names, store_histograms) in served_by_each_store().await {
+        names.extend(store_names);
+        histograms.extend(store_histograms);
+    }
 
     // The operations guide's table: one row per family, every family a row.
     let guide = doc("docs/operations.md");
@@ -306,6 +312,34 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
             );
         }
     }
+}
+
+/// What proxies on `sqlite`, `redis` and `postgres` serve, one scrape each (each store adds
+/// its own series to those every proxy has).
+async fn served_by_each_store() -> Vec<(BTreeSet<String>, BTreeSet<String>)> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let redis = harness::RedisServer::start();
+    let pg = harness::postgres::PgServer::shared();
+    let stores = [
+        format!(
+            "store:\n  backend: sqlite\n  path: {}\n",
+            dir.path().join("records.db").display()
+        ),
+        format!("store:\n  backend: redis\n  url: {}\n", redis.url()),
+        format!(
+            "store:\n  backend: postgres\n  url: {}\n  schema: {}\n",
+            pg.url(),
+            harness::postgres::PgServer::fresh_schema()
+        ),
+    ];
+    let mut scrapes = Vec::new();
+    for store in stores {
+        let admin = free_port();
+        let proc = ProxyProcess::spawn(&config(admin, &store));
+        scrapes.push(served(&scrape(admin).await));
+        drop(proc);
+    }
+    scrapes
 }
 
 /// Where the binary of the README's first command (`cargo run … -- demo`) lands, as the demo
