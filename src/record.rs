@@ -59,7 +59,6 @@ pub(crate) fn new_token() -> Token {
 /// A saved upstream response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedResponse {
-    /// The status code.
     pub status: StatusCode,
     /// End-to-end headers, in the upstream's order (hop-by-hop ones already removed).
     pub headers: Vec<(HeaderName, HeaderValue)>,
@@ -483,6 +482,32 @@ pub mod resolvable {
         write(bytes, LEASE_UNTIL, now.saturating_add(lease));
         bytes[PHASE] = b'R';
         write(bytes, NEXT_LOOKUP_AT, now);
+    }
+}
+
+/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
+/// by the store's `renew`, `complete` and `release` (and so encoded once, here).
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The in-progress record (token and fingerprint).
+    pub record: Record,
+    /// Its encoding, as stored.
+    pub encoded: Bytes,
+}
+
+impl Held {
+    /// Wraps an in-progress record.
+    pub fn new(record: Record) -> Held {
+        let encoded = record.encode();
+        Held { record, encoded }
+    }
+
+    /// The claim that can be resolved this holds, if it is one.
+    pub fn resolvable(&self) -> Option<&Resolvable> {
+        match &self.record {
+            Record::Resolvable(r) => Some(r),
+            _ => None,
+        }
     }
 }
 

@@ -104,21 +104,8 @@ where
         "the store keeps what it answered"
     );
 
-    // Another request, while the lease is live: the claim is there, untouched.
     let b = resolvable(1, give_up);
-    match s.claim_resolvable(key, &b, times(lifetime)).await {
-        Ok(ResolvableClaim::Existing(Record::Resolvable(found))) => assert_eq!(*found, r),
-        other => panic!("expected the live claim, got {other:?}"),
-    }
-    // A plain claim never takes a resolvable claim over.
-    let plain = Held::new(Record::InFlight {
-        token: new_token(),
-        fingerprint: [1; 32],
-    });
-    assert!(matches!(
-        s.claim(key, &plain, LEASE).await,
-        Ok(super::Claim::Existing(Record::Resolvable(_)))
-    ));
+    live_claim_is_left_alone(s, key, &b, &r, lifetime).await;
 
     // Renewing moves the lease only.
     advance(Duration::from_secs(5)).await;
@@ -166,24 +153,29 @@ where
         Ok(ResolvableClaim::Existing(Record::Resolvable(_)))
     ));
 
-    // The old holder is fenced off everywhere.
-    assert!(!s.renew(key, &a, LEASE).await.expect("renew"));
+    fenced_then_resolved(s, key, &a, &b).await;
+}
+
+/// After a takeover: the old holder `a` is fenced off everywhere; the new holder `b` resolves
+/// and saves a found response.
+async fn fenced_then_resolved(s: &StoreHandle, key: &StoreKey, a: &Held, b: &Held) {
+    assert!(!s.renew(key, a, LEASE).await.expect("renew"));
     assert_eq!(
-        s.resolving(key, &a, Duration::from_secs(5), LEASE)
+        s.resolving(key, a, Duration::from_secs(5), LEASE)
             .await
             .expect("resolving"),
         None
     );
     assert!(
-        !s.complete(key, &a, &found(1), Duration::from_secs(60))
+        !s.complete(key, a, &found(1), Duration::from_secs(60))
             .await
             .expect("complete")
     );
-    assert!(!s.release(key, &a).await.expect("release"));
+    assert!(!s.release(key, a).await.expect("release"));
 
     // The new holder resolves: its next lookup recorded, then the found response saved.
     let at = s
-        .resolving(key, &b, Duration::from_secs(5), LEASE)
+        .resolving(key, b, Duration::from_secs(5), LEASE)
         .await
         .expect("resolving")
         .expect("held");
@@ -193,17 +185,40 @@ where
     assert_eq!(resolving.lease_until, at + 10_000);
     let done = found(1);
     assert!(
-        s.complete(key, &b, &done, Duration::from_secs(60))
+        s.complete(key, b, &done, Duration::from_secs(60))
             .await
             .expect("complete")
     );
     assert_eq!(s.get(key).await.expect("get").as_ref(), Some(done.record()));
     // Sent again after its answer was lost: done already.
     assert!(
-        s.complete(key, &b, &done, Duration::from_secs(60))
+        s.complete(key, b, &done, Duration::from_secs(60))
             .await
             .expect("complete")
     );
+}
+
+/// While the lease is live, another resolvable claim finds the claim untouched, and a plain
+/// claim never takes a resolvable claim over.
+async fn live_claim_is_left_alone(
+    s: &StoreHandle,
+    key: &StoreKey,
+    b: &Held,
+    r: &Resolvable,
+    lifetime: Duration,
+) {
+    match s.claim_resolvable(key, b, times(lifetime)).await {
+        Ok(ResolvableClaim::Existing(Record::Resolvable(found))) => assert_eq!(*found, *r),
+        other => panic!("expected the live claim, got {other:?}"),
+    }
+    let plain = Held::new(Record::InFlight {
+        token: new_token(),
+        fingerprint: [1; 32],
+    });
+    assert!(matches!(
+        s.claim(key, &plain, LEASE).await,
+        Ok(super::Claim::Existing(Record::Resolvable(_)))
+    ));
 }
 
 fn b_token(held: &Held) -> [u8; 16] {
