@@ -26,7 +26,7 @@ use serde_json::json;
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
-use crate::proxy::{Lookup, Proxy};
+use crate::proxy::{Proxy, RecordLookup};
 use crate::record::{Record, Saved};
 use crate::store::{Forgotten, StoreError};
 
@@ -167,12 +167,12 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminPr
             let mut id = [0u8; 32];
             hex::decode_to_slice(hash, &mut id)
                 .map_err(|_| unnamed("The key hash is 64 hex digits, as the logs show it"))?;
-            Lookup::Hash(id)
+            RecordLookup::Hash(id)
         }
-        None if !parts.is_empty() => Lookup::Parts(&parts),
+        None if !parts.is_empty() => RecordLookup::Parts(&parts),
         None => {
             key = sent_key(&pairs)?;
-            Lookup::Key(&key)
+            RecordLookup::Key(&key)
         }
     };
     proxy
@@ -181,10 +181,10 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminPr
         .map_err(|e| match lookup {
             // Part values are refused as not fitting, whatever the reason: on an unknown route
             // too, as they always were (400).
-            Lookup::Parts(_) => unnamed(format!(
+            RecordLookup::Parts(_) => unnamed(format!(
                 "The part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts): {e}"
             )),
-            Lookup::Key(_) | Lookup::Hash(_) => AdminProblem::NoIdempotentRoute,
+            RecordLookup::Key(_) | RecordLookup::Hash(_) => AdminProblem::NoIdempotentRoute,
         })
 }
 

@@ -34,7 +34,6 @@ pub(crate) fn new_token() -> Token {
 /// A saved upstream response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedResponse {
-    /// The status code.
     pub status: StatusCode,
     /// End-to-end headers, in the upstream's order (hop-by-hop ones already removed).
     pub headers: Vec<(HeaderName, HeaderValue)>,
@@ -222,6 +221,51 @@ impl Record {
             return Err(DecodeError("trailing bytes after the record"));
         }
         Ok(record)
+    }
+}
+
+/// A finished record, encoded once: what a completion writes. A completion retried after a
+/// store failure writes these very bytes again, so the store's "already holds exactly this"
+/// check holds, and the pending-save bounds count them.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    record: Record,
+    encoded: Bytes,
+}
+
+impl Finished {
+    /// The finished record of the request whose fingerprint is `fingerprint`, encoded.
+    pub fn new(fingerprint: Fingerprint, saved: Saved) -> Finished {
+        let record = Record::Done { fingerprint, saved };
+        let encoded = record.encode();
+        Finished { record, encoded }
+    }
+
+    pub fn record(&self) -> &Record {
+        &self.record
+    }
+
+    pub fn encoded(&self) -> &Bytes {
+        &self.encoded
+    }
+}
+
+/// A record's bytes, as a completion hands them to the store: a [`Finished`] record, which the
+/// proxy writes; or `Bytes` encoded elsewhere (a tool, or a check that writes what it read
+/// back, or bytes that are no record at all).
+pub trait Encoded {
+    fn encoded(&self) -> &Bytes;
+}
+
+impl Encoded for Finished {
+    fn encoded(&self) -> &Bytes {
+        &self.encoded
+    }
+}
+
+impl Encoded for Bytes {
+    fn encoded(&self) -> &Bytes {
+        self
     }
 }
 

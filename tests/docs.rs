@@ -11,8 +11,6 @@
 //! - The quick start: the lines the README shows are the lines `idemproxy demo` prints.
 //! - The admin token: rotated by a reload, as the operations guide tells operators to do it.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -20,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{ProxyProcess, eventually, free_port};
+use harness::{ProxyProcess, eventually, free_port};
 
 /// A documentation file of the repository, read whole.
 fn doc(path: &str) -> String {
@@ -115,7 +113,7 @@ routes:
 
 /// The `/metrics` text of the admin listener at `admin`.
 async fn scrape(admin: u16) -> String {
-    common::client()
+    harness::client()
         .get(format!("http://127.0.0.1:{admin}/metrics"))
         .send()
         .await
@@ -153,7 +151,7 @@ async fn every_restart_list_names_what_a_reload_refuses() {
     let proc = ProxyProcess::spawn(&config(admin, "workers: 1\n"));
     // A file that changes every field the running proxy can't change in place, and that is
     // valid otherwise: the refusal names them all.
-    let pki = common::pki::Pki::new();
+    let pki = harness::pki::Pki::new();
     let pid_dir = tempfile::tempdir().expect("temp dir");
     let changed = format!(
         "workers: 2
@@ -333,7 +331,7 @@ fn built_by_first_command(readme: &str) -> String {
 #[test]
 fn the_quick_start_shows_what_the_demo_prints() {
     let (listen, upstream, admin) = (free_port(), free_port(), free_port());
-    let mut child = Command::new(common::binary())
+    let mut child = Command::new(harness::binary())
         .args([
             "demo",
             "--listen",
@@ -372,7 +370,7 @@ fn the_quick_start_shows_what_the_demo_prints() {
     // As printed on the default ports, by the binary the README's first command builds.
     let readme = doc("README.md");
     let built = built_by_first_command(&readme);
-    let exe = common::binary();
+    let exe = harness::binary();
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = format!("./{}", exe.strip_prefix(here).unwrap_or(&exe).display());
     let printed = text()

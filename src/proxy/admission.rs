@@ -8,8 +8,7 @@ use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::resolved::Route;
-use crate::config::Limits;
+use super::context::Context;
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
 use crate::key_from;
@@ -50,13 +49,8 @@ pub(super) enum Admission {
 }
 
 /// Reads the key, the body and the fingerprint.
-pub(super) async fn admit(
-    route: &Route,
-    idem: &IdempotencySettings,
-    parts: Parts,
-    incoming: Incoming,
-    limits: &Limits,
-) -> Admission {
+pub(super) async fn admit(context: &Context, parts: Parts, incoming: Incoming) -> Admission {
+    let (idem, limits) = (&*context.policy, &context.limits);
     let source = match check_head(idem, &parts) {
         Ok(KeySource::None) => return Admission::NoKey(parts, incoming),
         Ok(source) => source,
@@ -78,7 +72,7 @@ pub(super) async fn admit(
             return Admission::Refused(p, outcome);
         }
     };
-    match with_body(route, idem, source, parts, body) {
+    match with_body(context, source, parts, body) {
         Ok(admitted) => Admission::Admitted(admitted),
         Err(underived) => Admission::Refused(underived.problem, Outcome::InvalidKey),
     }
@@ -96,12 +90,12 @@ pub(super) struct Underived {
 /// The fingerprint and the key of a request whose head passed [`check_head`] (`source`) and
 /// whose body has been read.
 pub(super) fn with_body(
-    route: &Route,
-    idem: &IdempotencySettings,
+    context: &Context,
     source: KeySource,
     mut parts: Parts,
     body: Bytes,
 ) -> Result<Admitted, Box<Underived>> {
+    let (route, idem) = (&context.route, &*context.policy);
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
     let (id, derived) = match source {
         KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),

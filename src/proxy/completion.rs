@@ -1,28 +1,25 @@
 //! What a completion retried in the background writes: the whole result, or the small
 //! `result-not-kept` record the pending-save bounds downgrade it to (see [`super::pending`]).
 
-use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 
 use crate::problem::Problem;
-use crate::record::{Record, Saved};
+use crate::record::{Finished, Record, Saved};
 
 /// A finished record a background completion is writing: the whole result, or, once the
 /// pending-save bounds downgraded it, the small `result-not-kept` record that stands in for it.
 pub(super) struct Completion {
-    pub done: Record,
-    pub encoded: Bytes,
+    pub done: Finished,
     /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
     /// whose answer was lost, may have written it, and then the record is ours.
     whole_digest: Option<[u8; 32]>,
 }
 
 impl Completion {
-    pub(crate) fn whole(done: Record, encoded: Bytes) -> Completion {
+    pub(crate) fn whole(done: Finished) -> Completion {
         Completion {
             done,
-            encoded,
             whole_digest: None,
         }
     }
@@ -34,31 +31,30 @@ impl Completion {
     /// Lets go of the result, keeping the record that says it was not kept. The status the
     /// first client got goes into the record: it tells the caller the operation ran.
     pub(crate) fn downgrade(&mut self) {
-        let small = Record::Done {
-            fingerprint: *self.done.fingerprint(),
-            saved: Saved::Response(
+        let small = Finished::new(
+            *self.done.record().fingerprint(),
+            Saved::Response(
                 Problem::ResultNotKept {
                     status: self.status(),
                 }
                 .saved(),
             ),
-        };
-        self.whole_digest = Some(Sha256::digest(&self.encoded).into());
-        self.encoded = small.encode();
+        );
+        self.whole_digest = Some(Sha256::digest(self.done.encoded()).into());
         self.done = small;
     }
 
     /// Whether `current`, read back from the store, is what this completion (or an earlier attempt
     /// of it) wrote.
     pub(crate) fn wrote(&self, current: &Record) -> bool {
-        *current == self.done
+        current == self.done.record()
             || self
                 .whole_digest
                 .is_some_and(|d| <[u8; 32]>::from(Sha256::digest(current.encode())) == d)
     }
 
     pub(crate) fn status(&self) -> StatusCode {
-        match &self.done {
+        match self.done.record() {
             Record::Done {
                 saved: Saved::Response(r),
                 ..

@@ -1,7 +1,6 @@
 //! The exchange: claim the key, forward the claimed request, and decide what its answer means
 //! for the key — complete it with the result, or release it so that a retry runs again.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,18 +10,18 @@ use http::header;
 use tokio::time::Instant;
 
 use super::admission::Admitted;
+use super::context::Context;
 use super::detach::Attachment;
 use super::lease::Lease;
+use super::matched::{Answer, forward_plain, refuse};
 use super::replay::replay;
-use super::resolved::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
-use super::shared::Shared;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Record, new_token};
-use crate::route::{IdempotencySettings, OnConflict, OnStoreError, OnUnknownOutcome};
+use crate::route::{OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::store::{Claim, Held, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
 
@@ -36,11 +35,8 @@ pub(super) const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// One admitted request, from its claim to its answer.
 pub(super) struct Exchange {
-    shared: Arc<Shared>,
-    route: Arc<Route>,
-    idem: Arc<IdempotencySettings>,
+    context: Arc<Context>,
     request: Admitted,
-    client: SocketAddr,
     held: Held,
     /// Whether the client still waits: a waiter whose client left stops polling.
     attachment: Arc<Attachment>,
@@ -48,11 +44,8 @@ pub(super) struct Exchange {
 
 impl Exchange {
     pub(crate) fn new(
-        shared: Arc<Shared>,
-        route: Arc<Route>,
-        idem: Arc<IdempotencySettings>,
+        context: Arc<Context>,
         request: Admitted,
-        client: SocketAddr,
         attachment: Arc<Attachment>,
     ) -> Exchange {
         let held = Held::new(Record::InFlight {
@@ -60,11 +53,8 @@ impl Exchange {
             fingerprint: request.fingerprint,
         });
         Exchange {
-            shared,
-            route,
-            idem,
+            context,
             request,
-            client,
             held,
             attachment,
         }
@@ -73,8 +63,8 @@ impl Exchange {
     /// Claims the key — or replays, refuses, or waits, per what the claim finds — and runs the
     /// exchange when the claim is ours.
     pub(crate) async fn claim_and_run(self) -> Answer {
-        let idem = self.idem.clone();
-        let store = self.shared.store.clone();
+        let context = self.context.clone();
+        let (idem, store) = (&context.policy, &context.shared.store);
         let wait_until = Instant::now() + idem.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
         // Whether a claim has shown this key held by another request. From then on the
@@ -133,7 +123,8 @@ impl Exchange {
     /// The store failed before this request held the key. `seen_held`: an earlier claim
     /// showed the key held by another request.
     async fn store_failure(self, e: StoreError, seen_held: bool) -> Answer {
-        let route = &self.route;
+        let context = &self.context;
+        let route = &context.route;
         // An undecodable record, or a key seen held, means an operation may have run (or be
         // running) under this key: forwarding could run it twice, whatever `on_store_error`
         // says. So does a claim too few replicas acknowledged: the store works, and a
@@ -145,7 +136,7 @@ impl Exchange {
         {
             OnStoreError::Reject
         } else {
-            self.idem.on_store_error
+            context.policy.on_store_error
         };
         match policy {
             OnStoreError::Reject => {
@@ -161,9 +152,9 @@ impl Exchange {
                 );
                 route.metrics.unprotected();
                 let Admitted { parts, body, .. } = self.request;
-                let drop_key = (!self.idem.forward_key).then_some(&self.idem.header);
+                let body = body::full(body);
                 let (resp, _) =
-                    forward_plain(route, parts, body::full(body), self.client, drop_key).await;
+                    forward_plain(route, parts, body, context.client, context.drop_key()).await;
                 (resp, Outcome::StoreError)
             }
         }
@@ -174,9 +165,9 @@ impl Exchange {
     /// claims afresh).
     async fn claimed_too_late(self, sent: Instant) -> Answer {
         let took = sent.elapsed();
-        let lock_ttl = self.idem.lock_ttl;
+        let lock_ttl = self.context.policy.lock_ttl;
         tracing::warn!(
-            route = %self.route.settings.name,
+            route = %self.context.route.settings.name,
             key = %self.request.key.id_hex(),
             took_ms = took.as_millis(),
             lock_ttl_ms = lock_ttl.as_millis(),
@@ -185,13 +176,14 @@ impl Exchange {
         // Not through `Lease::release`: a claim already expired (or taken over) is what this
         // path expects, not a lost lease, since nothing ran under it.
         if let Err(e) = self
+            .context
             .shared
             .store
             .release(&self.request.key, &self.held)
             .await
         {
             tracing::warn!(
-                route = %self.route.settings.name,
+                route = %self.context.route.settings.name,
                 key = %self.request.key.id_hex(),
                 error = %e,
                 "release failed; the claim expires within lock_ttl"
@@ -213,11 +205,8 @@ impl Exchange {
     /// claim according to the answer.
     async fn run(self, claimed_at: Instant) -> Answer {
         let Exchange {
-            shared,
-            route,
-            idem,
+            context,
             request,
-            client,
             held,
             attachment: _,
         } = self;
@@ -228,22 +217,13 @@ impl Exchange {
             fingerprint,
             derived: _,
         } = request;
-        let up = &route.upstream;
-        let mut lease = Lease::new(
-            shared.store.clone(),
-            route.metrics.clone(),
-            route.name.clone(),
-            key,
-            held,
-            idem.lock_ttl,
-            claimed_at,
-        );
-        let drop_key = (!idem.forward_key).then_some(&idem.header);
+        let (up, idem) = (&context.route.upstream, &context.policy);
+        let mut lease = context.lease(key, held, claimed_at);
         // Under `release` the upstream is trusted to honour the forwarded key, so a request
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
-        let result = match up.request(parts, body, client, drop_key) {
+        let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => {
                 lease
                     .renewing(up.call_bounded(req, idem.max_response_body, resend))
@@ -252,9 +232,7 @@ impl Exchange {
             Err(e) => Err(e),
         };
         let decision = Decision {
-            shared,
-            route,
-            idem,
+            context,
             fingerprint,
             lease,
         };
@@ -269,9 +247,7 @@ impl Exchange {
 /// A claimed exchange whose upstream call has ended: what its answer means for the key (the
 /// [`Settlement`]), then the answer.
 struct Decision {
-    shared: Arc<Shared>,
-    route: Arc<Route>,
-    idem: Arc<IdempotencySettings>,
+    context: Arc<Context>,
     fingerprint: Fingerprint,
     lease: Lease,
 }
@@ -279,7 +255,7 @@ struct Decision {
 impl Decision {
     /// The whole response: saved (unless it is not a result) and answered as read.
     async fn whole(self, parts: http::response::Parts, bytes: Bytes) -> Answer {
-        let settlement = Settlement::of_whole(&self.idem, &parts, &bytes);
+        let settlement = Settlement::of_whole(&self.context.policy, &parts, &bytes);
         self.settle(settlement).await;
         (first_response(parts, bytes), Outcome::Forwarded)
     }
@@ -287,7 +263,7 @@ impl Decision {
     /// A response over `max_response_body`: streamed on to this client, saved as not
     /// replayable (unless it is not a result).
     async fn over(self, parts: http::response::Parts, prefix: Bytes, rest: Body) -> Answer {
-        let settlement = Settlement::of_over(&self.idem, &parts);
+        let settlement = Settlement::of_over(&self.context.policy, &parts);
         self.settle(settlement).await;
         (
             Response::from_parts(parts, upstream::chain(prefix, rest)),
@@ -298,20 +274,14 @@ impl Decision {
     /// No response: the key is freed when the operation surely did not run, otherwise kept
     /// or freed as `on_unknown_outcome` says.
     async fn failed(self, e: UpstreamError) -> Answer {
-        let (settlement, problem, outcome) = Settlement::of_failure(&self.route, &self.idem, &e);
+        let (settlement, problem, outcome) = Settlement::of_failure(&self.context, &e);
         self.settle(settlement).await;
         refuse(problem, outcome)
     }
 
     async fn settle(self, settlement: Settlement) {
         settlement
-            .apply(
-                self.lease,
-                self.fingerprint,
-                &self.route,
-                &self.idem,
-                &self.shared,
-            )
+            .apply(self.lease, self.fingerprint, &self.context)
             .await;
     }
 }

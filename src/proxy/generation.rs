@@ -1,5 +1,5 @@
 //! One configuration as the proxy serves it — a *generation*: the compiled route table, the
-//! upstream clients and the key resolver, built from one validated file, and swapped in whole
+//! upstream clients and the key tooling's route keys, built from one validated file, and swapped in whole
 //! by a reload.
 //!
 //! A request loads the generation in force once, when it arrives, and keeps that `Arc` to its
@@ -25,18 +25,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::keys::KeyResolver;
-use super::resolved::{Route, RouteNumbers};
+use super::keys::RouteKeys;
+use super::matched::{Route, RouteNumbers};
 use crate::config::Config;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::{Metrics, RouteKind, RouteMetrics};
 use crate::upstream::Upstream;
 
-/// One configuration, resolved.
+/// One configuration, built for serving.
 pub(super) struct Generation {
     pub config: Arc<Config>,
     /// Per worker, its routes and upstream clients. Never empty.
     pub tables: Box<[Table]>,
-    pub keys: Arc<KeyResolver>,
+    pub keys: Arc<RouteKeys>,
     /// The series of requests that match no route.
     pub unrouted: RouteMetrics,
 }
@@ -66,12 +66,12 @@ impl Generation {
                 Table::build(&config, metrics, numbers, before)
             })
             .collect();
-        let keys = Arc::new(KeyResolver::new(
+        let keys = Arc::new(RouteKeys::new(
             tables.first().map_or(&[][..], |t| &t.routes),
         ));
         Generation {
             keys,
-            unrouted: metrics.route(""),
+            unrouted: metrics.route_of("", RouteKind::Unrouted),
             config: Arc::new(config),
             tables,
         }
@@ -108,7 +108,7 @@ impl Table {
             })
             .collect();
         // The same numbers for every worker: a name's number is given once, by the first.
-        let routes = Route::resolve_all(config, metrics, &upstreams, numbers);
+        let routes = Route::build_all(config, metrics, &upstreams, numbers);
         Table { routes, upstreams }
     }
 }

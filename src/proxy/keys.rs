@@ -1,19 +1,19 @@
 //! Which record a key names, for the admin's key tooling: the store key of a key as the client
 //! sent it, of a key's hash, or of the part values a `key_from` route derives its key from —
-//! computed as admission computes it for a request, through the same resolved route.
+//! computed as admission computes it for a request, through the same matched route.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
 
-use super::resolved::Route;
+use super::matched::Route;
 use crate::key::{self, KeyId, StoreKey};
 use crate::key_from::{self, Value};
 
 /// How a lookup names a record on its route.
 #[derive(Debug, Clone, Copy)]
-pub enum Lookup<'a> {
+pub enum RecordLookup<'a> {
     /// The key as the client sent it, already parsed (bare and quoted forms are one key).
     Key(&'a str),
     /// The key's hash, as the request log shows it.
@@ -24,7 +24,7 @@ pub enum Lookup<'a> {
 
 /// Why a lookup names no store key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LookupError {
+pub enum RecordLookupError {
     /// No route has that name, or it is a pass-through route.
     #[error("no idempotent route with that name")]
     NoRoute,
@@ -33,16 +33,16 @@ pub enum LookupError {
     Parts(String),
 }
 
-/// The store keys of every idempotent route, built once per configuration from its resolved
+/// The store keys of every idempotent route, built once per configuration from its matched
 /// routes.
-pub struct KeyResolver {
+pub struct RouteKeys {
     /// Every route, in file order.
     routes: Vec<Arc<Route>>,
 }
 
-impl KeyResolver {
-    pub(super) fn new(routes: &[Arc<Route>]) -> KeyResolver {
-        KeyResolver {
+impl RouteKeys {
+    pub(super) fn new(routes: &[Arc<Route>]) -> RouteKeys {
+        RouteKeys {
             routes: routes.to_vec(),
         }
     }
@@ -52,21 +52,21 @@ impl KeyResolver {
     pub fn store_key(
         &self,
         route: &str,
-        lookup: Lookup<'_>,
+        lookup: RecordLookup<'_>,
         scope: &HeaderMap,
-    ) -> Result<StoreKey, LookupError> {
+    ) -> Result<StoreKey, RecordLookupError> {
         let (route, idem) = self
             .routes
             .iter()
             .find(|r| r.settings.name == route)
             .and_then(|r| Some((r, r.idempotency.as_ref()?)))
-            .ok_or(LookupError::NoRoute)?;
+            .ok_or(RecordLookupError::NoRoute)?;
         let id = match lookup {
-            Lookup::Key(key) => key::key_id(&idem.scope, scope, key),
-            Lookup::Hash(id) => id,
-            Lookup::Parts(texts) => {
+            RecordLookup::Key(key) => key::key_id(&idem.scope, scope, key),
+            RecordLookup::Hash(id) => id,
+            RecordLookup::Parts(texts) => {
                 if idem.key_from.len() != texts.len() {
-                    return Err(LookupError::Parts(format!(
+                    return Err(RecordLookupError::Parts(format!(
                         "the route derives its key from {} part(s) ({}); give one value each, in that order",
                         idem.key_from.len(),
                         idem.key_from
@@ -81,8 +81,9 @@ impl KeyResolver {
                     .iter()
                     .zip(texts)
                     .map(|(part, text)| {
-                        Value::from_text(part, text)
-                            .map_err(|e| LookupError::Parts(format!("{}: {e}", part.describe())))
+                        Value::from_text(part, text).map_err(|e| {
+                            RecordLookupError::Parts(format!("{}: {e}", part.describe()))
+                        })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 let derived = key_from::derived_key(&idem.key_from, &values, &idem.scope, scope);

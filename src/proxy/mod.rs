@@ -2,10 +2,13 @@
 //! idempotency — admission, the exchange, the lease, replay — in the modules named after those
 //! steps.
 //!
-//! - [`generation`]: the configuration in force, resolved (routes, upstream clients, key
-//!   resolver), loaded once by each request; [`reload`] swaps in a new one, or refuses it.
-//! - [`resolved`]: each route as resolved, and the two answers any step can give: a refusal,
-//!   or the request passed through.
+//! - [`generation`]: the configuration in force, built once (routes, upstream clients, the
+//!   key tooling's [`RouteKeys`]), loaded once by each request; [`reload`] swaps in a new one,
+//!   or refuses it.
+//! - [`matched`]: the route a request matched, built once per configuration, and the two
+//!   answers any step can give: a refusal, or the request passed through.
+//! - [`keys`]: which record a key names on a route ([`RecordLookup`]), for the admin's key
+//!   tooling.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
 //! - [`settle`]: what an upstream call's end means for its key (save or release), the one set
@@ -41,18 +44,18 @@
 
 pub mod admission;
 mod completion;
+mod context;
 mod detach;
 mod exchange;
 mod generation;
 mod keys;
 mod lease;
+mod matched;
 mod observe;
 mod pending;
 mod reload;
 mod replay;
-mod resolved;
 mod settle;
-mod shared;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,20 +72,19 @@ use tokio_util::task::TaskTracker;
 use crate::body::{self, Body};
 use crate::config::{Config, Limits};
 use crate::key;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, StoreKind};
 use crate::problem::Problem;
-use crate::route::IdempotencySettings;
 use crate::store::StoreHandle;
 
+use self::context::{Context, Shared};
 use self::detach::{Detachable, Panicked};
 use self::exchange::Exchange;
 use self::generation::Generation;
-use self::pending::PendingCompletions;
+use self::matched::{Answer, RouteNumbers, forward_plain, refuse};
+use self::pending::PendingSaves;
 use self::reload::Reloading;
-use self::resolved::{Answer, Route, RouteNumbers, forward_plain, refuse};
-use self::shared::Shared;
 
-pub use keys::{KeyResolver, Lookup, LookupError};
+pub use keys::{RecordLookup, RecordLookupError, RouteKeys};
 pub use reload::{Changes, KeyChange, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
@@ -95,13 +97,13 @@ pub use reload::{Changes, KeyChange, Reloaded};
 /// by its number: [`Generation`] holds a route table a worker, and `workers` a [`Shared`] a
 /// worker.
 pub struct Proxy {
-    /// The configuration in force, resolved. Each request loads it once (one atomic load, no
+    /// The configuration in force, built. Each request loads it once (one atomic load, no
     /// lock on the hot path); a reload swaps in a whole new one.
     current: ArcSwap<Generation>,
     /// What reloads carry over (route numbers) and who hears of them; locked by reloads only.
     reloading: Mutex<Reloading>,
     /// Per worker, what its exchanges share: its store handle, and the background work that
-    /// every worker shares (one tracker, one set of pending completions). Never empty.
+    /// every worker shares (one tracker, one set of pending saves). Never empty.
     workers: Box<[Arc<Shared>]>,
     metrics: Arc<Metrics>,
     /// Set when shutdown starts: readiness answers 503 from then on.
@@ -122,7 +124,7 @@ fn warn_about(config: &Config) {
 }
 
 impl Proxy {
-    /// Builds the proxy over a store, for one worker: resolves every route's upstream, policy
+    /// Builds the proxy over a store, for one worker: builds every route's upstream, policy
     /// and metrics.
     pub fn new(config: Config, store: StoreHandle, metrics: Arc<Metrics>) -> Proxy {
         Proxy::with_workers(config, store, Vec::new(), metrics)
@@ -141,11 +143,11 @@ impl Proxy {
         let mut numbers = RouteNumbers::default();
         let limits = config.limits;
         let tasks = TaskTracker::new();
-        let pending = Arc::new(PendingCompletions::new(
+        let pending = Arc::new(PendingSaves::new(
             limits.max_pending_saves,
             limits.max_pending_save_bytes,
-            metrics.pending_completions.clone(),
-            metrics.pending_completion_bytes.clone(),
+            metrics.pending_saves.clone(),
+            metrics.pending_save_bytes.clone(),
         ));
         let workers: Box<[Arc<Shared>]> = std::iter::once(first)
             .chain(more)
@@ -191,10 +193,12 @@ impl Proxy {
     /// The Prometheus text, with the gauges read at scrape time brought up to date.
     pub fn encode_metrics(&self) -> String {
         if let Some((held, max)) = self.store().fill() {
-            self.metrics
+            let series = &self.metrics.stores;
+            series.in_use(StoreKind::Memory);
+            series
                 .memory_records
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
-            self.metrics
+            series
                 .memory_max_entries
                 .set(i64::try_from(max).unwrap_or(i64::MAX));
         }
@@ -202,7 +206,7 @@ impl Proxy {
     }
 
     /// The store keys of the idempotent routes in force, as the key tooling names records.
-    pub fn keys(&self) -> Arc<KeyResolver> {
+    pub fn keys(&self) -> Arc<RouteKeys> {
         self.current.load().keys.clone()
     }
 
@@ -213,7 +217,7 @@ impl Proxy {
     }
 
     /// Logs the keys whose results are still unsaved (at shutdown, after the drain).
-    pub(crate) fn log_pending_completions(&self) {
+    pub(crate) fn log_pending_saves(&self) {
         self.worker(0).pending.log_pending();
     }
 
@@ -259,15 +263,22 @@ impl Proxy {
             return Problem::NoRoute.response();
         };
         let (parts, incoming) = req.into_parts();
-        let limits = &generation.config.limits;
+        let limits = generation.config.limits;
         let (resp, outcome) = match &route.idempotency {
             None => {
-                let body = body_with_deadline(incoming, limits);
+                let body = body_with_deadline(incoming, &limits);
                 forward_plain(route, parts, body, client, None).await
             }
-            Some(idem) => {
-                self.idempotent(shared, route, idem, parts, incoming, client, limits)
-                    .await
+            Some(policy) => {
+                let context = Arc::new(Context {
+                    route: route.clone(),
+                    policy: policy.clone(),
+                    shared: shared.clone(),
+                    client,
+                    limits,
+                    start,
+                });
+                self.idempotent(context, parts, incoming).await
             }
         };
         let took = start.elapsed();
@@ -292,30 +303,24 @@ impl Proxy {
     }
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a
-    /// key), then claimed and run to its end whether or not the client stays. `route`, `idem`
-    /// and `limits` come from the request's generation, `shared` from its worker.
-    #[allow(clippy::too_many_arguments)]
-    async fn idempotent(
-        &self,
-        shared: &Arc<Shared>,
-        route: &Arc<Route>,
-        idem: &Arc<IdempotencySettings>,
-        parts: Parts,
-        incoming: Incoming,
-        client: SocketAddr,
-        limits: &Limits,
-    ) -> Answer {
+    /// key), then claimed and run to its end whether or not the client stays.
+    async fn idempotent(&self, context: Arc<Context>, parts: Parts, incoming: Incoming) -> Answer {
+        let Context {
+            route,
+            shared,
+            client,
+            limits,
+            ..
+        } = &*context;
         if let Some(observed) = &route.observed {
             let req = Request::from_parts(parts, incoming);
-            return self
-                .observed(shared, route, idem, observed, req, client, limits)
-                .await;
+            return self.observed(&context, observed, req).await;
         }
-        let admitted = match admission::admit(route, idem, parts, incoming, limits).await {
+        let admitted = match admission::admit(&context, parts, incoming).await {
             admission::Admission::Admitted(a) => a,
             admission::Admission::NoKey(parts, incoming) => {
                 let body = body_with_deadline(incoming, limits);
-                return forward_plain(route, parts, body, client, None).await;
+                return forward_plain(route, parts, body, *client, None).await;
             }
             admission::Admission::Refused(problem, outcome) => return refuse(problem, outcome),
         };
@@ -342,14 +347,7 @@ impl Proxy {
         if admitted.derived {
             route.metrics.derived_key();
         }
-        let exchange = Exchange::new(
-            shared.clone(),
-            route.clone(),
-            idem.clone(),
-            admitted,
-            client,
-            attachment,
-        );
+        let exchange = Exchange::new(context.clone(), admitted, attachment);
         // Run here, in the request's task (no spawn, no hop to another thread); if the client
         // leaves first, the exchange moves to a task of its own and runs to its end. Either
         // way shutdown waits for it (the tracker).
@@ -359,7 +357,7 @@ impl Proxy {
         }));
         // Dropped with this future when the client leaves: counts the exchange as detached.
         let _watch = watch;
-        let (mut resp, outcome) = answer_of(exchange.await, &route.name);
+        let (mut resp, outcome) = answer_of(exchange.await, &route.name, context.start);
         // For the request log (extensions are never sent).
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
@@ -375,9 +373,10 @@ fn body_with_deadline(incoming: Incoming, limits: &Limits) -> Body {
 /// The answer of an exchange. One that ended without an answer (a panic) is the proxy's own
 /// failure, a 500 of its own type: not an upstream error, which would tell the client the
 /// upstream may have acted.
-fn answer_of(ended: Result<Answer, Panicked>, route: &str) -> Answer {
+fn answer_of(ended: Result<Answer, Panicked>, route: &str, start: Instant) -> Answer {
     ended.unwrap_or_else(|Panicked(e)| {
-        tracing::error!(route, error = %e, "the exchange ended without an answer");
+        let took_ms = start.elapsed().as_secs_f64() * 1000.0;
+        tracing::error!(route, error = %e, took_ms, "the exchange ended without an answer");
         refuse(Problem::Internal, Outcome::Internal)
     })
 }
@@ -410,7 +409,7 @@ mod tests {
             refuse(Problem::NoRoute, Outcome::NoRoute)
         })
         .await;
-        let (resp, outcome) = answer_of(ended, "r");
+        let (resp, outcome) = answer_of(ended, "r", Instant::now());
         assert_eq!(outcome, Outcome::Internal);
         assert_eq!(resp.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
         let body = resp.into_body().collect().await.expect("body").to_bytes();

@@ -39,7 +39,7 @@ struct Pending {
 #[derive(Default)]
 struct Inner {
     next: u64,
-    /// The completions that still hold their whole result, oldest first.
+    /// The saves that still hold their whole result, oldest first.
     whole: BTreeMap<u64, Pending>,
     /// The saves that were downgraded to a `result-not-kept` record.
     downgraded: BTreeMap<u64, Pending>,
@@ -47,8 +47,8 @@ struct Inner {
     bytes: u64,
 }
 
-/// The completions retried in the background, bounded.
-pub(super) struct PendingCompletions {
+/// The saves retried in the background, bounded.
+pub(super) struct PendingSaves {
     inner: Mutex<Inner>,
     /// The bounds: a reload may change them, for the saves that begin after it.
     max: AtomicU64,
@@ -57,21 +57,16 @@ pub(super) struct PendingCompletions {
     held_bytes: Gauge,
 }
 
-/// One pending completion; [`PendingCompletions::finish`] it when the retries end.
+/// One pending save; [`PendingSaves::finish`] it when the retries end.
 pub(super) struct Ticket {
     id: u64,
     /// Cancelled when the save must let go of its result and save `result-not-kept` instead.
     pub downgrade: CancellationToken,
 }
 
-impl PendingCompletions {
-    pub(crate) fn new(
-        max: u32,
-        max_bytes: u64,
-        count: Gauge,
-        held_bytes: Gauge,
-    ) -> PendingCompletions {
-        PendingCompletions {
+impl PendingSaves {
+    pub(crate) fn new(max: u32, max_bytes: u64, count: Gauge, held_bytes: Gauge) -> PendingSaves {
+        PendingSaves {
             inner: Mutex::default(),
             max: AtomicU64::new(u64::from(max)),
             max_bytes: AtomicU64::new(max_bytes),
@@ -81,7 +76,7 @@ impl PendingCompletions {
     }
 
     /// Sets the bounds (a reload's `limits`). Saves already pending are held to them from the
-    /// next [`PendingCompletions::begin`] on, as if they had begun under them.
+    /// next [`PendingSaves::begin`] on, as if they had begun under them.
     pub(crate) fn set_bounds(&self, max: u32, max_bytes: u64) {
         self.max.store(u64::from(max), Ordering::Relaxed);
         self.max_bytes.store(max_bytes, Ordering::Relaxed);
@@ -179,16 +174,16 @@ impl PendingCompletions {
 mod tests {
     use super::*;
 
-    fn saves(max: u32, max_bytes: u64) -> (PendingCompletions, Gauge, Gauge) {
+    fn saves(max: u32, max_bytes: u64) -> (PendingSaves, Gauge, Gauge) {
         let (count, bytes) = (Gauge::default(), Gauge::default());
         (
-            PendingCompletions::new(max, max_bytes, count.clone(), bytes.clone()),
+            PendingSaves::new(max, max_bytes, count.clone(), bytes.clone()),
             count,
             bytes,
         )
     }
 
-    fn begin(p: &PendingCompletions, key: &str, bytes: u64) -> Ticket {
+    fn begin(p: &PendingSaves, key: &str, bytes: u64) -> Ticket {
         p.begin("r".into(), key.into(), bytes)
     }
 

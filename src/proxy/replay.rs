@@ -4,7 +4,7 @@
 use http::Response;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use super::resolved::{Answer, refuse};
+use super::matched::{Answer, refuse};
 use crate::body::{self, Body};
 use crate::metrics::Outcome;
 use crate::problem::Problem;

@@ -11,14 +11,14 @@
 use bytes::Bytes;
 use http::StatusCode;
 
+use super::context::Context;
 use super::lease::Lease;
+use super::matched::Route;
 use super::replay::saved_headers;
-use super::resolved::Route;
-use super::shared::Shared;
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Record, Saved, SavedResponse};
+use crate::record::{Finished, Saved, SavedResponse};
 use crate::route::{IdempotencySettings, OnUnknownOutcome};
 use crate::upstream::{self, UpstreamError};
 
@@ -93,11 +93,10 @@ impl Settlement {
     /// No response: the key is freed when the operation surely did not run, otherwise kept or
     /// freed as `on_unknown_outcome` says. Also the problem the client gets, and its outcome.
     pub(super) fn of_failure(
-        route: &Route,
-        idem: &IdempotencySettings,
+        context: &Context,
         e: &UpstreamError,
     ) -> (Settlement, Problem, Outcome) {
-        let problem = Problem::of_upstream(route.upstream.name(), e);
+        let problem = Problem::of_upstream(context.route.upstream.name(), e);
         let settlement = match e {
             // The body here is the buffered one admission read, which cannot fail; were it
             // to, the upstream got no whole request, so the key is freed as for a connect
@@ -114,7 +113,7 @@ impl Settlement {
             UpstreamError::Connect(_) => {
                 Settlement::new(Action::Release, Some(Why::Connect(e.to_string())))
             }
-            _ => match idem.on_unknown_outcome {
+            _ => match context.policy.on_unknown_outcome {
                 OnUnknownOutcome::Keep => Settlement::new(
                     Action::Complete(Saved::Response(problem.saved())),
                     Some(Why::Unknown {
@@ -137,22 +136,16 @@ impl Settlement {
     /// Carries it out on the held claim: completes it with the result under `fingerprint`
     /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
     /// it.
-    pub(super) async fn apply(
-        self,
-        lease: Lease,
-        fingerprint: Fingerprint,
-        route: &Route,
-        idem: &IdempotencySettings,
-        shared: &Shared,
-    ) {
+    pub(super) async fn apply(self, lease: Lease, fingerprint: Fingerprint, context: &Context) {
         if let Some(why) = &self.why {
-            why.log(route);
+            why.log(&context.route);
         }
         match self.action {
             Action::Complete(saved) => {
-                let done = Record::Done { fingerprint, saved };
+                let done = Finished::new(fingerprint, saved);
+                let shared = &context.shared;
                 lease
-                    .complete(done, idem.ttl, &shared.tasks, &shared.pending)
+                    .complete(done, context.policy.ttl, &shared.tasks, &shared.pending)
                     .await;
             }
             Action::Release => lease.release().await,

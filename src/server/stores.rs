@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::RunError;
+use super::error::RunError;
 use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
 use crate::store::memory::MemoryStore;

@@ -1,5 +1,8 @@
-//! The record store: one trait, two backends (embedded memory; Redis, one server or a
-//! cluster).
+//! The record store: one trait, [`Store`], and four backends, each a module of its own:
+//! - [`memory`]: embedded, one process, nothing survives a restart; bounded by `max_entries`.
+//! - [`sqlite`]: a file, one process; a writer thread with group commit, reads on a pool.
+//! - [`postgres`]: a database every instance shares; prepared statements on a pool a worker.
+//! - [`redis`]: one server (with replicas, `wait_replicas`) or a cluster, every instance.
 //!
 //! Every operation the idempotency flow needs is one atomic step on one key:
 //! - `claim`: take the key if it is free, else read what is there — one step, never
@@ -8,10 +11,11 @@
 //! - `renew`, `complete`, `release`: only the holder of the claim's token may do them
 //!   (compare-and-set on the whole in-progress value; Redis: Lua scripts);
 //! - `get`, `wait_change`: for `on_conflict: wait`;
-//! - `ping`: readiness.
+//! - `ping`: readiness; `inspect`, `forget`: the admin's key tooling.
 //!
 //! [`StoreHandle`] wraps a backend and puts every call under `store.timeout`: a hung Redis
-//! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request.
+//! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request. It
+//! decodes what the backends return; what they write was encoded by [`crate::record`].
 
 pub mod memory;
 pub mod postgres;
@@ -26,7 +30,7 @@ use bytes::Bytes;
 
 pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp};
-use crate::record::{DecodeError, Record};
+use crate::record::{DecodeError, Encoded, Record};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
 /// answers 503 (or forwards, with `on_store_error: forward`), never guesses.
@@ -98,9 +102,16 @@ impl Held {
 
 /// A store backend. Implementations make each method one atomic step on one key.
 ///
-/// Backends keep and return records as their encoded bytes: [`StoreHandle`] encodes and
-/// decodes, so an undecodable record is refused in one place, and the memory store keeps one
-/// compact buffer per record.
+/// The flow's steps: [`claim`](Store::claim), [`renew`](Store::renew),
+/// [`complete`](Store::complete), [`release`](Store::release); for `on_conflict: wait`,
+/// [`get`](Store::get) and [`wait_change`](Store::wait_change); [`ping`](Store::ping) for
+/// readiness; [`inspect`](Store::inspect) and [`forget`](Store::forget) for the key tooling;
+/// [`deadline`](Store::deadline), how long an operation may take in all; and
+/// [`fill`](Store::fill), the records a self-bounded store holds.
+///
+/// Backends keep and return records as their encoded bytes: [`StoreHandle`] decodes them, so
+/// an undecodable record is refused in one place, and the memory store keeps one compact
+/// buffer per record; what they write was encoded once by [`crate::record`].
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// How long `op` may take in all, given `store.timeout`. One round trip for most; a backend
@@ -247,20 +258,20 @@ impl StoreHandle {
             .await
     }
 
-    /// See [`Store::complete`]; `done` is encoded once, by the caller, so a retried
-    /// completion writes the very same bytes.
+    /// See [`Store::complete`]; `done` was encoded once, by [`crate::record`] (a
+    /// [`Finished`](crate::record::Finished) record), so a retried completion writes the very
+    /// same bytes. Records cross here in one direction: the store decodes what it reads, and
+    /// never encodes a finished record itself.
     pub async fn complete(
         &self,
         key: &StoreKey,
         held: &Held,
-        done: &Bytes,
+        done: &impl Encoded,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.timed(
-            StoreOp::Complete,
-            self.inner.complete(key, held, done.clone(), ttl),
-        )
-        .await
+        let done = done.encoded().clone();
+        self.timed(StoreOp::Complete, self.inner.complete(key, held, done, ttl))
+            .await
     }
 
     /// See [`Store::release`].

@@ -29,7 +29,6 @@
 //! - **The forwarding ended without a settlement** (it panicked): the key is released, since
 //!   no result can be saved for it.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -38,30 +37,25 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::super::context::Context;
 use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
-use super::super::lease::Lease;
-use super::super::resolved::Route;
 use super::super::settle::Settlement;
-use super::super::shared::Shared;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::{ObservedMetrics, Would};
 use crate::record::{Record, Saved, new_token};
-use crate::route::{IdempotencySettings, OnConflict};
+use crate::route::OnConflict;
 use crate::store::{Claim, Held};
 
 /// The claim of one observed request.
 pub(super) struct Shadow {
-    pub shared: Arc<Shared>,
-    pub route: Arc<Route>,
-    pub idem: Arc<IdempotencySettings>,
+    /// The request's context (its client's address: the log of a duplicate says who sent it).
+    pub context: Arc<Context>,
     pub observed: ObservedMetrics,
     /// The bound on repeats held waiting for the first (`on_conflict: wait`).
     pub held: HeldRepeats,
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
-    /// The client's address, so the log of a duplicate says who sent it.
-    pub client: IpAddr,
     /// The key was derived (`key_from`), not sent.
     pub derived: bool,
 }
@@ -74,15 +68,21 @@ impl Shadow {
             token: new_token(),
             fingerprint: self.fingerprint,
         });
-        let lock_ttl = self.idem.lock_ttl;
-        let wait_until = Instant::now() + self.idem.wait_timeout;
+        let lock_ttl = self.context.policy.lock_ttl;
+        let wait_until = Instant::now() + self.context.policy.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
         // Taken at the first wait, kept until this claim has ended (a wait can end in a claim
         // of its own and its save, which are held work too).
         let mut place = None;
         loop {
             let sent = Instant::now();
-            let existing = match self.shared.store.claim(&self.key, &held, lock_ttl).await {
+            let existing = match self
+                .context
+                .shared
+                .store
+                .claim(&self.key, &held, lock_ttl)
+                .await
+            {
                 Ok(Claim::Claimed) if sent.elapsed() >= lock_ttl => {
                     return self.claimed_too_late(&held, sent.elapsed()).await;
                 }
@@ -94,7 +94,7 @@ impl Shadow {
                 Err(e) => {
                     self.observed.would(Would::StoreError);
                     tracing::warn!(
-                        route = %self.route.name,
+                        route = %self.context.route.name,
                         key = %self.key.id_hex(),
                         error = %e,
                         "observe: the claim failed (enforce would have answered 503); the request was forwarded, nothing is saved"
@@ -109,7 +109,7 @@ impl Shadow {
                 Record::Done { .. } => return self.duplicate(Would::Replay, &existing),
                 Record::InFlight { .. } => {
                     let now = Instant::now();
-                    if self.idem.on_conflict == OnConflict::Reject || now >= wait_until {
+                    if self.context.policy.on_conflict == OnConflict::Reject || now >= wait_until {
                         return self.duplicate(Would::Conflict, &existing);
                     }
                     if place.is_none() {
@@ -120,7 +120,8 @@ impl Shadow {
                     }
                     // Enforce's waiter, in the background: a finished first one is a replay,
                     // a released one is claimed by this request (see `Exchange::claim_and_run`).
-                    self.shared
+                    self.context
+                        .shared
                         .store
                         .wait_change(&self.key, poll.min(wait_until - now))
                         .await;
@@ -138,30 +139,16 @@ impl Shadow {
         claimed_at: Instant,
         settlement: oneshot::Receiver<Settlement>,
     ) {
-        let mut lease = Lease::new(
-            self.shared.store.clone(),
-            self.route.metrics.clone(),
-            self.route.name.clone(),
-            self.key.clone(),
-            held,
-            self.idem.lock_ttl,
-            claimed_at,
-        );
+        let mut lease = self.context.lease(self.key.clone(), held, claimed_at);
         match lease.renewing(settlement).await {
             Ok(settlement) => {
                 settlement
-                    .apply(
-                        lease,
-                        self.fingerprint,
-                        &self.route,
-                        &self.idem,
-                        &self.shared,
-                    )
+                    .apply(lease, self.fingerprint, &self.context)
                     .await;
             }
             Err(_) => {
                 tracing::error!(
-                    route = %self.route.name,
+                    route = %self.context.route.name,
                     key = %self.key.id_hex(),
                     "observe: the request ended without its upstream call's outcome; claim released"
                 );
@@ -176,15 +163,15 @@ impl Shadow {
     async fn claimed_too_late(self, held: &Held, took: Duration) {
         self.observed.would(Would::StoreError);
         tracing::warn!(
-            route = %self.route.name,
+            route = %self.context.route.name,
             key = %self.key.id_hex(),
             took_ms = took.as_millis(),
-            lock_ttl_ms = self.idem.lock_ttl.as_millis(),
+            lock_ttl_ms = self.context.policy.lock_ttl.as_millis(),
             "observe: the claim was answered after lock_ttl (enforce would have answered 503); released, nothing is saved"
         );
-        if let Err(e) = self.shared.store.release(&self.key, held).await {
+        if let Err(e) = self.context.shared.store.release(&self.key, held).await {
             tracing::warn!(
-                route = %self.route.name,
+                route = %self.context.route.name,
                 key = %self.key.id_hex(),
                 error = %e,
                 "release failed; the claim expires within lock_ttl"
@@ -197,7 +184,7 @@ impl Shadow {
     /// logged as a duplicate is, saying why it was not held.
     fn not_held(&self, existing: &Record) {
         tracing::debug!(
-            route = %self.route.name,
+            route = %self.context.route.name,
             key = %self.key.id_hex(),
             bound = self.held.bound,
             "observe: at limits.max_detached_exchanges held repeats; this one is not held (counted as a conflict)"
@@ -223,10 +210,10 @@ impl Shadow {
             _ => ("in_flight", "409 request-in-progress"),
         };
         tracing::info!(
-            route = %self.route.name,
+            route = %self.context.route.name,
             key = %self.key.id_hex(),
             key_source = if self.derived { "derived" } else { "header" },
-            client = %self.client,
+            client = %self.context.client.ip(),
             would = would.as_str(),
             fingerprint_matched = would != Would::Mismatch,
             first,

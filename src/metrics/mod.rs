@@ -1,0 +1,489 @@
+//! Counters and histograms, in Prometheus form: the admin listener serves [`Metrics::encode`]
+//! at `/metrics`, and tests read them there, as a scraper does.
+//!
+//! Every series a request touches is registered once, at start: [`Metrics::route`] hands out a
+//! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
+//! operations have theirs in an array. The hot path then only increments: no label strings,
+//! no lookup in a family's map. An observed route (`mode: observe`) also gets its series of
+//! what enforce would have answered ([`Would`], from [`Metrics::observed`]).
+//!
+//! One registry serves every worker (`workers:`): counters and histograms sum across them by
+//! themselves, and so do gauges that only go up and down. A gauge a worker *sets* from its own
+//! resources (the PostgreSQL pool's) is set through a [`GaugePart`], so that the series is the
+//! sum over workers rather than the value of whichever wrote last.
+
+mod observed;
+mod routes;
+mod stores;
+mod summed;
+
+pub use observed::{ObservedMetrics, Unclaimed, Would};
+pub use routes::{RouteKind, RouteMetrics};
+pub use stores::{StoreKind, StoreSeries};
+pub use summed::GaugePart;
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Metric, Registry};
+
+/// What happened to one request, as counted and logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Outcome {
+    /// The first request with its key went upstream.
+    Forwarded,
+    /// A repeat got the saved response.
+    Replayed,
+    /// A repeat while the first was in flight (409).
+    Conflict,
+    /// The key was reused with another fingerprint (422).
+    Mismatch,
+    /// The key header was missing on a required route (400).
+    MissingKey,
+    /// The key header was invalid (400).
+    InvalidKey,
+    /// The request body was too large (413).
+    TooLarge,
+    /// The store failed (503, or forwarded unprotected).
+    StoreError,
+    /// The upstream failed: connect error, timeout or reset.
+    UpstreamError,
+    /// A plain pass-through (no idempotency on the route, or no key on a non-required route).
+    Passthrough,
+    /// A repeat of an operation whose response was too large to save.
+    NotReplayable,
+    /// No route matched (404).
+    NoRoute,
+    /// The request could not be read or used: its body (400, 408), or a `Connection` header
+    /// naming a header idempotency relies on (400).
+    BadRequest,
+    /// Too many exchanges are running after their clients left (503); nothing claimed.
+    Overloaded,
+    /// The proxy failed inside (500).
+    Internal,
+}
+
+impl Outcome {
+    /// Every outcome, in declaration order (`ALL[o as usize] == o`).
+    pub const ALL: [Outcome; 15] = [
+        Outcome::Forwarded,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::MissingKey,
+        Outcome::InvalidKey,
+        Outcome::TooLarge,
+        Outcome::StoreError,
+        Outcome::UpstreamError,
+        Outcome::Passthrough,
+        Outcome::NotReplayable,
+        Outcome::NoRoute,
+        Outcome::BadRequest,
+        Outcome::Overloaded,
+        Outcome::Internal,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Passthrough => "passthrough",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::NoRoute => "no_route",
+            Outcome::BadRequest => "bad_request",
+            Outcome::Overloaded => "overloaded",
+            Outcome::Internal => "internal",
+        }
+    }
+}
+
+/// A store operation, as timed and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum StoreOp {
+    Claim,
+    Renew,
+    Complete,
+    Release,
+    Get,
+    Ping,
+    /// `forget` (key tooling).
+    Forget,
+}
+
+impl StoreOp {
+    /// Every operation, in declaration order.
+    pub const ALL: [StoreOp; 7] = [
+        StoreOp::Claim,
+        StoreOp::Renew,
+        StoreOp::Complete,
+        StoreOp::Release,
+        StoreOp::Get,
+        StoreOp::Ping,
+        StoreOp::Forget,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Renew => "renew",
+            StoreOp::Complete => "complete",
+            StoreOp::Release => "release",
+            StoreOp::Get => "get",
+            StoreOp::Ping => "ping",
+            StoreOp::Forget => "forget",
+        }
+    }
+}
+
+/// What became of one configuration reload, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// The new configuration is in force.
+    Applied,
+    /// The file is not valid: nothing applied.
+    Invalid,
+    /// A field that cannot change in place changed: nothing applied.
+    NeedsRestart,
+}
+
+impl ReloadResult {
+    /// Every result: each series is exposed from the start, at 0.
+    pub const ALL: [ReloadResult; 3] = [
+        ReloadResult::Applied,
+        ReloadResult::Invalid,
+        ReloadResult::NeedsRestart,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Applied => "applied",
+            ReloadResult::Invalid => "invalid",
+            ReloadResult::NeedsRestart => "needs_restart",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamLabel {
+    upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteField {
+    route: String,
+    field: &'static str,
+}
+
+#[derive(Clone)]
+struct Buckets(fn() -> Histogram);
+
+impl MetricConstructor<Histogram> for Buckets {
+    fn new_metric(&self) -> Histogram {
+        (self.0)()
+    }
+}
+
+fn latency() -> Histogram {
+    // 0.5ms .. ~33s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 17))
+}
+
+/// Log lines the process could not write (`idemproxy_log_lines_dropped_total`). One for the
+/// process, as its log is one: the log writer is installed before any [`Metrics`] exists, and
+/// every registry shows this same counter.
+static LOG_LINES_DROPPED: LazyLock<Counter> = LazyLock::new(Counter::default);
+
+/// Counts a log line dropped because the log's destination did not take it (stderr a closed
+/// pipe, say).
+pub fn log_line_dropped() {
+    LOG_LINES_DROPPED.inc();
+}
+
+/// Every metric the proxy keeps.
+pub struct Metrics {
+    registry: Registry,
+    routes: routes::RouteFamilies,
+    observed: observed::ObservedFamilies,
+    upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
+    /// Per store operation: its duration histogram and its error counter.
+    store_ops: Vec<(Histogram, Counter)>,
+    /// `idemproxy_config_reloads_total{result}`.
+    config_reloads: Family<ResultLabel, Counter>,
+    /// `idemproxy_config_reload_key_changes_total{route,field}`.
+    reload_key_changes: Family<RouteField, Counter>,
+    /// Completions being retried in the background.
+    pub pending_saves: Gauge,
+    /// Bytes of the results those completions hold.
+    pub pending_save_bytes: Gauge,
+    /// Exchanges still running after their client left.
+    pub detached_exchanges: Gauge,
+    /// Observed repeats held in the background (`on_conflict: wait`), at most
+    /// `limits.max_detached_exchanges`.
+    pub observed_held: Gauge,
+    /// Each store's own series, exported only by the store in use.
+    pub stores: StoreSeries,
+    /// Connections each worker's accept loop took on the main listener.
+    worker_connections: Family<WorkerLabel, Counter>,
+    /// Connections open on the main listener, every worker's together.
+    pub open_connections: Gauge,
+}
+
+/// Registers `metric` under `name` and hands it back: its clones share its value.
+fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// Registers the store operations' families and hands out each operation's duration
+/// histogram and error counter, in [`StoreOp::ALL`]'s order.
+fn store_ops(r: &mut Registry) -> Vec<(Histogram, Counter)> {
+    let store_duration: Family<OpLabel, Histogram, Buckets> = register(
+        r,
+        "idemproxy_store_operation_duration_seconds",
+        "Store operation duration",
+        Family::new_with_constructor(Buckets(latency)),
+    );
+    let store_errors: Family<OpLabel, Counter> = register(
+        r,
+        "idemproxy_store_errors",
+        "Store operations that failed or timed out",
+        Family::default(),
+    );
+    StoreOp::ALL
+        .iter()
+        .map(|op| {
+            let labels = OpLabel { op: op.as_str() };
+            (
+                store_duration.get_or_create(&labels).clone(),
+                store_errors.get_or_create(&labels).clone(),
+            )
+        })
+        .collect()
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let r = &mut registry;
+        let routes = routes::RouteFamilies::register(r);
+        let observed = observed::ObservedFamilies::register(r);
+        let upstream_duration = register(
+            r,
+            "idemproxy_upstream_duration_seconds",
+            "Upstream call duration",
+            Family::new_with_constructor(Buckets(latency)),
+        );
+        let store_ops = store_ops(r);
+        let stores = StoreSeries::register(r);
+        let config_reloads: Family<ResultLabel, Counter> = register(
+            r,
+            "idemproxy_config_reloads",
+            "Configuration reloads (SIGHUP) by result: applied, invalid (the file did not validate), needs_restart (a field that cannot change in place changed); nothing of a refused file is applied",
+            Family::default(),
+        );
+        let reload_key_changes = register(
+            r,
+            "idemproxy_config_reload_key_changes",
+            "Applied reloads that changed how a kept route's key or fingerprint is made (scope, header, key_from, fingerprint): its earlier records are out of reach, or answer 422",
+            Family::default(),
+        );
+        r.register(
+            "idemproxy_log_lines_dropped",
+            "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
+            LOG_LINES_DROPPED.clone(),
+        );
+        for result in ReloadResult::ALL {
+            let _ = config_reloads.get_or_create(&ResultLabel {
+                result: result.as_str(),
+            });
+        }
+        Metrics {
+            pending_saves: register(
+                r,
+                "idemproxy_pending_saves",
+                "Results whose save is being retried in the background (the store refused or timed out)",
+                Gauge::default(),
+            ),
+            pending_save_bytes: register(
+                r,
+                "idemproxy_pending_save_bytes",
+                "Bytes held by results whose save is being retried",
+                Gauge::default(),
+            ),
+            detached_exchanges: register(
+                r,
+                "idemproxy_detached_exchanges",
+                "Idempotent exchanges still running after their client left",
+                Gauge::default(),
+            ),
+            observed_held: register(
+                r,
+                "idemproxy_observed_held",
+                "Repeats on observed routes held in the background as on_conflict: wait holds them (at most limits.max_detached_exchanges; past it a repeat is counted at once)",
+                Gauge::default(),
+            ),
+            worker_connections: register(
+                r,
+                "idemproxy_worker_connections",
+                "Connections accepted on the main listener, by the worker whose accept loop took them",
+                Family::default(),
+            ),
+            open_connections: register(
+                r,
+                "idemproxy_open_connections",
+                "Connections open on the main listener, every worker's together",
+                Gauge::default(),
+            ),
+            routes,
+            observed,
+            upstream_duration,
+            store_ops,
+            stores,
+            config_reloads,
+            reload_key_changes,
+            registry,
+        }
+    }
+
+    /// Registers an observed route's series (what enforce would have answered) and hands them
+    /// out.
+    pub fn observed(&self, route: &str) -> ObservedMetrics {
+        self.observed.route(route)
+    }
+
+    /// Registers an upstream's call duration histogram and hands it out.
+    pub fn upstream(&self, upstream: &str) -> Histogram {
+        self.upstream_duration
+            .get_or_create(&UpstreamLabel {
+                upstream: upstream.to_owned(),
+            })
+            .clone()
+    }
+
+    /// Registers the counter of the connections worker `worker` accepts and hands it out.
+    pub fn worker_connections(&self, worker: usize) -> Counter {
+        self.worker_connections
+            .get_or_create(&WorkerLabel {
+                worker: u64::try_from(worker).unwrap_or(u64::MAX),
+            })
+            .clone()
+    }
+
+    /// Times one store operation, counting failures.
+    pub fn store_op(&self, op: StoreOp, took: Duration, failed: bool) {
+        if let Some((duration, errors)) = self.store_ops.get(op as usize) {
+            duration.observe(took.as_secs_f64());
+            if failed {
+                errors.inc();
+            }
+        }
+    }
+
+    /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).
+    pub(crate) fn reload_key_changed(&self, route: &str, field: &'static str) {
+        self.reload_key_changes
+            .get_or_create(&RouteField {
+                route: route.to_owned(),
+                field,
+            })
+            .inc();
+    }
+
+    /// Counts one reload.
+    pub(crate) fn config_reload(&self, result: ReloadResult) {
+        self.config_reloads
+            .get_or_create(&ResultLabel {
+                result: result.as_str(),
+            })
+            .inc();
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_and_op_tables_are_in_declaration_order() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i, "{o:?}");
+        }
+        for (i, op) in StoreOp::ALL.iter().enumerate() {
+            assert_eq!(*op as usize, i, "{op:?}");
+        }
+    }
+
+    #[test]
+    fn handed_out_series_are_the_registered_ones() {
+        let m = Metrics::new();
+        let r = m.route("create-booking");
+        r.request(Outcome::Replayed, Duration::from_millis(1));
+        r.request(Outcome::Replayed, Duration::from_millis(1));
+        r.lost_lease();
+        m.store_op(StoreOp::Claim, Duration::from_millis(1), true);
+        let text = m.encode();
+        let requests = |outcome: &str| {
+            format!(r#"idemproxy_requests_total{{route="create-booking",outcome="{outcome}"}}"#)
+        };
+        assert!(
+            text.contains(&format!("{} 2\n", requests("replayed"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{} 0\n", requests("forwarded"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"idemproxy_store_errors_total{op="claim"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"idemproxy_lost_leases_total{route="create-booking"} 1"#));
+    }
+}

@@ -1,0 +1,429 @@
+//! The PostgreSQL store: many proxy instances sharing one database, records that survive a
+//! restart or a crash of the proxy and of the database.
+//!
+//! # Layout
+//! One row per key in `<schema>.records` (`store.schema`, default `idemproxy`):
+//! ```text
+//! records(key text PRIMARY KEY,        -- StoreKey::text()
+//!         token bytea,                  -- the claim's 16-byte fencing token; NULL once finished
+//!         value bytea NOT NULL,         -- the encoded record, in flight or finished
+//!         expires_at timestamptz NOT NULL)
+//! index records_expires_at ON records (expires_at)
+//! schema_version(version integer NOT NULL)   -- one row: 1
+//! ```
+//!
+//! # Design
+//! - **One statement per operation, autocommitted** (`postgres/sql.rs` has each one and what it
+//!   does in every interleaving). A claim is one round trip that inserts the key, takes over a
+//!   lapsed row or reads the live one: never a read followed by a write. On the replay path it only
+//!   reads, so it writes no WAL and waits for no flush. A claim that waited on another session's
+//!   uncommitted claim of the key finds no row in its snapshot and runs again, at most
+//!   `CLAIM_ATTEMPTS` times.
+//! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
+//! - **Fencing**: renew, complete and release change a row only where `token` is the caller's and
+//!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
+//!   `complete` clears the token: a finished record matches no claim.
+//! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
+//!   for a connection and every connect bounded by `store.timeout`, every statement prepared on a
+//!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
+//!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
+//!   once its session is seen idle within `store.timeout`, else it is closed; meanwhile it still
+//!   counts in the pool, so the sessions of an instance never outnumber `pool_size`, even while
+//!   an outside transaction holds a row its statements wait on. A SIGSTOPped database gives 503s
+//!   in bounded time, and once it runs again no request meets a connection still stuck.
+//! - **Schema** (`postgres/schema.rs`): set up in one transaction under an advisory lock, before
+//!   the first operation that reaches the database: at start when it answers, else by the first
+//!   operation after it comes back (a once-guard; the proxy starts and answers 503 meanwhile). A
+//!   schema of a newer version refuses the start, or fails every operation if found later.
+//! - **Warmer** (`postgres/warm.rs`): connections opened ahead of requests, with ten seconds
+//!   to open, and every statement prepared on them, so that a database whose round trips are
+//!   long still serves requests after every pooled connection was lost.
+//! - **Sweep** (`postgres/sweep.rs`): expired rows deleted in small batches every `sweep_interval`,
+//!   by every instance, skipping rows that claims hold locked.
+//! - **TLS** (`postgres/tls.rs`): rustls, the roots of `store.ca_file` or the Mozilla set, when the
+//!   URL's `sslmode` asks for it.
+
+mod error;
+mod pool;
+mod schema;
+mod sql;
+mod sweep;
+mod tls;
+mod warm;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::future::try_join_all;
+use tokio::sync::OnceCell;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use crate::config::PostgresSettings;
+use crate::metrics::{Metrics, StoreKind};
+use crate::record::{FINISHED_PREFIX, Record};
+use error::{backend, pg};
+use pool::Connections;
+use sql::Statements;
+
+/// How many times a claim runs its statement when it finds no row: each time, another
+/// session's claim of the key was committing while the statement ran (see `sql.rs`). Once that
+/// claim has committed the next run sees it; several in a row take a storm of claims on one
+/// key that keep releasing and taking it again.
+const CLAIM_ATTEMPTS: usize = 5;
+
+/// The longest lease or ttl written, in milliseconds (about 100 years): "forever", and far from
+/// where `now() + interval` leaves the range of a timestamp.
+const MAX_MILLIS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
+
+/// How long the start waits for the schema setup at least (`store.timeout` if longer): the
+/// setup may wait for another instance's setup to commit.
+const START_SETUP: Duration = Duration::from_secs(2);
+
+/// Records in a PostgreSQL table.
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+/// What the store and its sweep share.
+struct Inner {
+    connections: Connections,
+    sql: Statements,
+    schema: String,
+    /// Set once the setup reached the database and concluded; a setup that could not reach it
+    /// leaves it unset, for the next operation to try again.
+    ready: OnceCell<schema::Outcome>,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl PostgresStore {
+    /// Builds the pool, creates the schema and table if missing (when the database answers),
+    /// and starts the sweep. Fails on settings that cannot work (TLS roots) and on a schema of a
+    /// newer version; a database that does not answer is not an error: the proxy starts, and
+    /// the setup runs before the first operation that reaches it.
+    pub async fn connect(
+        settings: &PostgresSettings,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Result<PostgresStore, StoreError> {
+        PostgresStore::connect_worker(settings, timeout, metrics, true).await
+    }
+
+    /// [`PostgresStore::connect`] for one worker of several: its pool holds at most
+    /// `settings.pool_size` connections (the worker's share), and it runs the sweep only if
+    /// `sweeps` — one sweep a process is enough (several instances already sweep side by side,
+    /// `SKIP LOCKED` splitting the rows), more would only cost round trips.
+    pub async fn connect_worker(
+        settings: &PostgresSettings,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+        sweeps: bool,
+    ) -> Result<PostgresStore, StoreError> {
+        let (pool, tls) = pool::build(settings, timeout)?;
+        metrics.stores.in_use(StoreKind::Postgres);
+        let sql = Statements::new(&settings.schema);
+        let statements = sql.all().into_iter().map(str::to_owned).collect();
+        let inner = Arc::new(Inner {
+            connections: Connections::new(pool, tls, statements, timeout, &metrics),
+            sql,
+            schema: settings.schema.clone(),
+            ready: OnceCell::new(),
+            timeout,
+            metrics,
+        });
+        let bound = timeout.max(START_SETUP);
+        match tokio::time::timeout(bound, inner.ready("open")).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if inner.refused() => return Err(e),
+            Ok(Err(e)) => tracing::warn!(
+                schema = %settings.schema,
+                error = %e,
+                "PostgreSQL cannot set up the schema now: starting anyway (the store answers 503 until it can); the first operation that reaches the database sets it up"
+            ),
+            Err(_) => tracing::warn!(
+                schema = %settings.schema,
+                after = ?bound,
+                "PostgreSQL did not answer at start: starting anyway (the store answers 503 until it does); the first operation that reaches the database sets the schema up"
+            ),
+        }
+        if sweeps {
+            sweep::spawn(Arc::downgrade(&inner), settings.sweep_interval);
+        }
+        warm::spawn(Arc::downgrade(&inner));
+        Ok(PostgresStore { inner })
+    }
+}
+
+impl Inner {
+    /// Sets the schema up if no operation has yet (every caller waits for the one running it),
+    /// then answers for `op`: ready, or the refusal the setup concluded.
+    async fn ready(&self, op: &'static str) -> Result<(), StoreError> {
+        let outcome = self
+            .ready
+            .get_or_try_init(|| async {
+                let outcome = schema::set_up(&self.connections, &self.schema).await?;
+                match &outcome {
+                    Ok(()) => tracing::info!(schema = %self.schema, version = schema::VERSION, "PostgreSQL schema ready"),
+                    Err(why) => tracing::error!(%why, "PostgreSQL schema refused: every store operation fails"),
+                }
+                Ok::<_, StoreError>(outcome)
+            })
+            .await?;
+        outcome.clone().map_err(|why| backend(op, why.to_string()))
+    }
+
+    /// Whether the setup reached the database and refused the schema.
+    fn refused(&self) -> bool {
+        self.ready.get().is_some_and(Result::is_err)
+    }
+
+    /// `sql` with `params` on a pooled connection, once the schema is ready.
+    async fn query(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        self.ready(op).await?;
+        let conn = self.connections.get(op).await?;
+        let statement = self.statement(&conn, op, sql).await?;
+        let rows = conn.query(&statement, params).await.map_err(pg(op))?;
+        conn.finished();
+        Ok(rows)
+    }
+
+    /// [`Inner::query`] for a statement without rows: how many it changed.
+    async fn execute(
+        &self,
+        op: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, StoreError> {
+        self.ready(op).await?;
+        let conn = self.connections.get(op).await?;
+        let statement = self.statement(&conn, op, sql).await?;
+        let changed = conn.execute(&statement, params).await.map_err(pg(op))?;
+        conn.finished();
+        Ok(changed)
+    }
+
+    /// `sql` prepared on `conn`. The first statement a connection runs prepares every one the
+    /// store runs, together (pipelined: one round trip, as for one), as the warmer does for the
+    /// connections it opens: from then on every operation on it is one round trip. Otherwise an
+    /// operation meeting a connection without its statement pays a second round trip inside its
+    /// `store.timeout` — on a far database, a lease renewal that lands after the lease.
+    async fn statement(
+        &self,
+        conn: &pool::Conn<'_>,
+        op: &'static str,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, StoreError> {
+        if conn.statement_cache.size() == 0 {
+            try_join_all(
+                self.sql
+                    .all()
+                    .into_iter()
+                    .map(|sql| conn.prepare_cached(sql)),
+            )
+            .await
+            .map_err(pg(op))?;
+        }
+        conn.prepare_cached(sql).await.map_err(pg(op))
+    }
+
+    /// One batch of the sweep: how many expired rows it deleted.
+    async fn sweep_batch(&self) -> Result<u64, StoreError> {
+        self.execute("sweep", &self.sql.sweep, &[&sweep::BATCH])
+            .await
+    }
+}
+
+/// The claim's fencing token.
+fn token<'a>(op: &'static str, held: &'a Held) -> Result<&'a [u8], StoreError> {
+    match &held.record {
+        Record::InFlight { token, .. } => Ok(token),
+        Record::Done { .. } => Err(backend(op, "a claim must hold an in-progress record")),
+    }
+}
+
+/// Milliseconds for `now() + $n * interval '1 millisecond'`: at least 1, at most [`MAX_MILLIS`].
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis())
+        .unwrap_or(i64::MAX)
+        .clamp(1, MAX_MILLIS)
+}
+
+/// What the claim statement's rows say: `None` no row (run it again), `Some(None)` the key is
+/// ours, `Some(Some(value))` a live record. A `true` row wins over a value row (see `sql.rs`).
+fn claim_outcome(rows: &[Row]) -> Result<Option<Option<Bytes>>, tokio_postgres::Error> {
+    let mut found = None;
+    for row in rows {
+        if row.try_get::<_, bool>(0)? {
+            return Ok(Some(None));
+        }
+        if found.is_none() {
+            found = Some(Some(Bytes::from(row.try_get::<_, Vec<u8>>(1)?)));
+        }
+    }
+    Ok(found)
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let inner = &self.inner;
+        inner.ready("claim").await?;
+        let (key, token, value, lease) = (
+            key.text(),
+            token("claim", held)?,
+            held.encoded.as_ref(),
+            millis(lease),
+        );
+        let conn = inner.connections.get("claim").await?;
+        let statement = inner.statement(&conn, "claim", &inner.sql.claim).await?;
+        for _ in 0..CLAIM_ATTEMPTS {
+            let rows = conn
+                .query(&statement, &[&key, &token, &value, &lease])
+                .await
+                .map_err(pg("claim"))?;
+            if let Some(found) = claim_outcome(&rows).map_err(pg("claim"))? {
+                conn.finished();
+                return Ok(found);
+            }
+        }
+        conn.finished();
+        Err(backend(
+            "claim",
+            format!(
+                "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim of the key while it was committing (requests claiming and releasing the key over and over)"
+            ),
+        ))
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let (key, token, lease) = (key.text(), token("renew", held)?, millis(lease));
+        let changed = self
+            .inner
+            .execute("renew", &self.inner.sql.renew, &[&key, &token, &lease])
+            .await?;
+        Ok(changed == 1)
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        done: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let inner = &self.inner;
+        let (key, token, done, ttl) = (
+            key.text(),
+            token("complete", held)?,
+            done.as_ref(),
+            millis(ttl),
+        );
+        let changed = inner
+            .execute(
+                "complete",
+                &inner.sql.complete,
+                &[&key, &token, &done, &ttl],
+            )
+            .await?;
+        if changed == 1 {
+            return Ok(true);
+        }
+        // Nothing changed: either the lease was lost, or this completion was sent again after
+        // the first landed (its answer lost) and the key already holds exactly `done`.
+        let landed = inner
+            .query("complete", &inner.sql.completed, &[&key, &done])
+            .await?;
+        Ok(!landed.is_empty())
+    }
+
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        let (key, token) = (key.text(), token("release", held)?);
+        let rows = self
+            .inner
+            .query("release", &self.inner.sql.release, &[&key, &token])
+            .await?;
+        match rows.first() {
+            Some(row) => row.try_get(0).map_err(pg("release")),
+            None => Err(backend("release", "the release statement returned no row")),
+        }
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+        let key = key.text();
+        let rows = self
+            .inner
+            .query("get", &self.inner.sql.get, &[&key])
+            .await?;
+        match rows.first() {
+            Some(row) => Ok(Some(Bytes::from(
+                row.try_get::<_, Vec<u8>>(0).map_err(pg("get"))?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner
+            .query("ping", self.inner.sql.ping, &[])
+            .await
+            .map(drop)
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let key = key.text();
+        let rows = self
+            .inner
+            .query("inspect", &self.inner.sql.inspect, &[&key])
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let value: Vec<u8> = row.try_get(0).map_err(pg("inspect"))?;
+        let left: i64 = row.try_get(1).map_err(pg("inspect"))?;
+        let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+        Ok(Some((Bytes::from(value), left)))
+    }
+
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        let key = key.text();
+        let rows = self
+            .inner
+            .query("forget", &self.inner.sql.forget, &[&key, &FINISHED_PREFIX])
+            .await?;
+        let mut found = Forgotten::Absent;
+        for row in &rows {
+            if row.try_get::<_, bool>(0).map_err(pg("forget"))? {
+                return Ok(Forgotten::Forgotten);
+            }
+            let value: Vec<u8> = row.try_get(1).map_err(pg("forget"))?;
+            found = match Forgotten::of(&value) {
+                // Finished in the snapshot, yet not deleted: another forget deleted it first.
+                Forgotten::Forgotten => Forgotten::Absent,
+                other => other,
+            };
+        }
+        Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests;

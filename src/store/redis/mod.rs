@@ -1,0 +1,606 @@
+//! The Redis store: several proxy instances sharing one Redis, or one Redis Cluster, behave as
+//! one.
+//!
+//! - The claim is one command, `SET key value NX PX lease GET` (Redis ≥ 7.0): it takes the key
+//!   if free and otherwise returns what is there, atomically and in one round trip. The replay
+//!   path therefore costs one round trip too.
+//! - Renew, complete and release are Lua scripts that first compare the key's value with the
+//!   holder's whole in-progress value (which contains its random token): a holder whose lease
+//!   expired and was re-claimed by another request can never overwrite or delete the newer
+//!   claim. Scripts run by `EVALSHA` and are reloaded on `NOSCRIPT` ([`redis::Script`] does it;
+//!   on a cluster the reload goes to every node, so a promoted replica that never saw the
+//!   script gets it too).
+//! - A large finished record (from [`staged::STAGE_FROM`] bytes) is not passed to the script:
+//!   Lua would hash every byte of it. It goes to a staging key of its own by a plain `SET`, and
+//!   the script moves it over the claim with `RENAME` ([`staged`] says why that fences as
+//!   strongly); the record key then holds the whole record, as after an inline completion.
+//! - Every command names one record key (the staged completion's script also its staging key,
+//!   in the same slot), so on a Redis Cluster each one is routed by its key's slot and follows
+//!   `MOVED` and `ASK` redirections like any single-key command: the store is generic over the
+//!   connection ([`RedisConnection`]), the same code on both.
+//! - One multiplexed connection (a [`ConnectionManager`], or the cluster client's connection
+//!   per node), created lazily so the proxy starts while Redis is down, and reconnecting by
+//!   itself after Redis comes back. Deadlines are applied by [`super::StoreHandle`], because a
+//!   stopped Redis otherwise hangs a call forever.
+//! - With `store.wait_replicas`, a claim and a completion also wait for replicas to acknowledge
+//!   them (`WAIT`), on a dedicated connection ([`replicas`] says why).
+//! - A command whose connection had dropped (Redis restarted, or closed it idle) is sent once
+//!   more on a new connection, within the same deadline ([`resend`] says when that is safe).
+//!
+//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`staged`] the completion
+//! of large records, [`resend`] the second try after a dropped connection, [`connect`] builds
+//! clients from the configuration, [`replicas`] the `WAIT` machinery, [`check`] the start-up
+//! checks of the servers.
+
+mod check;
+mod connect;
+mod replicas;
+mod resend;
+mod scripts;
+mod staged;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::{AsyncCommands, RedisResult, Script, Value};
+
+pub(crate) use self::connect::{client, cluster_client};
+use self::replicas::Replicas;
+use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
+use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use crate::config::RedisAccess;
+use crate::metrics::{Metrics, StoreKind, StoreOp};
+use crate::record::{DecodeError, FINISHED_PREFIX};
+
+/// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
+/// ([`ClusterConnection`]). Single-key commands go through [`ConnectionLike`] on both; what
+/// concerns every server goes through these methods.
+pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
+    /// Runs `cmd` on every server the store uses, giving each server's answer (an error
+    /// answer as [`Value::ServerError`]) with its `host:port`, empty for a single Redis.
+    fn on_every_node(
+        &self,
+        cmd: redis::Cmd,
+    ) -> impl Future<Output = RedisResult<Vec<(String, Value)>>> + Send;
+
+    /// Readiness: every key can be served. One Redis answers `PING`; on a cluster, the
+    /// primary of every slot does (a replica that is down serves no key).
+    fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
+
+    /// Whether a command refused a connection gets one more try ([`resend`]): where the
+    /// refusal may be a stale one and the next try a fresh connection attempt.
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool;
+}
+
+impl RedisConnection for ConnectionManager {
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool = true;
+
+    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
+        let mut conn = self.clone();
+        let value = match cmd.query_async::<Value>(&mut conn).await {
+            Ok(v) => v,
+            Err(e) => match e.try_into() {
+                Ok(server_error) => Value::ServerError(server_error),
+                Err(e) => return Err(e),
+            },
+        };
+        Ok(vec![(String::new(), value)])
+    }
+
+    async fn ping(&self) -> RedisResult<()> {
+        let mut conn = self.clone();
+        redis::cmd("PING").query_async::<String>(&mut conn).await?;
+        Ok(())
+    }
+}
+
+impl RedisConnection for ClusterConnection {
+    const FRESH_ATTEMPT_AFTER_REFUSAL: bool = false;
+
+    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
+        let mut conn = self.clone();
+        // No response policy: the cluster client then answers with a map of each node's
+        // address to its answer.
+        let answers = conn
+            .route_command(
+                cmd,
+                RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllNodes, None)),
+            )
+            .await?;
+        let Value::Map(pairs) = answers else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "a command sent to every cluster node did not answer per node",
+            )));
+        };
+        Ok(pairs
+            .into_iter()
+            .map(|(node, value)| {
+                let node = match node {
+                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                    other => format!("{other:?}"),
+                };
+                (node, value)
+            })
+            .collect())
+    }
+
+    async fn ping(&self) -> RedisResult<()> {
+        let mut conn = self.clone();
+        conn.route_command(
+            redis::cmd("PING"),
+            RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
+            )),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The Redis store, on one Redis (the default) or a Redis Cluster.
+pub struct RedisStore<C = ConnectionManager> {
+    conn: C,
+    /// `host:port` of a single Redis, for logs; empty on a cluster (nodes name themselves).
+    server: String,
+    timeout: Duration,
+    renew: Script,
+    complete: Script,
+    complete_staged: Script,
+    release: Script,
+    inspect: Script,
+    forget: Script,
+    /// `store.wait_replicas` > 0 (one Redis only).
+    replicas: Option<Replicas>,
+}
+
+/// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
+/// record, like one that does not decode (SPEC §4.5): something else wrote there, and an
+/// operation may have run under the key, so it is never forwarded.
+fn backend(op: &'static str) -> impl FnOnce(redis::RedisError) -> StoreError {
+    move |e| {
+        if e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE") {
+            return StoreError::Corrupt(DecodeError(
+                "the key holds another Redis type (WRONGTYPE)",
+            ));
+        }
+        StoreError::Backend {
+            op,
+            source: Box::new(e),
+        }
+    }
+}
+
+/// `fut` within `timeout`, as a [`StoreError::Timeout`] of `op` otherwise: for the steps of an
+/// operation made of several (a write, its `WAIT`, a release), each bounded on its own.
+async fn bounded<T>(
+    op: &'static str,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or(Err(StoreError::Timeout { op, after: timeout }))
+}
+
+/// Milliseconds for `PX` and `WAIT`, at least 1 (0 is an error for `PX`, and "forever" for
+/// `WAIT`).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisStore<ConnectionManager> {
+    /// Prepares a store for `url`. Connects lazily: the proxy starts even while Redis is down,
+    /// answering 503 (or forwarding) until it is back. `timeout` bounds each connection attempt.
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(backend("connect"))?;
+        Self::with_client(client, timeout)
+    }
+
+    /// Prepares a store for one Redis as configured: `url` with the password and CA of
+    /// `access`, and with `wait_replicas` > 0, claims and completions acknowledged by that
+    /// many replicas (short acknowledgements are counted in `metrics`).
+    pub fn connect(
+        url: &str,
+        access: &RedisAccess,
+        wait_replicas: u32,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, StoreError> {
+        let client = client(url, access).map_err(backend("connect"))?;
+        metrics.stores.in_use(StoreKind::Redis);
+        let mut store = Self::with_client(client.clone(), timeout)?;
+        if wait_replicas > 0 {
+            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
+        }
+        Ok(store)
+    }
+
+    fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
+        let server = client.get_connection_info().addr().to_string();
+        // One connection attempt per (re)connection, no retries with backoff: a refused
+        // connection (Redis down) must fail the operation at once, as a 503, where retries
+        // would hold it until `store.timeout`. The next operation tries again, so Redis back
+        // is served at once too.
+        // A connection attempt may outlive the operation that started it (a hung Redis): the
+        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
+        // finds the attempt still going rather than starting another.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout.saturating_mul(2)))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(0);
+        let conn = client
+            .get_connection_manager_lazy(config)
+            .map_err(backend("connect"))?;
+        Ok(RedisStore::on(conn, server, timeout))
+    }
+}
+
+impl RedisStore<ClusterConnection> {
+    /// Prepares a store for the Redis Cluster reached through `nodes`, with the password and
+    /// CA of `access`. Connects in the background: the proxy starts while the cluster is down.
+    pub fn cluster(
+        nodes: &[String],
+        access: &RedisAccess,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = cluster_client(nodes, access, timeout).map_err(backend("connect"))?;
+        let conn = connect::cluster_connection(&client, timeout);
+        Ok(RedisStore::on(conn, String::new(), timeout))
+    }
+}
+
+impl<C: RedisConnection> RedisStore<C> {
+    fn on(conn: C, server: String, timeout: Duration) -> Self {
+        RedisStore {
+            conn,
+            server,
+            timeout,
+            renew: Script::new(RENEW),
+            complete: Script::new(COMPLETE),
+            complete_staged: Script::new(COMPLETE_STAGED),
+            release: Script::new(RELEASE),
+            inspect: Script::new(INSPECT),
+            forget: Script::new(FORGET),
+            replicas: None,
+        }
+    }
+
+    /// Checks the servers at start: warns loudly when one may evict keys (an evicted record is
+    /// a forgotten operation), is too old for `SET NX GET`, or (with `store.wait_replicas`)
+    /// has fewer replicas than it waits for. Failures to check are logged, not fatal: the
+    /// proxy must start while Redis is down.
+    pub(crate) async fn check_server(&self, timeout: Duration) {
+        check::check_servers(&self.conn, &self.server, timeout).await;
+        if let Some(replicas) = &self.replicas {
+            check::check_replicas(&self.conn, &self.server, timeout, replicas.wanted()).await;
+        }
+    }
+
+    /// Runs `attempt` on the shared connection, and once more if that connection had dropped
+    /// ([`resend`] says when that is safe).
+    async fn shared<T, Fut>(
+        &self,
+        op: &'static str,
+        mut attempt: impl FnMut(C) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        resend::once_more(op, C::FRESH_ATTEMPT_AFTER_REFUSAL, || {
+            attempt(self.conn.clone())
+        })
+        .await
+        .map_err(backend(op))
+    }
+
+    /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One
+    /// atomic step: set if absent, and return the previous value if there was one.
+    async fn set_nx_get(
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> RedisResult<Option<Vec<u8>>> {
+        redis::cmd("SET")
+            .arg(key.text())
+            .arg(held.encoded.as_ref())
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(lease))
+            .arg("GET")
+            .query_async(conn)
+            .await
+    }
+
+    /// What a claim found, given what the key held before its `SET NX GET`. Finding our own
+    /// claim there means this very command was sent twice (after a connection error, by the
+    /// cluster client or by [`resend`]; the first attempt landed): the claim is ours.
+    fn found(previous: Option<Vec<u8>>, held: &Held) -> Option<Bytes> {
+        previous
+            .filter(|p| p.as_slice() != held.encoded.as_ref())
+            .map(Bytes::from)
+    }
+
+    /// A claim sent again found its own claim: the first try landed, on a connection that
+    /// broke before its answer came back. `WAIT` waits for the replication offset its
+    /// connection last noted: Redis 7.0 notes it after every command, but the current Redis
+    /// source only after a command that propagated a write, and then the `WAIT` to come would
+    /// not cover that first `SET`. Renewing the claim here is a write on this connection, later
+    /// in the replication stream than the `SET`, whatever the version.
+    async fn rewrite_own_claim(
+        &self,
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let renewal = async {
+            self.renew
+                .key(key.text())
+                .arg(held.encoded.as_ref())
+                .arg(millis(lease))
+                .invoke_async::<i64>(conn)
+                .await
+                .map_err(backend("claim"))
+        };
+        match bounded("claim", self.timeout, renewal).await? {
+            1 => Ok(()),
+            // Within one store.timeout (shorter than any lease) nobody else can take the key.
+            _ => Err(StoreError::Backend {
+                op: "claim",
+                source: "the claim vanished right after it was taken".into(),
+            }),
+        }
+    }
+
+    /// The compare-and-set of a completion on `conn`: inline (the record is an argument of the
+    /// script), or, for a large record, staged ([`staged`]).
+    async fn complete_on(
+        &self,
+        mut conn: impl ConnectionLike + Clone + Send,
+        key: &StoreKey,
+        held: &Held,
+        done: &Bytes,
+        ttl: Duration,
+    ) -> RedisResult<bool> {
+        let key = key.text();
+        if done.len() >= staged::STAGE_FROM
+            && let Some(staging) = staged::staging_key(&key, held)
+        {
+            return staged::complete(&self.complete_staged, conn, &key, &staging, held, done, ttl)
+                .await;
+        }
+        let n: i64 = self
+            .complete
+            .key(key)
+            .arg(held.encoded.as_ref())
+            .arg(done.as_ref())
+            .arg(millis(ttl))
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// A claim that `replicas` must acknowledge: the `SET` and its `WAIT` on one dedicated
+    /// connection. Too few acknowledgements in time: the claim is released (holder-only, so a
+    /// claim that expired meanwhile and was taken by another request is left alone) and the
+    /// answer is [`StoreError::ReplicasMissing`], so nothing is forwarded.
+    async fn claim_acknowledged(
+        &self,
+        replicas: &Replicas,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let (mut dedicated, previous) = replicas
+            .write("claim", |mut conn| async move {
+                Self::set_nx_get(&mut conn, key, held, lease).await
+            })
+            .await?;
+        if previous.as_deref() == Some(held.encoded.as_ref()) {
+            self.rewrite_own_claim(dedicated.conn(), key, held, lease)
+                .await?;
+        }
+        let previous = Self::found(previous, held);
+        if previous.is_some() {
+            // Nothing was written: there is nothing to wait for.
+            dedicated.give_back();
+            return Ok(previous);
+        }
+        let Err(short) = replicas.acknowledged(dedicated, StoreOp::Claim).await else {
+            return Ok(None);
+        };
+        // The release goes over the shared connection: the dedicated one may still be
+        // blocked in its WAIT, and a release needs no acknowledgement (at worst the claim
+        // outlives a failover and expires with its lease).
+        let released = bounded("release", self.timeout, self.release_on(key, held)).await;
+        match &released {
+            Ok(_) => tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                "claim not acknowledged by enough replicas (store.wait_replicas): released, 503"
+            ),
+            Err(e) => tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                error = %e,
+                "claim not acknowledged by enough replicas (store.wait_replicas), and releasing it failed: the key stays claimed until its lease expires"
+            ),
+        }
+        Err(StoreError::ReplicasMissing {
+            op: "claim",
+            wanted: replicas.wanted(),
+            acked: short.acked,
+        })
+    }
+
+    /// A completion that `replicas` should acknowledge. Once the compare-and-set has landed,
+    /// the result is saved whatever the replicas say: a short acknowledgement is logged and
+    /// counted, never an error (an error would make the caller retry a save that is done, and
+    /// the retry would find no claim and report a lost lease).
+    async fn complete_acknowledged(
+        &self,
+        replicas: &Replicas,
+        key: &StoreKey,
+        held: &Held,
+        done: &Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let (dedicated, saved) = replicas
+            .write("complete", |conn| async move {
+                self.complete_on(conn, key, held, done, ttl).await
+            })
+            .await?;
+        if !saved {
+            return Ok(false);
+        }
+        if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Complete).await {
+            tracing::warn!(
+                key = %key.id_hex(),
+                why = %short.why,
+                "saved result not acknowledged by enough replicas (store.wait_replicas): a failover now could lose it"
+            );
+        }
+        Ok(true)
+    }
+
+    async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        let n: i64 = self
+            .shared("release", |mut conn| async move {
+                self.release
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(n != 0)
+    }
+}
+
+#[async_trait]
+impl<C: RedisConnection> Store for RedisStore<C> {
+    fn deadline(&self, op: StoreOp, timeout: Duration) -> Duration {
+        match (op, &self.replicas) {
+            // Several steps, each bounded by `timeout` on its own (checkout and write, WAIT
+            // with its grace, a release): this outer deadline is only a backstop, longer than
+            // their sum, so that it never cuts a completion whose write has landed.
+            (StoreOp::Claim | StoreOp::Complete, Some(_)) => timeout * 5,
+            _ => timeout,
+        }
+    }
+
+    async fn claim(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<Option<Bytes>, StoreError> {
+        match &self.replicas {
+            // Boxed, as is every path that waits for replicas: their state inline would grow
+            // every claim's future (boxed and moved once a claim) by kilobytes.
+            Some(replicas) => Box::pin(self.claim_acknowledged(replicas, key, held, lease)).await,
+            None => {
+                let previous = self
+                    .shared("claim", |mut conn| async move {
+                        Self::set_nx_get(&mut conn, key, held, lease).await
+                    })
+                    .await?;
+                Ok(Self::found(previous, held))
+            }
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let n: i64 = self
+            .shared("renew", |mut conn| async move {
+                self.renew
+                    .key(key.text())
+                    .arg(held.encoded.as_ref())
+                    .arg(millis(lease))
+                    .invoke_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(n == 1)
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        done: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        match &self.replicas {
+            Some(replicas) => {
+                Box::pin(self.complete_acknowledged(replicas, key, held, &done, ttl)).await
+            }
+            None => {
+                let done = &done;
+                self.shared("complete", |conn| async move {
+                    self.complete_on(conn, key, held, done, ttl).await
+                })
+                .await
+            }
+        }
+    }
+
+    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        self.release_on(key, held).await
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
+        let value: Option<Vec<u8>> = self
+            .shared("get", |mut conn| async move { conn.get(key.text()).await })
+            .await?;
+        Ok(value.map(Bytes::from))
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.shared("ping", |conn| async move { conn.ping().await })
+            .await
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let (value, pttl): (Option<Vec<u8>>, i64) = self
+            .shared("inspect", |mut conn| async move {
+                self.inspect.key(key.text()).invoke_async(&mut conn).await
+            })
+            .await?;
+        let ttl = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
+        Ok(value.map(|v| (Bytes::from(v), ttl)))
+    }
+
+    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .forget
+            .key(key.text())
+            .arg(FINISHED_PREFIX)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend("forget"))?;
+        match n {
+            0 => Ok(Forgotten::Absent),
+            1 => Ok(Forgotten::Forgotten),
+            // Left alone: read it again to say why.
+            _ => Ok(match self.get(key).await? {
+                None => Forgotten::Absent,
+                Some(bytes) => Forgotten::of(&bytes),
+            }),
+        }
+    }
+}
