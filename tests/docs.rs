@@ -6,8 +6,9 @@
 //! - The fields a reload refuses as needing a restart: every list in the docs names exactly
 //!   the fields a running proxy's refusal names.
 //! - The metrics: the operations guide's table names exactly the series a running proxy
-//!   serves, and every metric name anywhere in the docs is one it serves (a counter with its
-//!   `_total`, as Prometheus is queried).
+//!   serves (with every store's own series, which a proxy serves on that store only), and
+//!   every metric name anywhere in the docs is one of them (a counter with its `_total`, as
+//!   Prometheus is queried).
 //! - The quick start: the lines the README shows are the lines `idemproxy demo` prints.
 //! - The admin token: rotated by a reload, as the operations guide tells operators to do it.
 
@@ -269,11 +270,25 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
         "the reload was not applied:\n{}",
         proc.log()
     );
-    let (names, histograms) = served(&scrape(admin).await);
+    let (mut names, mut histograms) = served(&scrape(admin).await);
     assert!(
         names.contains("idemproxy_requests_total") && names.len() > 20,
         "the scrape lacks the proxy's families: {names:?}"
     );
+    // A proxy exports the series of the store it uses only (this one: memory); a registry no
+    // store has opened on exports every store's, under the names a proxy on that store serves.
+    let (every_store, store_histograms) = served(&idemproxy::metrics::Metrics::new().encode());
+    for store_series in [
+        "idemproxy_sqlite_batch_size",
+        "idemproxy_postgres_pool_waiting",
+    ] {
+        assert!(
+            every_store.contains(store_series),
+            "the registry lacks {store_series}: {every_store:?}"
+        );
+    }
+    names.extend(every_store);
+    histograms.extend(store_histograms);
 
     // The operations guide's table: one row per family, every family a row.
     let guide = doc("docs/operations.md");
@@ -406,7 +421,7 @@ async fn a_reload_rotates_the_admin_token() {
         &format!("admin_token_file: {}\n", token_file.display()),
     ));
     let lookup = |token: &'static str| async move {
-        common::client()
+        harness::client()
             .get(format!("http://127.0.0.1:{admin}/keys/observed?key=k-1"))
             .bearer_auth(token)
             .send()
