@@ -72,14 +72,12 @@ pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
     /// primary of every slot does (a replica that is down serves no key).
     fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
 
-    /// Whether a command refused a connection gets one more try ([`resend`]): where the
-    /// refusal may be a stale one and the next try a fresh connection attempt.
+    /// Whether a refused connection gets one more, fresh, attempt ([`resend`]).
     const FRESH_ATTEMPT_AFTER_REFUSAL: bool;
 }
 
 impl RedisConnection for ConnectionManager {
     const FRESH_ATTEMPT_AFTER_REFUSAL: bool = true;
-
     async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
         let mut conn = self.clone();
         let value = match cmd.query_async::<Value>(&mut conn).await {
@@ -101,7 +99,6 @@ impl RedisConnection for ConnectionManager {
 
 impl RedisConnection for ClusterConnection {
     const FRESH_ATTEMPT_AFTER_REFUSAL: bool = false;
-
     async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
         let mut conn = self.clone();
         // No response policy: the cluster client then answers with a map of each node's
@@ -224,13 +221,9 @@ impl RedisStore<ConnectionManager> {
 
     fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
         let server = client.get_connection_info().addr().to_string();
-        // One connection attempt per (re)connection, no retries with backoff: a refused
-        // connection (Redis down) must fail the operation at once, as a 503, where retries
-        // would hold it until `store.timeout`. The next operation tries again, so Redis back
-        // is served at once too.
-        // A connection attempt may outlive the operation that started it (a hung Redis): the
-        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
-        // finds the attempt still going rather than starting another.
+        // One attempt per (re)connection, no backoff retries: a refused connection (Redis
+        // down) is a 503 at once, not at `store.timeout` ([`resend`] tries a fresh one). An
+        // attempt may outlive its operation (a hung Redis): `store.timeout` ends the wait.
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.saturating_mul(2)))
             .set_response_timeout(Some(timeout))
