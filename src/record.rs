@@ -224,6 +224,24 @@ impl Record {
     }
 }
 
+/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
+/// by the store's `renew`, `complete` and `release` (and so encoded once, here).
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The in-progress record (token and fingerprint).
+    pub record: Record,
+    /// Its encoding, as stored.
+    pub encoded: Bytes,
+}
+
+impl Held {
+    /// Wraps an in-progress record.
+    pub fn new(record: Record) -> Held {
+        let encoded = record.encode();
+        Held { record, encoded }
+    }
+}
+
 /// A finished record, encoded once: what a completion writes. A completion retried after a
 /// store failure writes these very bytes again, so the store's "already holds exactly this"
 /// check holds, and the pending-save bounds count them.

@@ -56,7 +56,7 @@ pub(super) struct RouteFamilies {
     request_duration: Family<RouteOutcome, Histogram, Buckets>,
     lost_leases: Family<RouteLabel, Counter>,
     unprotected: Family<RouteLabel, Counter>,
-    completions_abandoned: Family<RouteLabel, Counter>,
+    saves_abandoned: Family<RouteLabel, Counter>,
     results_not_kept: Family<RouteLabel, Counter>,
     lease_renewals: Family<RouteLabel, Counter>,
     lease_renewals_late: Family<RouteLabel, Counter>,
@@ -90,7 +90,7 @@ impl RouteFamilies {
                 "Requests forwarded without idempotency because the store failed (on_store_error: forward)",
                 Family::default(),
             ),
-            completions_abandoned: register(
+            saves_abandoned: register(
                 r,
                 "idemproxy_saves_abandoned",
                 "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
@@ -138,7 +138,7 @@ struct RouteSeries {
     families: RouteFamilies,
     lost_leases: Counter,
     unprotected: Counter,
-    completions_abandoned: Counter,
+    saves_abandoned: Counter,
     results_not_kept: Counter,
     lease_renewals: Counter,
     lease_renewals_late: Counter,
@@ -194,8 +194,8 @@ impl RouteMetrics {
     }
 
     /// Counts a result given up on: its lease was lost before the store took it.
-    pub(crate) fn completion_abandoned(&self) {
-        self.0.completions_abandoned.inc();
+    pub(crate) fn save_abandoned(&self) {
+        self.0.saves_abandoned.inc();
     }
 
     /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
@@ -237,7 +237,7 @@ impl Metrics {
             families: f.clone(),
             lost_leases: f.lost_leases.get_or_create(&label).clone(),
             unprotected: f.unprotected.get_or_create(&label).clone(),
-            completions_abandoned: f.completions_abandoned.get_or_create(&label).clone(),
+            saves_abandoned: f.saves_abandoned.get_or_create(&label).clone(),
             results_not_kept: f.results_not_kept.get_or_create(&label).clone(),
             lease_renewals: f.lease_renewals.get_or_create(&label).clone(),
             lease_renewals_late: f.lease_renewals_late.get_or_create(&label).clone(),

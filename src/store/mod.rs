@@ -30,6 +30,7 @@ use bytes::Bytes;
 
 pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp};
+pub use crate::record::Held;
 use crate::record::{DecodeError, Encoded, Record};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
@@ -80,24 +81,6 @@ pub enum Claim {
     Claimed,
     /// The key was taken; this is what it holds.
     Existing(Record),
-}
-
-/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
-/// by `renew`, `complete` and `release`.
-#[derive(Debug, Clone)]
-pub struct Held {
-    /// The in-progress record (token and fingerprint).
-    pub record: Record,
-    /// Its encoding, as stored.
-    pub encoded: Bytes,
-}
-
-impl Held {
-    /// Wraps an in-progress record.
-    pub fn new(record: Record) -> Held {
-        let encoded = record.encode();
-        Held { record, encoded }
-    }
 }
 
 /// A store backend. Implementations make each method one atomic step on one key.

@@ -239,7 +239,7 @@ impl Lease {
                     key = %self.key.id_hex(),
                     "gave up saving the result: the lease expired; a retry of this key will run the operation again"
                 );
-                self.metrics.completion_abandoned();
+                self.metrics.save_abandoned();
                 self.mark_lost("it expired while the store was failing");
                 return;
             }
