@@ -99,8 +99,9 @@ async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
 }
 
 /// The store stamps a new claim on its own clock; sent again, a claim finds its own and is
-/// still a claim (never a takeover); after a lapse, eight claims at once take it over exactly
-/// once; the first holder is then fenced off, and the new one resolves and completes.
+/// still a claim (never a takeover); after a lapse, eight claims at once, from two instances
+/// on a shared store, take it over exactly once; the first holder is then fenced off, and the
+/// new one resolves and completes.
 async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     let env = Env::new(backend).await;
     let s = store_checks::handle(env.store().await);
@@ -124,10 +125,19 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     }
 
     until_lapsed(&s, &k, &a).await;
+    // Two instances on one store, where a store is shared (not memory; SQLite takes one
+    // process): the claims alternate between this store and a second one of its own.
+    let second = match backend {
+        Backend::Memory | Backend::Sqlite => None,
+        _ => Some(Arc::new(store_checks::handle(env.store().await))),
+    };
     let s = Arc::new(s);
     let claims: Vec<_> = (0..8)
-        .map(|_| {
-            let s = s.clone();
+        .map(|i| {
+            let s = match &second {
+                Some(other) if i % 2 == 1 => other.clone(),
+                _ => s.clone(),
+            };
             let k = k.clone();
             tokio::spawn(async move {
                 let b = resolvable(Duration::from_secs(30));
