@@ -79,7 +79,7 @@ pub(super) async fn open(
             redis
         }
         BackendSettings::RedisCluster { nodes, access } => {
-            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
+            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout, &metrics)?);
             if first {
                 let check = redis.clone();
                 tokio::spawn(async move { check.check_server(check_timeout).await });

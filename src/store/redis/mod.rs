@@ -159,12 +159,15 @@ impl RedisStore<ConnectionManager> {
 impl RedisStore<ClusterConnection> {
     /// Prepares a store for the Redis Cluster reached through `nodes`, with the password and
     /// CA of `access`. Connects in the background: the proxy starts while the cluster is down.
+    /// Its series are exported by `metrics` from now on, as one Redis's are.
     pub fn cluster(
         nodes: &[String],
         access: &RedisAccess,
         timeout: Duration,
+        metrics: &Metrics,
     ) -> Result<Self, StoreError> {
         let client = cluster_client(nodes, access, timeout).map_err(backend("connect"))?;
+        metrics.stores.in_use(StoreKind::Redis);
         let conn = connect::cluster_connection(&client, timeout);
         Ok(RedisStore::on(conn, String::new(), timeout))
     }
