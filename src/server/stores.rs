@@ -54,7 +54,9 @@ pub(super) async fn open(
     let check_timeout = s.timeout.max(Duration::from_secs(2));
     let first = worker == 0;
     let store: Arc<dyn Store> = match &s.backend {
-        BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
+        BackendSettings::Memory { max_entries } => {
+            Arc::new(MemoryStore::open(*max_entries, &metrics))
+        }
         BackendSettings::Sqlite {
             path,
             sync,

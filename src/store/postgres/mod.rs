@@ -61,9 +61,10 @@ use tokio::sync::OnceCell;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::{Forgotten, Held, Store, StoreError, StoreKey};
+pub use self::pool::PostgresSeries;
+use super::{Forgotten, Held, Store, StoreError, StoreKey, SweptSeries};
 use crate::config::PostgresSettings;
-use crate::metrics::{Metrics, StoreKind};
+use crate::metrics::Metrics;
 use crate::record::{FINISHED_PREFIX, Record};
 use error::{backend, pg};
 use pool::Connections;
@@ -97,7 +98,7 @@ struct Inner {
     /// leaves it unset, for the next operation to try again.
     ready: OnceCell<schema::Outcome>,
     timeout: Duration,
-    metrics: Arc<Metrics>,
+    swept: SweptSeries,
 }
 
 impl PostgresStore {
@@ -124,7 +125,6 @@ impl PostgresStore {
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
         let (pool, tls) = pool::build(settings, timeout)?;
-        metrics.stores.in_use(StoreKind::Postgres);
         let sql = Statements::new(&settings.schema);
         let statements = sql.all().into_iter().map(str::to_owned).collect();
         let inner = Arc::new(Inner {
@@ -133,7 +133,7 @@ impl PostgresStore {
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
             timeout,
-            metrics,
+            swept: metrics.store_series(),
         });
         let bound = timeout.max(START_SETUP);
         match tokio::time::timeout(bound, inner.ready("open")).await {

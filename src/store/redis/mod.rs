@@ -51,11 +51,12 @@ use redis::{AsyncCommands, RedisResult, Script};
 
 pub(crate) use self::connect::{client, cluster_client};
 pub use self::connection::RedisConnection;
+pub use self::replicas::RedisSeries;
 use self::replicas::Replicas;
 use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
-use crate::metrics::{Metrics, StoreKind, StoreOp};
+use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
 
 /// The Redis store, on one Redis (the default) or a Redis Cluster.
@@ -128,10 +129,10 @@ impl RedisStore<ConnectionManager> {
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
         let client = client(url, access).map_err(backend("connect"))?;
-        metrics.stores.in_use(StoreKind::Redis);
+        let series = metrics.store_series::<RedisSeries>();
         let mut store = Self::with_client(client.clone(), timeout)?;
         if wait_replicas > 0 {
-            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
+            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, series));
         }
         Ok(store)
     }
@@ -167,7 +168,7 @@ impl RedisStore<ClusterConnection> {
         metrics: &Metrics,
     ) -> Result<Self, StoreError> {
         let client = cluster_client(nodes, access, timeout).map_err(backend("connect"))?;
-        metrics.stores.in_use(StoreKind::Redis);
+        let _ = metrics.store_series::<RedisSeries>();
         let conn = connect::cluster_connection(&client, timeout);
         Ok(RedisStore::on(conn, String::new(), timeout))
     }
