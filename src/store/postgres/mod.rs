@@ -40,15 +40,15 @@
 //!   long still serves requests after every pooled connection was lost.
 //! - **Sweep** (`postgres/sweep.rs`): expired rows deleted in small batches every `sweep_interval`,
 //!   by every instance, skipping rows that claims hold locked.
-//! - **TLS** (`postgres/tls.rs`): rustls, the roots of `store.ca_file` or the Mozilla set, when the
-//!   URL's `sslmode` asks for it.
+//! - **TLS** (`postgres/secured.rs`): rustls, the roots of `store.ca_file` or the Mozilla set,
+//!   when the URL's `sslmode` asks for it.
 
 mod error;
 mod pool;
 mod schema;
+mod secured;
 mod sql;
 mod sweep;
-mod tls;
 mod warm;
 
 use std::sync::Arc;

@@ -74,7 +74,7 @@ pub(super) fn build(
     settings: &PostgresSettings,
     timeout: Duration,
 ) -> Result<(Pool, MakeRustlsConnect), StoreError> {
-    let tls = super::tls::connector(settings.ca_pem.as_deref())
+    let tls = super::secured::connector(settings.ca_pem.as_deref())
         .map_err(|why| error::backend("connect", why))?;
     let manager = Manager::from_config(
         pg_config(settings, timeout),
