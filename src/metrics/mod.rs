@@ -246,9 +246,8 @@ pub trait StoreSeries: Clone + Send + Sync + 'static {
     fn register(registry: &mut Registry) -> Self;
 }
 
-/// Encodes one series under `name`, from a store's [`Collector`](prometheus_client::collector::Collector):
-/// as the registry would have, but for the full stop the registry adds to a help text (the
-/// stores' series always had none).
+/// Encodes one series under `name`, from a store's collector: as the registry would have, but
+/// for the full stop the registry adds to a help text (the stores' series always had none).
 pub(crate) fn encode_one(
     encoder: &mut DescriptorEncoder,
     name: &str,
