@@ -139,13 +139,9 @@ impl RedisStore<ConnectionManager> {
 
     fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
         let server = client.get_connection_info().addr().to_string();
-        // One connection attempt per (re)connection, no retries with backoff: a refused
-        // connection (Redis down) must fail the operation at once, as a 503, where retries
-        // would hold it until `store.timeout`. The next operation tries again, so Redis back
-        // is served at once too.
-        // A connection attempt may outlive the operation that started it (a hung Redis): the
-        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
-        // finds the attempt still going rather than starting another.
+        // One attempt per (re)connection, no backoff retries: a refused connection (Redis
+        // down) is a 503 at once, not at `store.timeout` ([`resend`] tries a fresh one). An
+        // attempt may outlive its operation (a hung Redis): `store.timeout` ends the wait.
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.saturating_mul(2)))
             .set_response_timeout(Some(timeout))
