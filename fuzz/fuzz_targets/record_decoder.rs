@@ -23,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
             );
             assert_eq!(
                 record::is_in_flight(data),
-                matches!(found, Record::InFlight { .. }),
+                matches!(found, Record::InFlight { .. } | Record::Resolvable(_)),
                 "is_in_flight disagrees with decode"
             );
             assert_eq!(
@@ -32,7 +32,15 @@ fuzz_target!(|data: &[u8]| {
                 "is_finished disagrees with decode"
             );
             if let Record::Done { .. } = found {
-                assert!(data.starts_with(record::FINISHED_PREFIX));
+                assert!(
+                    data.starts_with(record::FINISHED_PREFIX)
+                        || data.starts_with(record::FINISHED_PREFIX_2)
+                );
+            }
+            if let Record::Resolvable(r) = &found {
+                // The fixed offsets the stores patch in place read what the decoder read.
+                assert_eq!(record::resolvable::token(data), Some(&r.token[..]));
+                assert_eq!(record::resolvable::lease_until(data), Some(r.lease_until));
             }
         }
         Err(e) => assert!(!e.0.is_empty() && !e.to_string().is_empty()),

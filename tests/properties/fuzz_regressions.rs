@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, StatusCode};
 use idemproxy::config::Config;
 use idemproxy::proxy::admission::check_head;
-use idemproxy::record::{Record, Saved, SavedResponse};
+use idemproxy::record::{Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
 
 /// The record decoder's seeds: one entry of each kind the encoder writes.
 fn record_seeds() -> Vec<(&'static str, Record)> {
@@ -74,7 +74,47 @@ fn record_seeds() -> Vec<(&'static str, Record)> {
                 },
             },
         ),
+        (
+            "resolvable-claim",
+            Record::Resolvable(Box::new(resolvable())),
+        ),
+        (
+            "resolved-response",
+            Record::Done {
+                fingerprint: [0x55; 32],
+                saved: match response(vec![("content-type", "application/json")], b"{}") {
+                    Saved::Response(r) => Saved::Resolved(r),
+                    other => other,
+                },
+            },
+        ),
     ]
+}
+
+/// A claim of a `resolve` route (format version 2), being resolved.
+fn resolvable() -> Resolvable {
+    let mut r = Resolvable::claim(
+        [0x66; 16],
+        [0x77; 32],
+        Lookup {
+            upstream: "booking".into(),
+            method: http::Method::GET,
+            target: "/bookings/by-reference/r-1".into(),
+            headers: vec![(
+                HeaderName::from_static("authorization"),
+                HeaderValue::from_static("Bearer x"),
+            )],
+        },
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+        Duration::from_secs(600),
+    );
+    r.lease_until = 1_764_656_010_123;
+    r.claimed_at = 1_764_656_000_123;
+    r.sent_at = 1_764_656_002_123;
+    r.phase = Phase::Resolving;
+    r.next_lookup_at = 1_764_656_005_000;
+    r
 }
 
 /// The committed seeds of `fuzz/corpus/record_decoder` are today's encodings (a format change
