@@ -35,6 +35,7 @@ use crate::tls::{ServerTls, TlsFile};
 
 mod limits;
 mod load;
+mod resolve;
 mod routes;
 mod secret;
 mod store;

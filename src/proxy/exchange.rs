@@ -216,6 +216,7 @@ impl Exchange {
             key,
             fingerprint,
             derived: _,
+            lookup: _,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
         let mut lease = context.lease(key, held, claimed_at);

@@ -114,7 +114,7 @@ impl Settlement {
                 Settlement::new(Action::Release, Some(Why::Connect(e.to_string())))
             }
             _ => match context.policy.on_unknown_outcome {
-                OnUnknownOutcome::Keep => Settlement::new(
+                OnUnknownOutcome::Keep | OnUnknownOutcome::Resolve => Settlement::new(
                     Action::Complete(Saved::Response(problem.saved())),
                     Some(Why::Unknown {
                         error: e.to_string(),

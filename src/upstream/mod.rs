@@ -300,6 +300,31 @@ impl Upstream {
         Ok(req)
     }
 
+    /// Sends a request the proxy makes itself — a lookup of `resolve:` (SPEC §4.8): `method`
+    /// on `path_and_query` (rebased on the upstream URL) with `headers` and no body — and reads
+    /// its response up to `limit` bytes, bounded like any call (`connect_timeout`, `timeout`).
+    /// Never sent twice: a lookup that fails is simply asked again later.
+    pub(crate) async fn ask(
+        &self,
+        method: http::Method,
+        path_and_query: &str,
+        headers: &[(HeaderName, HeaderValue)],
+        limit: u64,
+    ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
+        let pq = PathAndQuery::try_from(path_and_query)
+            .map_err(|e| UpstreamError::Connect(format!("invalid lookup path: {e}")))?;
+        let mut req = Request::new(Bytes::new());
+        *req.method_mut() = method;
+        *req.uri_mut() = self.rebase(&Uri::from(pq))?;
+        let map = req.headers_mut();
+        for (name, value) in headers {
+            map.append(name.clone(), value.clone());
+        }
+        strip_hop_by_hop(map);
+        map.insert(header::HOST, self.host.clone());
+        self.call_bounded(req, limit, false).await
+    }
+
     /// The request's path and query on the upstream: appended to the upstream URL's own path.
     fn rebase(&self, uri: &Uri) -> Result<Uri, UpstreamError> {
         let path_and_query = match (uri.path_and_query(), self.base_path.is_empty()) {

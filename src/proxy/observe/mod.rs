@@ -185,6 +185,7 @@ impl Observation {
             key,
             fingerprint,
             derived,
+            lookup: _,
         } = request;
         let (settled, settlement) = oneshot::channel();
         let shadow = Shadow {

@@ -1,0 +1,11 @@
+//! Resolving an unknown outcome (`on_unknown_outcome: resolve`, SPEC §4.8): the route's lookup,
+//! rendered from the request before anything is claimed, and asked of the upstream when the
+//! request's outcome is unknown.
+//!
+//! - [`ask`]: the lookup a request renders ([`Lookup`]) and one asking of it, its answer
+//!   classified as found, absent, another answer, or failed.
+
+#[allow(dead_code, reason = "sent by the resolver, which the flow starts next")]
+pub(super) mod ask;
+
+pub(crate) use ask::Lookup;
