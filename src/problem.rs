@@ -108,6 +108,18 @@ pub enum Problem {
         /// The limit it is over.
         limit: HeadLimit,
     },
+    /// An unknown outcome on a route under `on_unknown_outcome: resolve`, as its first client
+    /// gets it: the upstream failure (its kind, status and title), and a detail that says the
+    /// proxy is asking the upstream (SPEC §4.8).
+    BeingResolved(Box<Problem>),
+    /// An unknown outcome that asking the upstream did not settle by `give_up_after`: saved as
+    /// the key's result in place of `keep`'s, with the status `keep` saves (504 or 502).
+    OutcomeUnknown {
+        /// The upstream's name.
+        upstream: String,
+        /// 504 after a timeout, 502 after a failed connection.
+        status: StatusCode,
+    },
 }
 
 /// A limit on a request head.
@@ -242,6 +254,12 @@ impl Problem {
                 S::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "Request head too large",
             ),
+            Problem::BeingResolved(cause) => return cause.kind(),
+            Problem::OutcomeUnknown { status, .. } => (
+                "outcome-unknown",
+                *status,
+                "Outcome of the operation unknown",
+            ),
         };
         Kind {
             slug,
@@ -317,6 +335,14 @@ impl Problem {
                 limit: HeadLimit::Bytes(limit),
             } => format!(
                 "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
+            ),
+            Problem::BeingResolved(cause) => format!(
+                "{} The proxy is asking the upstream whether it did; until it knows, a retry with the same key gets 409 (Retry-After), then the operation's result, or, if it did not happen, runs it once.",
+                cause.detail()
+            ),
+            Problem::OutcomeUnknown { upstream, status } => format!(
+                "No complete response came from upstream {upstream} (the first request got status {}), and asking it whether it performed the operation gave no answer in time; it may have. The operation will not be run again with this key: check with the upstream before retrying with a new one.",
+                status.as_u16()
             ),
         }
     }
@@ -552,7 +578,31 @@ mod tests {
             Problem::HeadersTooLarge {
                 limit: HeadLimit::Count(97),
             },
+            Problem::OutcomeUnknown {
+                upstream: "booking".into(),
+                status: StatusCode::GATEWAY_TIMEOUT,
+            },
         ]
+    }
+
+    #[test]
+    fn an_outcome_being_resolved_is_its_failure_with_a_detail_that_says_so() {
+        let cause = Problem::UpstreamTimeout {
+            upstream: "booking".into(),
+        };
+        let resolving = Problem::BeingResolved(Box::new(cause.clone()));
+        assert_eq!(
+            (resolving.slug(), resolving.status()),
+            (cause.slug(), cause.status())
+        );
+        assert!(resolving.detail().starts_with(&cause.detail()));
+        assert!(resolving.detail().contains("asking the upstream"));
+        let failed = Problem::OutcomeUnknown {
+            upstream: "booking".into(),
+            status: StatusCode::BAD_GATEWAY,
+        };
+        assert_eq!(failed.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(failed.slug(), "outcome-unknown");
     }
 
     #[test]

@@ -28,7 +28,6 @@ pub(crate) struct Admitted {
     pub derived: bool,
     /// On a route under `on_unknown_outcome: resolve`, its lookup for this request, rendered
     /// before the claim so that the claim can carry it.
-    #[allow(dead_code, reason = "carried by the claim, which the flow makes next")]
     pub lookup: Option<Lookup>,
 }
 

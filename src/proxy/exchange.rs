@@ -15,6 +15,7 @@ use super::detach::Attachment;
 use super::lease::Lease;
 use super::matched::{Answer, forward_plain, refuse};
 use super::replay::replay;
+use super::resolve::Lookup;
 use super::settle::Settlement;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
@@ -216,7 +217,7 @@ impl Exchange {
             key,
             fingerprint,
             derived: _,
-            lookup: _,
+            lookup,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
         let mut lease = context.lease(key, held, claimed_at);
@@ -224,6 +225,7 @@ impl Exchange {
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+        let call_start = Instant::now();
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => {
                 lease
@@ -236,6 +238,8 @@ impl Exchange {
             context,
             fingerprint,
             lease,
+            lookup,
+            call_start,
         };
         match result {
             Ok((parts, Bounded::Complete(bytes))) => decision.whole(parts, bytes).await,
@@ -251,6 +255,10 @@ struct Decision {
     context: Arc<Context>,
     fingerprint: Fingerprint,
     lease: Lease,
+    /// On a `resolve` route, the request's lookup: asked if its outcome is unknown.
+    lookup: Option<Lookup>,
+    /// When the upstream call started.
+    call_start: Instant,
 }
 
 impl Decision {
@@ -274,8 +282,9 @@ impl Decision {
 
     /// No response: the key is freed when the operation surely did not run, otherwise kept
     /// or freed as `on_unknown_outcome` says.
-    async fn failed(self, e: UpstreamError) -> Answer {
-        let (settlement, problem, outcome) = Settlement::of_failure(&self.context, &e);
+    async fn failed(mut self, e: UpstreamError) -> Answer {
+        let (settlement, problem, outcome) =
+            Settlement::of_failure(&self.context, &e, self.lookup.take(), self.call_start);
         self.settle(settlement).await;
         refuse(problem, outcome)
     }

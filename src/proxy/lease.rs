@@ -152,6 +152,11 @@ impl Lease {
         }
     }
 
+    /// The key it holds.
+    pub(crate) fn key(&self) -> &StoreKey {
+        &self.key
+    }
+
     /// Frees the key (holder only).
     pub(crate) async fn release(mut self) {
         match self.store.release(&self.key, &self.held).await {

@@ -14,6 +14,9 @@ use crate::route::IdempotencySettings;
 /// The header added to every replayed response.
 pub(crate) const REPLAYED: &str = "idempotent-replayed";
 
+/// The header a replay of a result found by asking the upstream carries (SPEC §4.8).
+pub(crate) const RESOLVED: &str = "idempotent-resolved";
+
 /// The answer to a repeat of a finished operation.
 pub(super) fn replay(saved: Saved) -> Answer {
     match saved {

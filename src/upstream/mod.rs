@@ -91,6 +91,9 @@ pub(crate) struct Upstream {
     /// This upstream's connections (on the worker that owns this value).
     pool: Pool,
     timeout: Duration,
+    /// The longest making a connection takes: a request is written within it of its call's
+    /// start, or not at all.
+    connect_timeout: Duration,
     /// `idemproxy_upstream_duration_seconds` of this upstream.
     duration: Histogram,
     /// The `X-Forwarded-Proto` value: the listener's scheme, fixed at start.
@@ -230,6 +233,7 @@ impl Upstream {
             host: host_header(&scheme, &authority),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: settings.timeout,
+            connect_timeout: settings.connect_timeout,
             duration,
             forwarded_proto: HeaderValue::from_str(settings.forwarded_proto.as_str())
                 .unwrap_or(HeaderValue::from_static("http")),
@@ -239,6 +243,11 @@ impl Upstream {
     /// The upstream's name.
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its `connect_timeout`: a request is written within it of its call's start, or never.
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
     }
 
     /// Builds the upstream request from the client's: the URL rebased on the upstream,

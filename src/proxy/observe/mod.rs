@@ -42,6 +42,7 @@ use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use self::shadow::{HeldRepeats, Shadow};
 use super::admission::{self, Admitted, KeySource, Underived};
@@ -185,7 +186,7 @@ impl Observation {
             key,
             fingerprint,
             derived,
-            lookup: _,
+            lookup,
         } = request;
         let (settled, settlement) = oneshot::channel();
         let shadow = Shadow {
@@ -203,6 +204,7 @@ impl Observation {
         // The request goes out as `enforce` would send it, resent after the keep-alive race
         // only where `enforce` would (SPEC §4.3).
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+        let call_start = Instant::now();
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => up.call_bounded(req, idem.max_response_body, resend).await,
             Err(e) => Err(e),
@@ -221,7 +223,8 @@ impl Observation {
             ),
             Err(e) => {
                 tracing::warn!(route = %route.name, upstream = up.name(), error = %e, "upstream call failed");
-                let (settlement, problem, outcome) = Settlement::of_failure(&context, &e);
+                let (settlement, problem, outcome) =
+                    Settlement::of_failure(&context, &e, lookup, call_start);
                 (settlement, refuse(problem, outcome))
             }
         };

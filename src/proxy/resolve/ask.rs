@@ -6,6 +6,7 @@ use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 
 use crate::key_from::{self, Unreadable};
+use crate::metrics::LookupAnswer;
 use crate::proxy::replay::saved_headers;
 use crate::record::{Saved, SavedResponse};
 use crate::route::{IdempotencySettings, PathPattern, ResolveSettings};
@@ -74,13 +75,13 @@ pub(crate) enum Answer {
 }
 
 impl Answer {
-    /// Its `answer` label in `idemproxy_resolve_lookups_total`.
-    pub(crate) fn label(&self) -> &'static str {
+    /// How it is counted in `idemproxy_resolve_lookups_total`.
+    pub(crate) fn counted(&self) -> LookupAnswer {
         match self {
-            Answer::Found(_) => "found",
-            Answer::Absent => "absent",
-            Answer::Other(_) => "other",
-            Answer::Failed(_) => "failed",
+            Answer::Found(_) => LookupAnswer::Found,
+            Answer::Absent => LookupAnswer::Absent,
+            Answer::Other(_) => LookupAnswer::Other,
+            Answer::Failed(_) => LookupAnswer::Failed,
         }
     }
 }
@@ -206,6 +207,6 @@ mod tests {
             classify(&head(500), complete(), &statuses, &idem),
             Answer::Other(s) if s == 500
         ));
-        assert_eq!(Answer::Failed("x".into()).label(), "failed");
+        assert_eq!(Answer::Failed("x".into()).counted(), LookupAnswer::Failed);
     }
 }

@@ -4,8 +4,11 @@
 //!
 //! - [`ask`]: the lookup a request renders ([`Lookup`]) and one asking of it, its answer
 //!   classified as found, absent, another answer, or failed.
+//! - [`resolver`]: the task that holds a key whose outcome is unknown and asks until an
+//!   answer settles it.
 
-#[allow(dead_code, reason = "sent by the resolver, which the flow starts next")]
 pub(super) mod ask;
+mod resolver;
 
 pub(crate) use ask::Lookup;
+pub(super) use resolver::Unknown;

@@ -1,0 +1,292 @@
+//! SPEC §4.8, `on_unknown_outcome: resolve`: a request whose response is lost after the
+//! upstream may have acted is answered its 502/504 at once, its key held (repeats 409, nothing
+//! forwarded) while the proxy asks the upstream's lookup — the mock's
+//! `GET /bookings/by-reference/{reference}` — and the answer decides: `found` becomes the key's
+//! result (replayed with `Idempotent-Resolved: true`), a final `absent` releases the key so the
+//! retry runs once, and lookups that never settle it end as `outcome-unknown`, never forwarded
+//! again. Each rule is written once and run on every store (`every_store!`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Backend, Env, Reply, TestProxy, book_with, eventually};
+
+every_store!(
+    a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
+    a_final_absent_releases_the_key_and_the_retry_books_once,
+    an_early_absent_is_not_final_and_a_late_booking_is_found,
+    lookups_that_never_answer_end_as_outcome_unknown_and_never_forward,
+    a_repeat_during_the_resolution_is_409_and_not_forwarded,
+    with_on_conflict_wait_a_repeat_waits_for_the_resolution,
+);
+
+const ROUTE: &str = "create-booking";
+
+/// How long a resolution may take to land in these tests' short settings.
+const LANDS_WITHIN: Duration = Duration::from_secs(15);
+
+/// The booking body with this reference.
+fn booking(reference: &str) -> String {
+    format!(r#"{{"seat":"12A","reference":"{reference}"}}"#)
+}
+
+/// The harness configuration with `create-booking` resolving by reference, and `lines` added
+/// to its idempotency section.
+fn resolving(env: &Env, resolve: &str, lines: &str) -> String {
+    let yaml = env.config(&format!("on_unknown_outcome: resolve\nresolve:\n{lines}"));
+    // The block's own fields, indented under `resolve:` (the harness indents each line of the
+    // idempotency section alike).
+    let mut block = String::from("        request: GET /bookings/by-reference/{json:/reference}\n");
+    for line in resolve.lines().filter(|l| !l.trim().is_empty()) {
+        block.push_str("        ");
+        block.push_str(line.trim());
+        block.push('\n');
+    }
+    yaml.replacen("      resolve:\n", &format!("      resolve:\n{block}"), 1)
+}
+
+/// The bookings the mock made for `reference`, visible to a lookup or not.
+fn bookings_for(env: &Env, reference: &str) -> u64 {
+    env.mock
+        .stats()
+        .by_reference
+        .get(reference)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Sends the same booking until the answer is not a 409 (the key being resolved), within
+/// [`LANDS_WITHIN`].
+async fn retry_until_settled(proxy: &TestProxy, key: &str, body: &str) -> Reply {
+    let until = Instant::now() + LANDS_WITHIN;
+    loop {
+        let reply = book_with(&proxy.url(""), key, body, &[]).await;
+        if reply.status != 409 || Instant::now() >= until {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `idemproxy_resolutions_total{result}` of the route.
+fn resolutions(proxy: &TestProxy, result: &str) -> u64 {
+    proxy.metric(
+        "idemproxy_resolutions_total",
+        &[("route", ROUTE), ("result", result)],
+    ) as u64
+}
+
+/// `idemproxy_resolve_lookups_total{answer}` of the route.
+fn lookups(proxy: &TestProxy, answer: &str) -> u64 {
+    proxy.metric(
+        "idemproxy_resolve_lookups_total",
+        &[("route", ROUTE), ("answer", answer)],
+    ) as u64
+}
+
+async fn a_lost_response_is_resolved_to_the_booking_the_lookup_finds(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 5s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-found");
+    let first = book_with(
+        &proxy.url(""),
+        "k-found",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    let doc = first.assert_problem(502, "upstream-failed");
+    assert!(
+        doc["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("asking the upstream")),
+        "the detail says the outcome is being resolved: {doc}"
+    );
+    let retry = retry_until_settled(&proxy, "k-found", &body).await;
+    assert_eq!(retry.status, 200, "the lookup's answer: {:?}", retry.body);
+    assert_eq!(retry.header("idempotent-replayed"), "true");
+    assert_eq!(retry.header("idempotent-resolved"), "true");
+    assert_eq!(retry.json()["request"]["reference"], "R-found");
+    assert_eq!(
+        bookings_for(&env, "R-found"),
+        1,
+        "booked once, never forwarded again"
+    );
+    assert_eq!(resolutions(&proxy, "found"), 1);
+    assert!(lookups(&proxy, "found") >= 1);
+    // The replay of a resolved key stays the same.
+    let again = book_with(&proxy.url(""), "k-found", &body, &[]).await;
+    assert_eq!(
+        (again.status, again.body.clone()),
+        (200, retry.body.clone())
+    );
+    proxy.stop().await;
+}
+
+async fn a_final_absent_releases_the_key_and_the_retry_books_once(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 1s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-absent");
+    let first = book_with(
+        &proxy.url(""),
+        "k-absent",
+        &body,
+        &[("X-Mock-Lose-Response", "before")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    assert_eq!(bookings_for(&env, "R-absent"), 0, "lost before the booking");
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "absent") == 1).await,
+        "the resolution ends absent once settle_after has passed"
+    );
+    assert!(
+        lookups(&proxy, "absent") >= 2,
+        "an early absent, then the final one"
+    );
+    let retry = book_with(&proxy.url(""), "k-absent", &body, &[]).await;
+    assert_eq!(retry.status, 201, "the released key runs: {:?}", retry.body);
+    assert_eq!(bookings_for(&env, "R-absent"), 1, "one booking in all");
+    let replay = book_with(&proxy.url(""), "k-absent", &body, &[]).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+    assert!(replay.headers.get("idempotent-resolved").is_none());
+    assert_eq!(bookings_for(&env, "R-absent"), 1);
+    proxy.stop().await;
+}
+
+async fn an_early_absent_is_not_final_and_a_late_booking_is_found(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 5s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-late");
+    // The booking is made, its response lost, and a lookup sees it only 1.5s later: the
+    // lookups before answer 404, which must not release the key.
+    let first = book_with(
+        &proxy.url(""),
+        "k-late",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-late", &body).await;
+    assert_eq!(retry.status, 200, "found once visible: {:?}", retry.body);
+    assert_eq!(retry.header("idempotent-resolved"), "true");
+    assert!(lookups(&proxy, "absent") >= 1, "it was asked while absent");
+    assert_eq!(resolutions(&proxy, "absent"), 0, "never released");
+    assert_eq!(bookings_for(&env, "R-late"), 1, "never booked twice");
+    proxy.stop().await;
+}
+
+async fn lookups_that_never_answer_end_as_outcome_unknown_and_never_forward(backend: Backend) {
+    let env = Env::new(backend).await;
+    // Lookups go to an upstream nobody listens on: each fails.
+    let nowhere = common::free_port();
+    let yaml = resolving(
+        &env,
+        "upstream: lookups\nsettle_after: 500ms\ninterval: 100ms\ngive_up_after: 1s",
+        "",
+    )
+    .replacen(
+        "upstreams:\n",
+        &format!(
+            "upstreams:\n  lookups:\n    url: http://127.0.0.1:{nowhere}\n    connect_timeout: 100ms\n    timeout: 200ms\n"
+        ),
+        1,
+    );
+    let proxy = env.proxy(&yaml).await;
+    let body = booking("R-unknown");
+    let first = book_with(
+        &proxy.url(""),
+        "k-unknown",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-unknown", &body).await;
+    retry.assert_problem(502, "outcome-unknown");
+    assert_eq!(retry.header("idempotent-replayed"), "true");
+    assert!(retry.headers.get("idempotent-resolved").is_none());
+    assert_eq!(resolutions(&proxy, "gave_up"), 1);
+    assert!(lookups(&proxy, "failed") >= 1);
+    assert_eq!(bookings_for(&env, "R-unknown"), 1, "never forwarded again");
+    proxy.stop().await;
+}
+
+async fn a_repeat_during_the_resolution_is_409_and_not_forwarded(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 10s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-held");
+    let first = book_with(
+        &proxy.url(""),
+        "k-held",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "3s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let posts = env.mock.calls("k-held");
+    let repeat = book_with(&proxy.url(""), "k-held", &body, &[]).await;
+    repeat.assert_problem(409, "request-in-progress");
+    assert!(
+        !repeat.header("retry-after").is_empty(),
+        "409 with Retry-After"
+    );
+    assert_eq!(
+        env.mock.calls("k-held"),
+        posts,
+        "the repeat was not forwarded"
+    );
+    let settled = retry_until_settled(&proxy, "k-held", &body).await;
+    assert_eq!(settled.status, 200);
+    assert_eq!(bookings_for(&env, "R-held"), 1);
+    proxy.stop().await;
+}
+
+async fn with_on_conflict_wait_a_repeat_waits_for_the_resolution(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "settle_after: 5s\ninterval: 200ms",
+            "on_conflict: wait\nwait_timeout: 10s\n",
+        ))
+        .await;
+    let body = booking("R-wait");
+    let first = book_with(
+        &proxy.url(""),
+        "k-wait",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let waited = book_with(&proxy.url(""), "k-wait", &body, &[]).await;
+    assert_eq!(
+        waited.status, 200,
+        "the repeat waited for the answer: {:?}",
+        waited.body
+    );
+    assert_eq!(waited.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, "R-wait"), 1);
+    proxy.stop().await;
+}
