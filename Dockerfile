@@ -11,6 +11,8 @@
 ARG RUST_VERSION=1
 
 # ---- Build stage -----------------------------------------------------------------------------
+# The `dist` profile (Cargo.toml): release with whole-program LTO and one codegen unit, the code
+# the load bench measures; `--release` is the quicker everyday build, not what ships.
 FROM rust:${RUST_VERSION}-bookworm AS build
 WORKDIR /src
 
@@ -21,18 +23,22 @@ WORKDIR /src
 #    [[example]] sections are dropped from the image's copy of the manifest (dependencies,
 #    including dev-dependencies, stay, so Cargo.lock still matches and --locked holds), and
 #    the library, both binaries and the mock crate (mock/, a workspace member both binaries
-#    depend on) get stub sources.
+#    depend on) get stub sources. The test harness (harness/, a workspace member and a
+#    dev-dependency) is never built here: its manifest and an empty stub keep the workspace
+#    and Cargo.lock whole.
 COPY Cargo.toml Cargo.lock ./
 COPY mock/Cargo.toml ./mock/
+COPY harness/Cargo.toml ./harness/
 RUN set -eu; \
     awk '/^\[/ { skip = ($0 ~ /^\[\[(bench|test|example)\]\]/) } !skip' Cargo.toml > Cargo.toml.bins; \
     mv Cargo.toml.bins Cargo.toml; \
-    mkdir -p src/bin/mock-upstream mock/src; \
+    mkdir -p src/bin/mock-upstream mock/src harness/src; \
     : > src/lib.rs; \
     : > mock/src/lib.rs; \
+    : > harness/src/lib.rs; \
     echo 'fn main() {}' > src/main.rs; \
     echo 'fn main() {}' > src/bin/mock-upstream/main.rs; \
-    cargo build --release --locked --bins; \
+    cargo build --profile dist --locked --bins; \
     rm -rf src mock/src
 
 # 2. The real sources. COPY keeps the files' own modification times, which can be older than
@@ -41,9 +47,9 @@ COPY src ./src
 COPY mock/src ./mock/src
 RUN set -eu; \
     find src mock/src -name '*.rs' -exec touch {} +; \
-    cargo build --release --locked --bins; \
-    ./target/release/idemproxy --version | grep -q '^idemproxy '; \
-    ./target/release/mock-upstream --help | grep -q 'mock'
+    cargo build --profile dist --locked --bins; \
+    ./target/dist/idemproxy --version | grep -q '^idemproxy '; \
+    ./target/dist/mock-upstream --help | grep -q 'mock'
 
 # ---- Runtime stage ---------------------------------------------------------------------------
 # Distroless: glibc, libgcc, CA certificates (/etc/ssl/certs) and a `nonroot` user (65532);
@@ -52,8 +58,8 @@ RUN set -eu; \
 # rustls with the Mozilla roots compiled in; the system CA bundle is there for
 # `store.ca_file`/`upstreams.*.ca_file` pointing at it, and for anything added later.
 FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /src/target/release/idemproxy /usr/local/bin/idemproxy
-COPY --from=build /src/target/release/mock-upstream /usr/local/bin/mock-upstream
+COPY --from=build /src/target/dist/idemproxy /usr/local/bin/idemproxy
+COPY --from=build /src/target/dist/mock-upstream /usr/local/bin/mock-upstream
 COPY config.example.yaml /etc/idemproxy/config.example.yaml
 
 # Never root: uid/gid 65532 ("nonroot" in the distroless image). Nothing is written to disk,

@@ -29,7 +29,6 @@ pub enum KeyError {
     /// The value is not a valid key.
     #[error("the {header} header is not a valid key: {why}")]
     Invalid {
-        /// The header's name.
         header: HeaderName,
         /// What is wrong.
         why: &'static str,

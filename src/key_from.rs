@@ -27,7 +27,6 @@ use crate::route::{KeyPart, LookupTemplate, PathPattern, Piece};
 pub struct Unreadable {
     /// The part, as configured.
     pub part: String,
-    /// Why.
     pub why: String,
 }
 

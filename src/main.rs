@@ -1,5 +1,7 @@
 //! The `idemproxy` command: parse flags, set up logging, load the configuration, run.
 
+#![warn(clippy::too_many_lines)]
+
 /// `println!` that never panics: a line for a stdout that is gone (a closed pipe) is lost, and
 /// the command goes on to its exit code.
 macro_rules! say {

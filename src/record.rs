@@ -34,7 +34,6 @@ pub(crate) fn new_token() -> Token {
 /// A saved upstream response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedResponse {
-    /// The status code.
     pub status: StatusCode,
     /// End-to-end headers, in the upstream's order (hop-by-hop ones already removed).
     pub headers: Vec<(HeaderName, HeaderValue)>,
@@ -222,6 +221,24 @@ impl Record {
             return Err(DecodeError("trailing bytes after the record"));
         }
         Ok(record)
+    }
+}
+
+/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
+/// by the store's `renew`, `complete` and `release` (and so encoded once, here).
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The in-progress record (token and fingerprint).
+    pub record: Record,
+    /// Its encoding, as stored.
+    pub encoded: Bytes,
+}
+
+impl Held {
+    /// Wraps an in-progress record.
+    pub fn new(record: Record) -> Held {
+        let encoded = record.encode();
+        Held { record, encoded }
     }
 }
 

@@ -10,8 +10,6 @@
 //!   `_total`, as Prometheus is queried).
 //! - The quick start: the lines the README shows are the lines `idemproxy demo` prints.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -19,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{ProxyProcess, eventually, free_port};
+use harness::{ProxyProcess, eventually, free_port};
 
 /// A documentation file of the repository, read whole.
 fn doc(path: &str) -> String {
@@ -123,7 +121,7 @@ routes:
 
 /// The `/metrics` text of the admin listener at `admin`.
 async fn scrape(admin: u16) -> String {
-    common::client()
+    harness::client()
         .get(format!("http://127.0.0.1:{admin}/metrics"))
         .send()
         .await
@@ -161,7 +159,7 @@ async fn every_restart_list_names_what_a_reload_refuses() {
     let proc = ProxyProcess::spawn(&config(admin, "workers: 1\n"));
     // A file that changes every field the running proxy can't change in place, and that is
     // valid otherwise: the refusal names them all.
-    let pki = common::pki::Pki::new();
+    let pki = harness::pki::Pki::new();
     let pid_dir = tempfile::tempdir().expect("temp dir");
     let changed = format!(
         "workers: 2
@@ -279,11 +277,17 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
         "the reload was not applied:\n{}",
         proc.log()
     );
-    let (names, histograms) = served(&scrape(admin).await);
+    let (mut names, mut histograms) = served(&scrape(admin).await);
     assert!(
         names.contains("idemproxy_requests_total") && names.len() > 20,
         "the scrape lacks the proxy's families: {names:?}"
     );
+    // Each store exports its own series only when it is the store in use: the table names
+    // them all, so the served names are those of a proxy on each store.
+    for (store_names, store_histograms) in served_by_each_store().await {
+        names.extend(store_names);
+        histograms.extend(store_histograms);
+    }
 
     // The operations guide's table: one row per family, every family a row.
     let guide = doc("docs/operations.md");
@@ -319,10 +323,57 @@ async fn the_metrics_the_docs_name_are_the_ones_a_proxy_serves() {
     }
 }
 
+/// What proxies on `sqlite`, `redis` and `postgres` serve, one scrape each (each store adds
+/// its own series to those every proxy has).
+async fn served_by_each_store() -> Vec<(BTreeSet<String>, BTreeSet<String>)> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let redis = harness::RedisServer::start();
+    let pg = harness::postgres::PgServer::shared();
+    let stores = [
+        format!(
+            "store:\n  backend: sqlite\n  path: {}\n",
+            dir.path().join("records.db").display()
+        ),
+        format!("store:\n  backend: redis\n  url: {}\n", redis.url()),
+        format!(
+            "store:\n  backend: postgres\n  url: {}\n  schema: {}\n",
+            pg.url(),
+            harness::postgres::PgServer::fresh_schema()
+        ),
+    ];
+    let mut scrapes = Vec::new();
+    for store in stores {
+        let admin = free_port();
+        let proc = ProxyProcess::spawn(&config(admin, &store));
+        scrapes.push(served(&scrape(admin).await));
+        drop(proc);
+    }
+    scrapes
+}
+
+/// Where the binary of the README's first command (`cargo run … -- demo`) lands, as the demo
+/// prints it: `./target/release/idemproxy` for `--release`, `./target/NAME/idemproxy` for
+/// `--profile NAME`, `./target/debug/idemproxy` without either.
+fn built_by_first_command(readme: &str) -> String {
+    let quick = between(readme, "## Quick start", "\n```\n");
+    let line = quick
+        .lines()
+        .find(|l| l.starts_with("cargo run") && l.contains("demo"))
+        .expect("the quick start's first command runs the demo");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let profile = match words.iter().position(|w| *w == "--profile") {
+        Some(at) => words.get(at + 1).copied().expect("a profile name"),
+        None if words.contains(&"--release") => "release",
+        None => "debug",
+    };
+    let dir = if profile == "dev" { "debug" } else { profile };
+    format!("./target/{dir}/idemproxy")
+}
+
 #[test]
 fn the_quick_start_shows_what_the_demo_prints() {
     let (listen, upstream, admin) = (free_port(), free_port(), free_port());
-    let mut child = Command::new(common::binary())
+    let mut child = Command::new(harness::binary())
         .args([
             "demo",
             "--listen",
@@ -359,19 +410,20 @@ fn the_quick_start_shows_what_the_demo_prints() {
     let _ = child.kill();
     let _ = child.wait();
     // As printed on the default ports, by the binary the README's first command builds.
-    let exe = common::binary();
+    let readme = doc("README.md");
+    let built = built_by_first_command(&readme);
+    let exe = harness::binary();
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = format!("./{}", exe.strip_prefix(here).unwrap_or(&exe).display());
     let printed = text()
         .replace(&format!("127.0.0.1:{listen}"), "127.0.0.1:8080")
         .replace(&format!("127.0.0.1:{upstream}"), "127.0.0.1:8081")
         .replace(&format!("127.0.0.1:{admin}"), "127.0.0.1:9090")
-        .replace(&exe, "./target/release/idemproxy");
+        .replace(&exe, &built);
     assert!(
         printed.contains("Ctrl-C stops both."),
         "the demo printed no lines to try within 20s:\n{printed}"
     );
-    let readme = doc("README.md");
     let section = between(&readme, "`demo` prints these lines", "\n```\n");
     let shown = section
         .split_once("```sh\n")

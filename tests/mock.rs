@@ -3,13 +3,11 @@
 //! the product's Listener). What needs no socket is tested in the mock crate itself.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::io;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::mock::start;
+use harness::mock::start;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;

@@ -6,11 +6,9 @@
 //! retry runs once, and lookups that never settle it end as `outcome-unknown`, never forwarded
 //! again. Each rule is written once and run on every store (`every_store!`).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{Backend, Env, Reply, TestProxy, book_with, eventually};
+use harness::{Backend, Env, Reply, TestProxy, book_with, eventually, every_store};
 
 every_store!(
     a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
@@ -191,7 +189,7 @@ async fn an_early_absent_is_not_final_and_a_late_booking_is_found(backend: Backe
 async fn lookups_that_never_answer_end_as_outcome_unknown_and_never_forward(backend: Backend) {
     let env = Env::new(backend).await;
     // Lookups go to an upstream nobody listens on: each fails.
-    let nowhere = common::free_port();
+    let nowhere = harness::free_port();
     let yaml = resolving(
         &env,
         "upstream: lookups\nsettle_after: 500ms\ninterval: 100ms\ngive_up_after: 1s",

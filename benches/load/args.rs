@@ -1,6 +1,7 @@
 //! The flags of the load bench; each has an environment variable too (`LOAD_*`), so
 //! `LOAD_SCENARIOS=fill-1m cargo bench --bench load` works like `-- --scenarios fill-1m`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
@@ -50,6 +51,12 @@ pub(crate) struct Args {
         value_name = "FILTER"
     )]
     pub proxy_log: String,
+    /// A second idemproxy binary (`target/debug/idemproxy`, what the README's `cargo run --
+    /// demo` builds, or another profile's): each selected pass-through and new-key scenario
+    /// runs on it too, right after the bench's own binary, as a row `NAME @compare` with its
+    /// ratios to this run's baselines.
+    #[arg(long, env = "LOAD_COMPARE_BINARY", value_name = "PATH")]
+    pub compare_binary: Option<PathBuf>,
     /// Keep the temp directory with every config and log (also kept after a failure).
     #[arg(long, env = "LOAD_KEEP_LOGS", value_parser = clap::builder::BoolishValueParser::new())]
     pub keep_logs: bool,

@@ -1,7 +1,8 @@
 //! `cargo bench --bench load`: the proxy under load, as separate processes, next to baselines
 //! measured in the same run.
 //!
-//! It starts the release builds of `mock-upstream` and `idemproxy` (one proxy process per
+//! It starts `mock-upstream` and `idemproxy` as cargo built them for it (the `bench` profile:
+//! whole-program LTO and one codegen unit, like the image's `dist`; one proxy process per
 //! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
 //! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
 //! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
@@ -12,6 +13,8 @@
 //! latency quantiles, errors, the CPU time the server under test spent per request, and its
 //! ratios to nginx and to the pass-through route: this machine is shared and noisy, the ratios
 //! are what to read (`--rounds N` repeats the whole selection and keeps medians).
+//! `--compare-binary PATH` runs the pass-through and new-key scenarios on another build of the
+//! proxy too (rows `NAME @compare`): what a build profile costs at run time.
 //!
 //! Each timed row also says what held it back (the `limit` column, see `cores`): the cores the
 //! server, the upstream, the load generator and the database each used over the row's window
@@ -48,9 +51,9 @@ mod scenario;
 mod storm;
 mod upstream;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,6 +105,9 @@ fn main() -> ExitCode {
     }
 }
 
+/// The mark of a row measured on `--compare-binary`.
+const COMPARE: &str = "@compare";
+
 /// What one scenario produced.
 #[derive(Default)]
 struct Done {
@@ -144,6 +150,9 @@ struct Bench {
     nonce: u64,
     /// Key spaces handed out so far (each load run gets its own).
     key_spaces: Cell<u32>,
+    /// The proxy binary the next proxies start from: this build's, or `--compare-binary`'s
+    /// while a scenario runs again on it.
+    proxy_bin: RefCell<PathBuf>,
     nginx: Option<Nginx>,
     redis: Option<Redis>,
     postgres: Option<Postgres>,
@@ -165,6 +174,18 @@ fn run(args: Args) -> Result<bool, String> {
         args.connections,
         args.proxy_log
     );
+    if let Some(other) = &args.compare_binary {
+        if !other.is_file() {
+            return Err(format!(
+                "--compare-binary {}: no such file (build it first, e.g. `cargo build`)",
+                other.display()
+            ));
+        }
+        println!(
+            "compare binary: {} (rows `NAME {COMPARE}` for the pass-through and new-key scenarios)",
+            other.display()
+        );
+    }
     let dir = tempfile::Builder::new()
         .prefix("idemproxy-load.")
         .tempdir()
@@ -206,8 +227,8 @@ fn run(args: Args) -> Result<bool, String> {
     let postgres = match selected.iter().any(|s| s.store() == Some(Store::Postgres)) {
         false => None,
         true => match pg::find_bin_dir() {
-            Some(bin) => {
-                let postgres = Postgres::start(&bin, dir.path())?;
+            Some(_) => {
+                let postgres = Postgres::start(dir.path())?;
                 println!(
                     "postgres on {} (fsync on, synchronous_commit on)",
                     postgres.url()
@@ -249,6 +270,7 @@ fn run(args: Args) -> Result<bool, String> {
         rt,
         nonce,
         key_spaces: Cell::new(0),
+        proxy_bin: RefCell::new(PathBuf::from(env!("CARGO_BIN_EXE_idemproxy"))),
         nginx,
         redis,
         postgres,
@@ -267,20 +289,28 @@ fn run(args: Args) -> Result<bool, String> {
         let first_row = all.rows.len();
         for (i, s) in selected.iter().enumerate() {
             println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
-            let done = bench.scenario(s).unwrap_or_else(|e| {
-                println!("  FAIL: {e}");
-                let reason = e.lines().next().unwrap_or_default();
-                let mut done = Done::row(
-                    s,
-                    Outcome::Skipped(format!("error: {reason}")),
-                    String::new(),
-                );
-                done.failed = true;
-                done
-            });
+            let done = bench.scenario_or_failure(s);
             all.rows.extend(done.rows);
             all.summary.extend(done.summary);
             all.failed |= done.failed;
+            if let Some(other) = bench.compared(s) {
+                println!(
+                    "[{}/{}] {} {COMPARE}: the same on {}",
+                    i + 1,
+                    selected.len(),
+                    s.name,
+                    other.display()
+                );
+                let own = bench.proxy_bin.replace(other);
+                let done = bench.scenario_or_failure(s);
+                bench.proxy_bin.replace(own);
+                for mut row in done.rows {
+                    row.name = format!("{} {COMPARE}", row.name);
+                    all.rows.push(row);
+                }
+                all.summary.extend(done.summary);
+                all.failed |= done.failed;
+            }
         }
         ratios.push(report::RoundRatios::of(&all.rows[first_row..]));
         ceilings.extend(report::ceiling_ratio(&all.rows[first_row..]));
@@ -341,6 +371,28 @@ fn run(args: Args) -> Result<bool, String> {
 }
 
 impl Bench {
+    /// `--compare-binary`, when `s` is a scenario to run on it too: the pass-through route and
+    /// new keys, on every store and body size.
+    fn compared(&self, s: &Scenario) -> Option<PathBuf> {
+        let other = self.args.compare_binary.clone()?;
+        matches!(s.target, Target::Passthrough | Target::NewKey(_)).then_some(other)
+    }
+
+    /// [`Bench::scenario`], an error made a failed row of its own.
+    fn scenario_or_failure(&self, s: &Scenario) -> Done {
+        self.scenario(s).unwrap_or_else(|e| {
+            println!("  FAIL: {e}");
+            let reason = e.lines().next().unwrap_or_default();
+            let mut done = Done::row(
+                s,
+                Outcome::Skipped(format!("error: {reason}")),
+                String::new(),
+            );
+            done.failed = true;
+            done
+        })
+    }
+
     fn scenario(&self, s: &Scenario) -> Result<Done, String> {
         if let Some(reason) = self.upstream.lacks(s) {
             return Ok(Done::skipped(s, reason));
@@ -505,9 +557,9 @@ impl Bench {
         config: &StoreConfig,
         ttl: &str,
     ) -> Result<Proxy, String> {
-        let bin = Path::new(env!("CARGO_BIN_EXE_idemproxy"));
+        let bin = self.proxy_bin.borrow().clone();
         Proxy::start(
-            bin,
+            &bin,
             self.dir.path(),
             label,
             config,

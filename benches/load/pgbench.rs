@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use crate::client::{self, Stats};
 use crate::cores::{Meter, Part, Source};
-use crate::pg::{DATABASE, Postgres, ROLE};
+use crate::pg::{DATABASE, Postgres};
 use crate::procs::CpuMeter;
 
 /// The encoded in-flight record: 4-byte tag and version, 1 kind byte, token, fingerprint.
@@ -131,7 +131,7 @@ pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>) -> Result<Ceiling, Stri
         .arg("-l")
         .arg(format!("--log-prefix={}", logs.join("txn").display()))
         .args(["-h", "127.0.0.1", "-p", &pg.port().to_string()])
-        .args(["-U", ROLE, DATABASE])
+        .args(["-U", &pg.role(), DATABASE])
         // pgbench writes its log files into the current directory's prefix path.
         .current_dir(plan.dir)
         .stdin(Stdio::null())

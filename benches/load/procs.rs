@@ -35,6 +35,23 @@ pub(crate) fn kill_all() {
     }
 }
 
+/// Adds a process started elsewhere (the harness's PostgreSQL) to those [`kill_all`] stops,
+/// with the signal that stops it first.
+pub(crate) fn track(pid: u32, stop_signal: Option<&'static str>) {
+    RUNNING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push((pid, stop_signal));
+}
+
+/// Takes a process [`track`] added out of those [`kill_all`] stops.
+pub(crate) fn untrack(pid: u32) {
+    RUNNING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .retain(|(p, _)| *p != pid);
+}
+
 /// A running child process with its log file; killed on drop.
 pub(crate) struct ChildProcess {
     name: String,
@@ -59,10 +76,7 @@ impl ChildProcess {
             .stderr(file)
             .spawn()
             .map_err(|e| format!("start {name}: {e}"))?;
-        RUNNING
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push((child.id(), stop_signal));
+        track(child.id(), stop_signal);
         Ok(ChildProcess {
             name,
             child,
@@ -118,11 +132,7 @@ impl ChildProcess {
 impl Drop for ChildProcess {
     fn drop(&mut self) {
         self.stop();
-        let pid = self.child.id();
-        RUNNING
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|(p, _)| *p != pid);
+        untrack(self.child.id());
     }
 }
 

@@ -35,7 +35,6 @@ use crate::tls::{ServerTls, TlsFile};
 
 mod limits;
 mod load;
-mod resolve;
 mod routes;
 mod secret;
 mod store;

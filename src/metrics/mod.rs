@@ -15,13 +15,17 @@
 
 mod observed;
 mod resolved;
+mod routes;
+mod stores;
 mod summed;
 
 pub use observed::{ObservedMetrics, Unclaimed, Would};
 pub use resolved::{LookupAnswer, Resolution, ResolvedMetrics};
+pub use routes::{RouteKind, RouteMetrics};
+pub use stores::{StoreKind, StoreSeries};
 pub use summed::GaugePart;
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -114,17 +118,11 @@ impl Outcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(usize)]
 pub enum StoreOp {
-    /// `claim`.
     Claim,
-    /// `renew`.
     Renew,
-    /// `complete`.
     Complete,
-    /// `release`.
     Release,
-    /// `get`.
     Get,
-    /// `ping`.
     Ping,
     /// `forget` (key tooling).
     Forget,
@@ -191,12 +189,6 @@ struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RouteOutcome {
-    route: String,
-    outcome: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct UpstreamLabel {
     upstream: String,
 }
@@ -215,11 +207,6 @@ struct WorkerLabel {
 struct RouteField {
     route: String,
     field: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RouteLabel {
-    route: String,
 }
 
 #[derive(Clone)]
@@ -250,15 +237,12 @@ pub fn log_line_dropped() {
 /// Every metric the proxy keeps.
 pub struct Metrics {
     registry: Registry,
-    routes: RouteFamilies,
+    routes: routes::RouteFamilies,
     observed: observed::ObservedFamilies,
     resolved: resolved::ResolvedFamilies,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
-    /// Per store operation (claim, complete): writes fewer replicas acknowledged than
-    /// `store.wait_replicas` asks.
-    replica_acks_missing: Family<OpLabel, Counter>,
     /// `idemproxy_config_reloads_total{result}`.
     config_reloads: Family<ResultLabel, Counter>,
     /// `idemproxy_config_reload_key_changes_total{route,field}`.
@@ -272,101 +256,12 @@ pub struct Metrics {
     /// Observed repeats held in the background (`on_conflict: wait`), at most
     /// `limits.max_detached_exchanges`.
     pub observed_held: Gauge,
-    /// Memory store: records held.
-    pub memory_records: Gauge,
-    /// Memory store: its bound (`max_entries`).
-    pub memory_max_entries: Gauge,
-    /// SQLite and PostgreSQL: expired records deleted by the sweep.
-    pub store_swept: Counter,
-    /// SQLite: operations committed per transaction of the writer (group commit).
-    pub sqlite_batch_size: Histogram,
-    /// SQLite: how long each of the writer's commits took.
-    pub sqlite_commit_duration: Histogram,
-    /// PostgreSQL: connections the pools hold open, every worker's together (each worker
-    /// sets its part through a [`GaugePart`]).
-    pub postgres_pool_connections: Gauge,
-    /// PostgreSQL: connections lent out to an operation, every worker's together.
-    pub postgres_pool_in_use: Gauge,
-    /// PostgreSQL: operations waiting for a connection, every worker's together.
-    pub postgres_pool_waiting: Gauge,
+    /// Each store's own series, exported only by the store in use.
+    pub stores: StoreSeries,
     /// Connections each worker's accept loop took on the main listener.
     worker_connections: Family<WorkerLabel, Counter>,
     /// Connections open on the main listener, every worker's together.
     pub open_connections: Gauge,
-}
-
-/// The families labelled by route, from which [`Metrics::route`] hands out a route's series.
-struct RouteFamilies {
-    requests: Family<RouteOutcome, Counter>,
-    request_duration: Family<RouteOutcome, Histogram, Buckets>,
-    lost_leases: Family<RouteLabel, Counter>,
-    unprotected: Family<RouteLabel, Counter>,
-    completions_abandoned: Family<RouteLabel, Counter>,
-    results_not_kept: Family<RouteLabel, Counter>,
-    lease_renewals: Family<RouteLabel, Counter>,
-    lease_renewals_late: Family<RouteLabel, Counter>,
-    derived_keys: Family<RouteLabel, Counter>,
-}
-
-impl RouteFamilies {
-    fn register(r: &mut Registry) -> RouteFamilies {
-        RouteFamilies {
-            requests: register(
-                r,
-                "idemproxy_requests",
-                "Requests by route and outcome",
-                Family::default(),
-            ),
-            request_duration: register(
-                r,
-                "idemproxy_request_duration_seconds",
-                "Request duration by route and outcome",
-                Family::new_with_constructor(Buckets(latency)),
-            ),
-            lost_leases: register(
-                r,
-                "idemproxy_lost_leases",
-                "Claims whose lease expired before the result was saved",
-                Family::default(),
-            ),
-            unprotected: register(
-                r,
-                "idemproxy_unprotected_requests",
-                "Requests forwarded without idempotency because the store failed (on_store_error: forward)",
-                Family::default(),
-            ),
-            completions_abandoned: register(
-                r,
-                "idemproxy_saves_abandoned",
-                "Results given up on: the lease was lost while the store refused their save, so the key runs again on its next retry",
-                Family::default(),
-            ),
-            results_not_kept: register(
-                r,
-                "idemproxy_results_not_kept",
-                "Results dropped to fit the pending-save bounds: a result-not-kept record (502) is saved in their place",
-                Family::default(),
-            ),
-            lease_renewals: register(
-                r,
-                "idemproxy_lease_renewals",
-                "Leases renewed while an upstream call ran",
-                Family::default(),
-            ),
-            lease_renewals_late: register(
-                r,
-                "idemproxy_lease_renewals_late",
-                "Lease renewals answered with less than a third of lock_ttl left on the lease (or none): the store's round trips eat the lease",
-                Family::default(),
-            ),
-            derived_keys: register(
-                r,
-                "idemproxy_derived_keys",
-                "Requests whose key was derived from the request (key_from), not sent",
-                Family::default(),
-            ),
-        }
-    }
 }
 
 /// Registers `metric` under `name` and hands it back: its clones share its value.
@@ -375,71 +270,37 @@ fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, 
     metric
 }
 
-/// One route's series, registered at start. A clone shares them (one reference count, not
-/// one per series: the exchange and its lease each hold one per request).
-#[derive(Clone)]
-pub struct RouteMetrics(Arc<RouteSeries>);
-
-struct RouteSeries {
-    requests: Vec<(Counter, Histogram)>,
-    lost_leases: Counter,
-    unprotected: Counter,
-    completions_abandoned: Counter,
-    results_not_kept: Counter,
-    lease_renewals: Counter,
-    lease_renewals_late: Counter,
-    derived_keys: Counter,
-}
-
-impl RouteMetrics {
-    /// Counts one finished request.
-    pub fn request(&self, outcome: Outcome, took: Duration) {
-        if let Some((count, duration)) = self.0.requests.get(outcome as usize) {
-            count.inc();
-            duration.observe(took.as_secs_f64());
-        }
-    }
-
-    /// Counts a lost lease.
-    pub(crate) fn lost_lease(&self) {
-        self.0.lost_leases.inc();
-    }
-
-    /// Counts a request whose key was derived (`key_from`).
-    pub(crate) fn derived_key(&self) {
-        self.0.derived_keys.inc();
-    }
-
-    /// Counts a lease renewal.
-    pub(crate) fn lease_renewed(&self) {
-        self.0.lease_renewals.inc();
-    }
-
-    /// Counts a lease renewal answered late (less than a third of the lease left).
-    pub(crate) fn lease_renewal_late(&self) {
-        self.0.lease_renewals_late.inc();
-    }
-
-    /// Counts a request forwarded without protection.
-    pub(crate) fn unprotected(&self) {
-        self.0.unprotected.inc();
-    }
-
-    /// Counts a result given up on: its lease was lost before the store took it.
-    pub(crate) fn completion_abandoned(&self) {
-        self.0.completions_abandoned.inc();
-    }
-
-    /// Counts a result replaced by a `result-not-kept` record (the pending-save bounds).
-    pub(crate) fn result_not_kept(&self) {
-        self.0.results_not_kept.inc();
-    }
-}
-
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
     }
+}
+
+/// Registers the store operations' families and hands out each operation's duration
+/// histogram and error counter, in [`StoreOp::ALL`]'s order.
+fn store_ops(r: &mut Registry) -> Vec<(Histogram, Counter)> {
+    let store_duration: Family<OpLabel, Histogram, Buckets> = register(
+        r,
+        "idemproxy_store_operation_duration_seconds",
+        "Store operation duration",
+        Family::new_with_constructor(Buckets(latency)),
+    );
+    let store_errors: Family<OpLabel, Counter> = register(
+        r,
+        "idemproxy_store_errors",
+        "Store operations that failed or timed out",
+        Family::default(),
+    );
+    StoreOp::ALL
+        .iter()
+        .map(|op| {
+            let labels = OpLabel { op: op.as_str() };
+            (
+                store_duration.get_or_create(&labels).clone(),
+                store_errors.get_or_create(&labels).clone(),
+            )
+        })
+        .collect()
 }
 
 impl Metrics {
@@ -447,36 +308,15 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
         let r = &mut registry;
-        let routes = RouteFamilies::register(r);
-        let observed = observed::ObservedFamilies::register(r);
-        let resolved = resolved::ResolvedFamilies::register(r);
+        let routes = routes::RouteFamilies::register(r);
         let upstream_duration = register(
             r,
             "idemproxy_upstream_duration_seconds",
             "Upstream call duration",
             Family::new_with_constructor(Buckets(latency)),
         );
-        let store_duration: Family<OpLabel, Histogram, Buckets> = register(
-            r,
-            "idemproxy_store_operation_duration_seconds",
-            "Store operation duration",
-            Family::new_with_constructor(Buckets(latency)),
-        );
-        let store_errors: Family<OpLabel, Counter> = register(
-            r,
-            "idemproxy_store_errors",
-            "Store operations that failed or timed out",
-            Family::default(),
-        );
-        let replica_acks_missing: Family<OpLabel, Counter> = register(
-            r,
-            "idemproxy_replica_acks_missing",
-            "Claims and saves fewer replicas acknowledged in time than store.wait_replicas asks (a claim is then refused with 503; a save stands)",
-            Family::default(),
-        );
-        for op in [StoreOp::Claim, StoreOp::Complete] {
-            let _ = replica_acks_missing.get_or_create(&OpLabel { op: op.as_str() });
-        }
+        let store_ops = store_ops(r);
+        let stores = StoreSeries::register(r);
         let config_reloads: Family<ResultLabel, Counter> = register(
             r,
             "idemproxy_config_reloads",
@@ -499,16 +339,6 @@ impl Metrics {
                 result: result.as_str(),
             });
         }
-        let store_ops = StoreOp::ALL
-            .iter()
-            .map(|op| {
-                let labels = OpLabel { op: op.as_str() };
-                (
-                    store_duration.get_or_create(&labels).clone(),
-                    store_errors.get_or_create(&labels).clone(),
-                )
-            })
-            .collect();
         Metrics {
             pending_saves: register(
                 r,
@@ -534,54 +364,6 @@ impl Metrics {
                 "Repeats on observed routes held in the background as on_conflict: wait holds them (at most limits.max_detached_exchanges; past it a repeat is counted at once)",
                 Gauge::default(),
             ),
-            memory_records: register(
-                r,
-                "idemproxy_memory_store_records",
-                "Records the memory store holds (expired ones not yet swept included)",
-                Gauge::default(),
-            ),
-            memory_max_entries: register(
-                r,
-                "idemproxy_memory_store_max_entries",
-                "The memory store's bound (store.max_entries): at it, new claims fail",
-                Gauge::default(),
-            ),
-            store_swept: register(
-                r,
-                "idemproxy_store_swept",
-                "Expired records deleted by the background sweep (sqlite, postgres)",
-                Counter::default(),
-            ),
-            sqlite_batch_size: register(
-                r,
-                "idemproxy_sqlite_batch_size",
-                "Store operations committed together in one SQLite transaction (group commit)",
-                Histogram::new(exponential_buckets(1.0, 2.0, 11)),
-            ),
-            sqlite_commit_duration: register(
-                r,
-                "idemproxy_sqlite_commit_duration_seconds",
-                "Duration of each SQLite commit of the writer thread",
-                latency(),
-            ),
-            postgres_pool_connections: register(
-                r,
-                "idemproxy_postgres_pool_connections",
-                "PostgreSQL connections the pools hold open, every worker's together (at most store.pool_size, or workers when that is larger)",
-                Gauge::default(),
-            ),
-            postgres_pool_in_use: register(
-                r,
-                "idemproxy_postgres_pool_in_use",
-                "PostgreSQL connections lent out to a store operation, every worker's together",
-                Gauge::default(),
-            ),
-            postgres_pool_waiting: register(
-                r,
-                "idemproxy_postgres_pool_waiting",
-                "Store operations waiting for a PostgreSQL connection, every worker's together",
-                Gauge::default(),
-            ),
             worker_connections: register(
                 r,
                 "idemproxy_worker_connections",
@@ -595,52 +377,15 @@ impl Metrics {
                 Gauge::default(),
             ),
             routes,
-            observed,
-            resolved,
+            observed: observed::ObservedFamilies::register(r),
+            resolved: resolved::ResolvedFamilies::register(r),
             upstream_duration,
             store_ops,
-            replica_acks_missing,
+            stores,
             config_reloads,
             reload_key_changes,
             registry,
         }
-    }
-
-    /// Registers a route's series (every outcome) and hands them out.
-    pub fn route(&self, route: &str) -> RouteMetrics {
-        let label = RouteLabel {
-            route: route.to_owned(),
-        };
-        RouteMetrics(Arc::new(RouteSeries {
-            requests: Outcome::ALL
-                .iter()
-                .map(|o| {
-                    let labels = RouteOutcome {
-                        route: route.to_owned(),
-                        outcome: o.as_str(),
-                    };
-                    (
-                        self.routes.requests.get_or_create(&labels).clone(),
-                        self.routes.request_duration.get_or_create(&labels).clone(),
-                    )
-                })
-                .collect(),
-            lost_leases: self.routes.lost_leases.get_or_create(&label).clone(),
-            unprotected: self.routes.unprotected.get_or_create(&label).clone(),
-            completions_abandoned: self
-                .routes
-                .completions_abandoned
-                .get_or_create(&label)
-                .clone(),
-            results_not_kept: self.routes.results_not_kept.get_or_create(&label).clone(),
-            lease_renewals: self.routes.lease_renewals.get_or_create(&label).clone(),
-            lease_renewals_late: self
-                .routes
-                .lease_renewals_late
-                .get_or_create(&label)
-                .clone(),
-            derived_keys: self.routes.derived_keys.get_or_create(&label).clone(),
-        }))
     }
 
     /// Registers an observed route's series (what enforce would have answered) and hands them
@@ -681,14 +426,6 @@ impl Metrics {
                 errors.inc();
             }
         }
-    }
-
-    /// Counts a write (claim or complete) fewer replicas acknowledged than
-    /// `store.wait_replicas` asks.
-    pub(crate) fn replica_acks_missing(&self, op: StoreOp) {
-        self.replica_acks_missing
-            .get_or_create(&OpLabel { op: op.as_str() })
-            .inc();
     }
 
     /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).

@@ -196,7 +196,9 @@ pub fn check_head(
         }
     };
     if let Some(header) = named_in_connection(idem, &parts.headers) {
-        return Err((Problem::HopByHopConflict { header }, Outcome::BadRequest));
+        // Counted as observe mode counts it (`would="invalid_key"`: the key can't be used as
+        // sent), so a rollout's observed counts and its enforced ones line up.
+        return Err((Problem::HopByHopConflict { header }, Outcome::InvalidKey));
     }
     let declared = parts
         .headers

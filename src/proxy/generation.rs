@@ -28,7 +28,7 @@ use std::sync::Arc;
 use super::keys::RouteKeys;
 use super::matched::{Route, RouteNumbers};
 use crate::config::Config;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::{Metrics, RouteKind, RouteMetrics};
 use crate::upstream::Upstream;
 
 /// One configuration, built for serving.
@@ -71,7 +71,7 @@ impl Generation {
         ));
         Generation {
             keys,
-            unrouted: metrics.route(""),
+            unrouted: metrics.route_of("", RouteKind::Unrouted),
             config: Arc::new(config),
             tables,
         }

@@ -12,7 +12,7 @@ use http::request::Parts;
 use crate::body::Body;
 use crate::config::Config;
 use crate::key::{self, KeyId, StoreKey};
-use crate::metrics::{Metrics, ObservedMetrics, Outcome, ResolvedMetrics, RouteMetrics};
+use crate::metrics::{Metrics, ObservedMetrics, Outcome, ResolvedMetrics, RouteKind, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::{IdempotencySettings, Mode, OnUnknownOutcome, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
@@ -61,13 +61,17 @@ impl Route {
             .filter_map(|r| {
                 // Validation guarantees every route's upstream exists.
                 let upstream = upstreams.get(r.upstream.as_str())?.clone();
+                let kind = match r.idempotency {
+                    Some(_) => RouteKind::Idempotent,
+                    None => RouteKind::Passthrough,
+                };
                 Some(Arc::new(Route {
                     name: r.name.as_str().into(),
                     settings: r.clone(),
                     idempotency: r.idempotency.clone().map(Arc::new),
                     upstream,
                     // The same series as before a reload, for a name the registry has seen.
-                    metrics: metrics.route(&r.name),
+                    metrics: metrics.route_of(&r.name, kind),
                     observed: r
                         .idempotency
                         .as_ref()

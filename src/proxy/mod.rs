@@ -75,7 +75,7 @@ use tokio_util::task::TaskTracker;
 use crate::body::{self, Body};
 use crate::config::{Config, Limits};
 use crate::key;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, StoreKind};
 use crate::problem::Problem;
 use crate::store::StoreHandle;
 
@@ -196,10 +196,12 @@ impl Proxy {
     /// The Prometheus text, with the gauges read at scrape time brought up to date.
     pub fn encode_metrics(&self) -> String {
         if let Some((held, max)) = self.store().fill() {
-            self.metrics
+            let series = &self.metrics.stores;
+            series.in_use(StoreKind::Memory);
+            series
                 .memory_records
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
-            self.metrics
+            series
                 .memory_max_entries
                 .set(i64::try_from(max).unwrap_or(i64::MAX));
         }

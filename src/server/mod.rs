@@ -7,9 +7,16 @@
 //! background tasks (upstream calls whose client left, saves being retried) so that every
 //! result that can be saved is saved — all within `shutdown_timeout`, on every worker.
 //!
+//! - [`run`] (here): the process's server — workers, the pid file, reloads, the admin listener,
+//!   the drain.
+//! - `error`: [`RunError`], why it could not start or run.
+//! - `bind`: [`bind`] and the sockets every worker binds to the same port.
 //! - [`workers`]: a runtime, a thread and an accept loop a worker; what stays single.
+//! - `serving`: what runs on a worker — its accept loop and drain ([`serve`]), and the admin
+//!   listener ([`serve_admin`]).
 //! - `stores`: which store each worker uses (shared, or its own connections).
 //! - [`listener`]: the one listener type every server uses, and its [`listener::Handler`].
+//! - `handler`: what a listener serves, and the limits it keeps.
 //! - `accept`: what to do when accept fails (backoff, one log line a burst).
 //! - `connection`: one connection's task — TLS handshake, deadlines, drain.
 //! - `head`: the proxy's limits on a request head, the same on both protocols.
@@ -51,6 +58,54 @@ use workers::Workers;
 /// Serves with `config.workers` workers ([`workers`]): worker 0 on the runtime this is called
 /// on, with the signal handling, the reloads, the pid file and the admin listener; each other
 /// on a thread and runtime of its own, on a socket bound to `listener`'s address.
+///
+/// # Example
+/// A proxy on a free loopback port, in front of an upstream that nobody runs (nothing here
+/// reaches it: the request asked matches no route), asked once and stopped:
+/// ```
+/// use idemproxy::config::Config;
+/// use idemproxy::reload::ReloadSource;
+/// use tokio::io::{AsyncReadExt, AsyncWriteExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let config = Config::from_yaml(
+///     "
+/// listen: 127.0.0.1:0
+/// workers: 1
+/// drain_delay: 0s
+/// upstreams:
+///   booking:
+///     url: http://127.0.0.1:9
+/// routes:
+///   - name: create-booking
+///     methods: [POST]
+///     path: /bookings
+///     upstream: booking
+///     idempotency: {}
+/// ",
+/// )?;
+/// let listener = idemproxy::server::bind(config.listen)?;
+/// let addr = listener.local_addr()?;
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let shutdown = async move {
+///     let _ = stopped.await;
+/// };
+/// let proxy = tokio::spawn(idemproxy::run(listener, config, ReloadSource::none(), shutdown));
+///
+/// let mut conn = tokio::net::TcpStream::connect(addr).await?;
+/// conn.write_all(b"GET /elsewhere HTTP/1.1\r\nhost: example\r\nconnection: close\r\n\r\n")
+///     .await?;
+/// let mut answer = String::new();
+/// conn.read_to_string(&mut answer).await?;
+/// assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+/// assert!(answer.contains("urn:idemproxy:problem:no-route"), "{answer}");
+///
+/// let _ = stop.send(());
+/// proxy.await??;
+/// # Ok(())
+/// # }
+/// ```
 pub async fn run(
     listener: TcpListener,
     config: Config,

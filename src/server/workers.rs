@@ -70,15 +70,7 @@ impl Workers {
         let stop = CancellationToken::new();
         // Every worker's socket first, before anything slow: until a worker's socket is bound,
         // every new connection lands on the sockets already there.
-        let mut sockets = Vec::with_capacity(workers - 1);
-        for worker in 1..workers {
-            let socket = bind_shared(addr).and_then(TcpListener::into_std);
-            sockets.push(socket.map_err(|error| RunError::Worker {
-                worker,
-                what: "cannot bind a socket of its own to the listen address (SO_REUSEPORT)",
-                error,
-            })?);
-        }
+        let sockets = bind_others(addr, workers)?;
         if let BackendSettings::Postgres(pg) = &config.store.backend
             && usize::try_from(pg.pool_size).is_ok_and(|pool| pool < workers)
         {
@@ -115,27 +107,9 @@ impl Workers {
                 }
             }
         }
-        // Worker 0's store while the others open theirs.
-        let first = match &shared {
-            Some(store) => Ok(store.clone()),
-            None => stores::open(&config, metrics.clone(), 0, workers)
-                .await
-                .inspect(|store| stores::warm(store, config.store.timeout)),
-        };
-        let mut more = Ok(Vec::with_capacity(starting.len()));
-        for s in &mut starting {
-            let ready = (&mut s.ready)
-                .await
-                .unwrap_or(Err(RunError::WorkerLost(s.worker)));
-            match (&mut more, ready) {
-                (Ok(stores), Ok(store)) => stores.push(store),
-                (Ok(_), Err(e)) => more = Err(e),
-                (Err(_), _) => {}
-            }
-        }
-        let (first, more) = match (first, more) {
-            (Ok(first), Ok(more)) => (first, more),
-            (Err(e), _) | (_, Err(e)) => {
+        let (first, more) = match open_stores(&config, &metrics, shared, &mut starting).await {
+            Ok(stores) => stores,
+            Err(e) => {
                 abandon(starting).await;
                 return Err(e);
             }
@@ -220,6 +194,55 @@ impl Workers {
         }
         proxy.log_pending_saves();
     }
+}
+
+/// Every worker's socket but worker 0's, bound to `addr` (its port resolved): first, before
+/// anything slow, since until a worker's socket is bound every new connection lands on the
+/// sockets already there.
+fn bind_others(
+    addr: std::net::SocketAddr,
+    workers: usize,
+) -> Result<Vec<std::net::TcpListener>, RunError> {
+    (1..workers)
+        .map(|worker| {
+            bind_shared(addr)
+                .and_then(TcpListener::into_std)
+                .map_err(|error| RunError::Worker {
+                    worker,
+                    what: "cannot bind a socket of its own to the listen address (SO_REUSEPORT)",
+                    error,
+                })
+        })
+        .collect()
+}
+
+/// Worker 0's store (`shared`, or its own opened here while the others open theirs), then
+/// each starting worker's, as it reports it ready; the first failure, if any.
+async fn open_stores(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    shared: Option<Arc<dyn Store>>,
+    starting: &mut [Starting],
+) -> Result<(Arc<dyn Store>, Vec<Arc<dyn Store>>), RunError> {
+    let workers = starting.len() + 1;
+    let first = match shared {
+        Some(store) => Ok(store),
+        None => stores::open(config, metrics.clone(), 0, workers)
+            .await
+            .inspect(|store| stores::warm(store, config.store.timeout)),
+    };
+    let mut more = Ok(Vec::with_capacity(starting.len()));
+    for s in starting {
+        let ready = (&mut s.ready)
+            .await
+            .unwrap_or(Err(RunError::WorkerLost(s.worker)));
+        match (&mut more, ready) {
+            (Ok(stores), Ok(store)) => stores.push(store),
+            (Ok(_), Err(e)) => more = Err(e),
+            (Err(_), _) => {}
+        }
+    }
+    Ok((first?, more?))
 }
 
 /// Stops workers that started while the start failed elsewhere, and waits until each thread

@@ -1,5 +1,8 @@
-//! The record store: one trait, two backends (embedded memory; Redis, one server or a
-//! cluster).
+//! The record store: one trait, [`Store`], and four backends, each a module of its own:
+//! - [`memory`]: embedded, one process, nothing survives a restart; bounded by `max_entries`.
+//! - [`sqlite`]: a file, one process; a writer thread with group commit, reads on a pool.
+//! - [`postgres`]: a database every instance shares; prepared statements on a pool a worker.
+//! - [`redis`]: one server (with replicas, `wait_replicas`) or a cluster, every instance.
 //!
 //! Every operation the idempotency flow needs is one atomic step on one key:
 //! - `claim`: take the key if it is free, else read what is there — one step, never
@@ -8,10 +11,11 @@
 //! - `renew`, `complete`, `release`: only the holder of the claim's token may do them
 //!   (compare-and-set on the whole in-progress value; Redis: Lua scripts);
 //! - `get`, `wait_change`: for `on_conflict: wait`;
-//! - `ping`: readiness.
+//! - `ping`: readiness; `inspect`, `forget`: the admin's key tooling.
 //!
 //! [`StoreHandle`] wraps a backend and puts every call under `store.timeout`: a hung Redis
-//! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request.
+//! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request. It
+//! decodes what the backends return; what they write was encoded by [`crate::record`].
 
 pub mod memory;
 pub mod postgres;
@@ -26,6 +30,7 @@ use bytes::Bytes;
 
 pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp};
+pub use crate::record::Held;
 use crate::record::{DecodeError, Encoded, Record};
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
@@ -78,29 +83,18 @@ pub enum Claim {
     Existing(Record),
 }
 
-/// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
-/// by `renew`, `complete` and `release`.
-#[derive(Debug, Clone)]
-pub struct Held {
-    /// The in-progress record (token and fingerprint).
-    pub record: Record,
-    /// Its encoding, as stored.
-    pub encoded: Bytes,
-}
-
-impl Held {
-    /// Wraps an in-progress record.
-    pub fn new(record: Record) -> Held {
-        let encoded = record.encode();
-        Held { record, encoded }
-    }
-}
-
 /// A store backend. Implementations make each method one atomic step on one key.
 ///
-/// Backends keep and return records as their encoded bytes: [`StoreHandle`] encodes and
-/// decodes, so an undecodable record is refused in one place, and the memory store keeps one
-/// compact buffer per record.
+/// The flow's steps: [`claim`](Store::claim), [`renew`](Store::renew),
+/// [`complete`](Store::complete), [`release`](Store::release); for `on_conflict: wait`,
+/// [`get`](Store::get) and [`wait_change`](Store::wait_change); [`ping`](Store::ping) for
+/// readiness; [`inspect`](Store::inspect) and [`forget`](Store::forget) for the key tooling;
+/// [`deadline`](Store::deadline), how long an operation may take in all; and
+/// [`fill`](Store::fill), the records a self-bounded store holds.
+///
+/// Backends keep and return records as their encoded bytes: [`StoreHandle`] decodes them, so
+/// an undecodable record is refused in one place, and the memory store keeps one compact
+/// buffer per record; what they write was encoded once by [`crate::record`].
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// How long `op` may take in all, given `store.timeout`. One round trip for most; a backend

@@ -86,8 +86,6 @@
 //! close, not identical.
 
 mod checks;
-#[path = "../common/mod.rs"]
-mod common;
 mod lanes;
 mod load;
 mod losses;
@@ -104,8 +102,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::relay::{Direction, Relay, Tap};
-use common::{Backend, Env, ProxyProcess, RedisServer, free_port};
+use harness::relay::{Direction, Relay, Tap};
+use harness::{Backend, Env, ProxyProcess, RedisServer, free_port};
 
 use checks::*;
 use lanes::*;

@@ -58,7 +58,8 @@ async fn relay_switches_take_effect() {
         .expect("a blackhole accepts");
     during.write_all(b"x").await.expect("write");
     // Accepted by the kernel is not yet accepted by the relay.
-    let accepted = common::eventually(Duration::from_secs(2), || relay.stats().accepted == 2).await;
+    let accepted =
+        harness::eventually(Duration::from_secs(2), || relay.stats().accepted == 2).await;
     assert!(accepted, "the relay accepts during a blackhole");
     relay.pass();
     let r = tokio::time::timeout(read_timeout, c.read(&mut buf))
@@ -124,7 +125,7 @@ async fn relay_switches_take_effect() {
         .await
         .expect("the relay's end closes the connection");
     assert!(matches!(r, Ok(0)), "closed in order: {r:?}");
-    let closed = common::eventually(Duration::from_secs(2), || {
+    let closed = harness::eventually(Duration::from_secs(2), || {
         std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(50)).is_err()
     })
     .await;

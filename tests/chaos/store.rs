@@ -28,7 +28,7 @@
 use std::path::Path;
 
 use super::*;
-use common::postgres::{PgServer, on_postgres, store_block};
+use harness::postgres::{PgServer, on_postgres, store_block};
 
 /// Which store a run puts under chaos.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

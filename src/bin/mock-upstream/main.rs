@@ -2,6 +2,8 @@
 //! testing with curl and the load benches. See [`idemproxy_mock`] for its routes and the
 //! `X-Mock-*` control headers.
 
+#![warn(clippy::too_many_lines)]
+
 mod serve;
 
 use std::io::{IsTerminal, Write};

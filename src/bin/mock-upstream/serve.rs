@@ -5,7 +5,7 @@
 //! idemproxy's binaries depend on it (Cargo refuses a package cycle). And the product library
 //! must not depend on the mock. So this file belongs to the binary side: it is a module of the
 //! `mock-upstream` binary, and the `idemproxy` binary (for `idemproxy demo`) and the test
-//! harness (`tests/common/mock.rs`) compile the same file with `#[path]`.
+//! harness (`harness/src/mock.rs`) compile the same file with `#[path]`.
 
 use std::future::Future;
 use std::io;

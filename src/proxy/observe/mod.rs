@@ -67,55 +67,18 @@ impl Proxy {
         observed: &ObservedMetrics,
         req: Request<Incoming>,
     ) -> Answer {
+        let admitted = match admit(context, observed, req).await {
+            Ok(admitted) => admitted,
+            Err(answer) => return answer,
+        };
         let Context {
             route,
-            policy: idem,
             shared,
             client,
             limits,
             ..
         } = &**context;
-        let client = *client;
-        let (parts, incoming) = req.into_parts();
-        let drop_key = context.drop_key();
-        let source = match admission::check_head(idem, &parts) {
-            // No key on a route that neither requires nor derives one: plain traffic under
-            // `enforce` too, nothing for idempotency to decide, so not counted.
-            Ok(KeySource::None) => {
-                let body = body_with_deadline(incoming, limits);
-                return forward_plain(route, parts, body, client, None).await;
-            }
-            Ok(source) => source,
-            Err((problem, outcome)) => {
-                refused_head(route, observed, &problem, outcome, client);
-                let body = body_with_deadline(incoming, limits);
-                return forward_plain(route, parts, body, client, drop_key).await;
-            }
-        };
-        let body = body_with_deadline(incoming, limits);
-        let body = match read_bounded(body, idem.max_request_body).await {
-            Ok(Read::Whole(bytes)) => bytes,
-            Ok(Read::Over { prefix, rest }) => {
-                too_large(route, observed, idem, client);
-                let body = upstream::chain(prefix, rest);
-                return forward_plain(route, parts, body, client, drop_key).await;
-            }
-            // A body that cannot be read cannot be forwarded either: answered as `enforce`
-            // (and a pass-through route) would, which is no idempotency refusal.
-            Err(problem) => return refuse(problem, Outcome::BadRequest),
-        };
-        let admitted = match admission::with_body(context, source, parts, body) {
-            Ok(admitted) => admitted,
-            Err(underived) => {
-                let Underived {
-                    problem,
-                    parts,
-                    body,
-                } = *underived;
-                would_refuse(route, observed, Would::InvalidKey, &problem, client);
-                return forward_plain(route, parts, body::full(body), client, drop_key).await;
-            }
-        };
+        let (client, drop_key) = (*client, context.drop_key());
         if admitted.derived {
             route.metrics.derived_key();
         }
@@ -158,6 +121,64 @@ impl Proxy {
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
     }
+}
+
+/// Admission as `enforce` does it, except that what `enforce` would refuse is counted and
+/// forwarded here (`Err`: the answer of that forwarding, or of a body that cannot be read).
+async fn admit(
+    context: &Context,
+    observed: &ObservedMetrics,
+    req: Request<Incoming>,
+) -> Result<Admitted, Answer> {
+    let Context {
+        route,
+        policy: idem,
+        client,
+        limits,
+        ..
+    } = context;
+    let client = *client;
+    let (parts, incoming) = req.into_parts();
+    let drop_key = context.drop_key();
+    let source = match admission::check_head(idem, &parts) {
+        // No key on a route that neither requires nor derives one: plain traffic under
+        // `enforce` too, nothing for idempotency to decide, so not counted.
+        Ok(KeySource::None) => {
+            let body = body_with_deadline(incoming, limits);
+            return Err(forward_plain(route, parts, body, client, None).await);
+        }
+        Ok(source) => source,
+        Err((problem, outcome)) => {
+            refused_head(route, observed, &problem, outcome, client);
+            let body = body_with_deadline(incoming, limits);
+            return Err(forward_plain(route, parts, body, client, drop_key).await);
+        }
+    };
+    let body = body_with_deadline(incoming, limits);
+    let body = match read_bounded(body, idem.max_request_body).await {
+        Ok(Read::Whole(bytes)) => bytes,
+        Ok(Read::Over { prefix, rest }) => {
+            too_large(route, observed, idem, client);
+            let body = upstream::chain(prefix, rest);
+            return Err(forward_plain(route, parts, body, client, drop_key).await);
+        }
+        // A body that cannot be read cannot be forwarded either: answered as `enforce`
+        // (and a pass-through route) would, which is no idempotency refusal.
+        Err(problem) => return Err(refuse(problem, Outcome::BadRequest)),
+    };
+    let admitted = match admission::with_body(context, source, parts, body) {
+        Ok(admitted) => admitted,
+        Err(underived) => {
+            let Underived {
+                problem,
+                parts,
+                body,
+            } = *underived;
+            would_refuse(route, observed, Would::InvalidKey, &problem, client);
+            return Err(forward_plain(route, parts, body::full(body), client, drop_key).await);
+        }
+    };
+    Ok(admitted)
 }
 
 /// An admitted request on an observed route, from its forwarding to its answer.

@@ -63,7 +63,7 @@ use tokio_postgres::types::ToSql;
 
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::PostgresSettings;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreKind};
 use crate::record::{FINISHED_PREFIX, Record};
 use error::{backend, pg};
 use pool::Connections;
@@ -124,6 +124,7 @@ impl PostgresStore {
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
         let (pool, tls) = pool::build(settings, timeout)?;
+        metrics.stores.in_use(StoreKind::Postgres);
         let sql = Statements::new(&settings.schema);
         let statements = sql.all().into_iter().map(str::to_owned).collect();
         let inner = Arc::new(Inner {

@@ -128,9 +128,9 @@ impl Connections {
             tls,
             statements,
             gauges: PoolGauges {
-                connections: GaugePart::of(&metrics.postgres_pool_connections),
-                in_use: GaugePart::of(&metrics.postgres_pool_in_use),
-                waiting: GaugePart::of(&metrics.postgres_pool_waiting),
+                connections: GaugePart::of(&metrics.stores.postgres_pool_connections),
+                in_use: GaugePart::of(&metrics.stores.postgres_pool_in_use),
+                waiting: GaugePart::of(&metrics.stores.postgres_pool_waiting),
             },
         };
         connections.show();

@@ -34,6 +34,7 @@
 
 mod check;
 mod connect;
+mod connection;
 mod replicas;
 mod resend;
 mod scripts;
@@ -46,95 +47,16 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{AsyncCommands, RedisResult, Script, Value};
+use redis::{AsyncCommands, RedisResult, Script};
 
 pub(crate) use self::connect::{client, cluster_client};
+pub use self::connection::RedisConnection;
 use self::replicas::Replicas;
 use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
-use crate::metrics::{Metrics, StoreOp};
+use crate::metrics::{Metrics, StoreKind, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX};
-
-/// A connection the store can run on: one Redis ([`ConnectionManager`]) or a Redis Cluster
-/// ([`ClusterConnection`]). Single-key commands go through [`ConnectionLike`] on both; what
-/// concerns every server goes through these methods.
-pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
-    /// Runs `cmd` on every server the store uses, giving each server's answer (an error
-    /// answer as [`Value::ServerError`]) with its `host:port`, empty for a single Redis.
-    fn on_every_node(
-        &self,
-        cmd: redis::Cmd,
-    ) -> impl Future<Output = RedisResult<Vec<(String, Value)>>> + Send;
-
-    /// Readiness: every key can be served. One Redis answers `PING`; on a cluster, the
-    /// primary of every slot does (a replica that is down serves no key).
-    fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
-}
-
-impl RedisConnection for ConnectionManager {
-    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
-        let mut conn = self.clone();
-        let value = match cmd.query_async::<Value>(&mut conn).await {
-            Ok(v) => v,
-            Err(e) => match e.try_into() {
-                Ok(server_error) => Value::ServerError(server_error),
-                Err(e) => return Err(e),
-            },
-        };
-        Ok(vec![(String::new(), value)])
-    }
-
-    async fn ping(&self) -> RedisResult<()> {
-        let mut conn = self.clone();
-        redis::cmd("PING").query_async::<String>(&mut conn).await?;
-        Ok(())
-    }
-}
-
-impl RedisConnection for ClusterConnection {
-    async fn on_every_node(&self, cmd: redis::Cmd) -> RedisResult<Vec<(String, Value)>> {
-        let mut conn = self.clone();
-        // No response policy: the cluster client then answers with a map of each node's
-        // address to its answer.
-        let answers = conn
-            .route_command(
-                cmd,
-                RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllNodes, None)),
-            )
-            .await?;
-        let Value::Map(pairs) = answers else {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::Client,
-                "a command sent to every cluster node did not answer per node",
-            )));
-        };
-        Ok(pairs
-            .into_iter()
-            .map(|(node, value)| {
-                let node = match node {
-                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                    other => format!("{other:?}"),
-                };
-                (node, value)
-            })
-            .collect())
-    }
-
-    async fn ping(&self) -> RedisResult<()> {
-        let mut conn = self.clone();
-        conn.route_command(
-            redis::cmd("PING"),
-            RoutingInfo::MultiNode((
-                MultipleNodeRoutingInfo::AllMasters,
-                Some(ResponsePolicy::AllSucceeded),
-            )),
-        )
-        .await?;
-        Ok(())
-    }
-}
 
 /// The Redis store, on one Redis (the default) or a Redis Cluster.
 pub struct RedisStore<C = ConnectionManager> {
@@ -206,6 +128,7 @@ impl RedisStore<ConnectionManager> {
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
         let client = client(url, access).map_err(backend("connect"))?;
+        metrics.stores.in_use(StoreKind::Redis);
         let mut store = Self::with_client(client.clone(), timeout)?;
         if wait_replicas > 0 {
             store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
@@ -215,11 +138,17 @@ impl RedisStore<ConnectionManager> {
 
     fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
         let server = client.get_connection_info().addr().to_string();
+        // One connection attempt per (re)connection, no retries with backoff: a refused
+        // connection (Redis down) must fail the operation at once, as a 503, where retries
+        // would hold it until `store.timeout`. The next operation tries again, so Redis back
+        // is served at once too.
+        // A connection attempt may outlive the operation that started it (a hung Redis): the
+        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
+        // finds the attempt still going rather than starting another.
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
+            .set_connection_timeout(Some(timeout.saturating_mul(2)))
             .set_response_timeout(Some(timeout))
-            .set_number_of_retries(3)
-            .set_max_delay(Duration::from_secs(1));
+            .set_number_of_retries(0);
         let conn = client
             .get_connection_manager_lazy(config)
             .map_err(backend("connect"))?;
@@ -278,9 +207,11 @@ impl<C: RedisConnection> RedisStore<C> {
     where
         Fut: Future<Output = RedisResult<T>>,
     {
-        resend::once_more(op, || attempt(self.conn.clone()))
-            .await
-            .map_err(backend(op))
+        resend::once_more(op, C::FRESH_ATTEMPT_AFTER_REFUSAL, || {
+            attempt(self.conn.clone())
+        })
+        .await
+        .map_err(backend(op))
     }
 
     /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One

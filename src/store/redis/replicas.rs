@@ -234,7 +234,7 @@ impl Replicas {
     }
 
     fn short(&self, op: StoreOp, acked: u32, why: String) -> Short {
-        self.metrics.replica_acks_missing(op);
+        self.metrics.stores.replica_acks_missing(op);
         Short { acked, why }
     }
 }

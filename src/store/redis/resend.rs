@@ -19,9 +19,13 @@
 //! - get, inspect, ping: reads.
 //!
 //! `forget` is not sent again: a second try after the first deleted the record would report
-//! the key absent. A refused connection and a timeout are not tried again either: Redis is down
-//! or hung, and the answer is a 503 at once. Both tries run under the one deadline of the
-//! operation (`store.timeout`).
+//! the key absent. A timeout is not tried again either: Redis may be hung. A refused connection
+//! sent nothing, so any command may go again; on one Redis it gets one more try, because the
+//! refusal may be an old one: the connection manager makes one attempt per reconnection, and
+//! the failed attempt stays in place until an operation finds it and starts the next. The
+//! second try is that next attempt: Redis still down is refused again at once (a 503 without
+//! waiting), and Redis back is served. The cluster client has retries of its own, so there a
+//! refusal is final. Both tries run under the one deadline of the operation (`store.timeout`).
 
 use redis::{RedisError, RedisResult};
 
@@ -32,10 +36,11 @@ pub(crate) fn dropped(e: &RedisError) -> bool {
     e.is_connection_dropped() && !e.is_connection_refusal()
 }
 
-/// Runs `attempt`, and once more if its connection had dropped. `op` names the operation for
-/// the log.
+/// Runs `attempt`, and once more if its connection had dropped, or (`refused_again`) if the
+/// connection was refused. `op` names the operation for the log.
 pub(crate) async fn once_more<T, Fut>(
     op: &'static str,
+    refused_again: bool,
     mut attempt: impl FnMut() -> Fut,
 ) -> RedisResult<T>
 where
@@ -44,6 +49,10 @@ where
     match attempt().await {
         Err(e) if dropped(&e) => {
             tracing::debug!(op, error = %e, "the Redis connection had dropped; sending again");
+            attempt().await
+        }
+        Err(e) if refused_again && e.is_connection_refusal() => {
+            tracing::debug!(op, error = %e, "the Redis connection was refused; one new attempt");
             attempt().await
         }
         done => done,
@@ -70,7 +79,7 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_connection_gets_one_more_try_and_no_more() {
         let mut tries = 0;
-        let result: RedisResult<()> = once_more("test", || {
+        let result: RedisResult<()> = once_more("test", false, || {
             tries += 1;
             async { Err(RedisError::from(io::Error::from(io::ErrorKind::BrokenPipe))) }
         })
@@ -79,7 +88,7 @@ mod tests {
         assert_eq!(tries, 2);
 
         let mut tries = 0;
-        let result = once_more("test", || {
+        let result = once_more("test", false, || {
             tries += 1;
             let n = tries;
             async move {
@@ -95,17 +104,22 @@ mod tests {
         .await;
         assert_eq!(result.ok(), Some(2));
 
-        let mut tries = 0;
-        let refused: RedisResult<()> = once_more("test", || {
-            tries += 1;
-            async {
-                Err(RedisError::from(io::Error::from(
-                    io::ErrorKind::ConnectionRefused,
-                )))
-            }
-        })
-        .await;
-        assert!(refused.is_err());
-        assert_eq!(tries, 1, "a refused connection is not tried again");
+        for (refused_again, want) in [(false, 1), (true, 2)] {
+            let mut tries = 0;
+            let refused: RedisResult<()> = once_more("test", refused_again, || {
+                tries += 1;
+                async {
+                    Err(RedisError::from(io::Error::from(
+                        io::ErrorKind::ConnectionRefused,
+                    )))
+                }
+            })
+            .await;
+            assert!(refused.is_err());
+            assert_eq!(
+                tries, want,
+                "a refused connection is tried again only where asked, once"
+            );
+        }
     }
 }

@@ -47,7 +47,7 @@ use self::waiters::Waiters;
 use self::writer::{Shared, Writer};
 use super::{Forgotten, Held, Store, StoreError, StoreKey};
 use crate::config::SqliteSync;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreKind};
 use crate::record::{self, Record, Token};
 
 /// Records in an SQLite file.
@@ -93,6 +93,7 @@ impl SqliteStore {
         let clock = Arc::new(Clock::default());
         let waiters = Arc::new(Waiters::default());
         let readers = Readers::start(path, clock.clone()).map_err(open_error)?;
+        metrics.stores.in_use(StoreKind::Sqlite);
         let shared = Shared {
             clock: clock.clone(),
             waiters: waiters.clone(),
@@ -147,7 +148,7 @@ impl Inner {
                 ops.sweep(now, sweep::SWEEP_BATCH)
             })
             .await?;
-        self.metrics.store_swept.inc_by(swept);
+        self.metrics.stores.swept.inc_by(swept);
         Ok(swept)
     }
 }

@@ -314,11 +314,11 @@ impl<'c> WriterThread<'c> {
         let started = Instant::now();
         match self.commit.execute([]) {
             Ok(_) => {
-                let metrics = &self.shared.metrics;
-                metrics
+                let series = &self.shared.metrics.stores;
+                series
                     .sqlite_commit_duration
                     .observe(started.elapsed().as_secs_f64());
-                metrics.sqlite_batch_size.observe(size as f64);
+                series.sqlite_batch_size.observe(size as f64);
                 for a in applied {
                     a.settle(Ok(()), &self.shared.waiters);
                 }

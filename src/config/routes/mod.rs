@@ -1,0 +1,257 @@
+//! `routes:`: which requests go where, and each idempotent route's policy, compiled into the
+//! [`RouteSettings`] the proxy matches against.
+
+mod idempotency;
+mod resolve;
+
+use std::collections::{BTreeMap, HashSet};
+
+use http::Method;
+use serde::{Deserialize, Deserializer};
+
+use super::ConfigWarning;
+use super::limits::RawLimits;
+use super::store::{RawStore, StoreSettings};
+use super::upstream::RawUpstream;
+use crate::route::{PathPattern, RouteSettings};
+pub(crate) use idempotency::RawIdempotency;
+
+/// `routes[i]:` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[serde(expecting = "a route: a mapping with name, path and upstream")]
+pub(crate) struct RawRoute {
+    /// Unique name; appears in logs, metrics and store keys. Required.
+    pub name: String,
+    /// Methods this route matches. Default: every method.
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// Path pattern: exact segments, `{param}` for one segment, a trailing `/*` for the rest.
+    pub path: String,
+    /// Name of an entry of `upstreams`. Required.
+    pub upstream: String,
+    /// Absent: a plain pass-through route. Present, even empty (`idempotency:` or
+    /// `idempotency: {}`): an idempotent route with the defaults.
+    #[serde(default, deserialize_with = "present_means_idempotent")]
+    pub idempotency: Option<RawIdempotency>,
+}
+
+/// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
+/// into a pass-through, so null means "every default".
+fn present_means_idempotent<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<RawIdempotency>, D::Error> {
+    Ok(Some(
+        Option::<RawIdempotency>::deserialize(d)?.unwrap_or_default(),
+    ))
+}
+
+/// Checks and compiles every route, in file order, leaving out those that fail. `limits` and
+/// `store` are the sections a route's policy must agree with (SPEC §4.5).
+pub(super) fn validate(
+    routes: &[RawRoute],
+    upstreams: &BTreeMap<String, RawUpstream>,
+    limits: &RawLimits,
+    store: &RawStore,
+    err: &mut impl FnMut(String, String),
+) -> Vec<RouteSettings> {
+    if routes.is_empty() {
+        err(
+            "routes".into(),
+            "no routes: name at least one route, or every request gets 404".into(),
+        );
+    }
+    let mut names = HashSet::new();
+    let mut compiled = Vec::new();
+    for (i, r) in routes.iter().enumerate() {
+        let path = format!("routes[{i}]");
+        if !names.insert(r.name.as_str()) {
+            err(
+                format!("{path}.name"),
+                format!(
+                    "duplicate route name {:?}; route names must be unique",
+                    r.name
+                ),
+            );
+        }
+        if let Some(route) = r.validate(&path, upstreams, err) {
+            compiled.push(route);
+        }
+        if let Some(i) = &r.idempotency {
+            i.across_sections(&format!("{path}.idempotency"), limits, store, err);
+            if let Some(resolve) = &i.resolve {
+                resolve.check_upstream(&format!("{path}.idempotency.resolve"), upstreams, err);
+            }
+        }
+    }
+    compiled
+}
+
+impl RawRoute {
+    fn validate(
+        &self,
+        path: &str,
+        upstreams: &BTreeMap<String, RawUpstream>,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<RouteSettings> {
+        let mut ok = self.check_name(path, err);
+        let methods = self.methods(path, err);
+        ok &= methods.is_some();
+        let pattern = PathPattern::parse(&self.path)
+            .map_err(|e| err(format!("{path}.path"), e))
+            .ok();
+        ok &= self.check_upstream(path, upstreams, err);
+        let idempotency = match &self.idempotency {
+            None => None,
+            Some(i) => {
+                let compiled = i.validate(&format!("{path}.idempotency"), pattern.as_ref(), err);
+                ok &= compiled.is_some();
+                compiled
+            }
+        };
+        match pattern {
+            Some(p) if ok => Some(RouteSettings {
+                name: self.name.clone(),
+                methods: methods.flatten(),
+                path: p,
+                upstream: self.upstream.clone(),
+                idempotency,
+            }),
+            _ => None,
+        }
+    }
+
+    /// False: an error was reported.
+    fn check_name(&self, path: &str, err: &mut impl FnMut(String, String)) -> bool {
+        let valid = !self.name.is_empty()
+            && self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !valid {
+            err(
+                format!("{path}.name"),
+                format!(
+                    "invalid route name {:?}: use letters, digits, '-', '_' and '.' (it becomes part of store keys and metric labels)",
+                    self.name
+                ),
+            );
+        }
+        valid
+    }
+
+    /// The methods matched, `None` within for every method. Outer `None`: an error was
+    /// reported.
+    fn methods(
+        &self,
+        path: &str,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<Option<Vec<Method>>> {
+        let Some(list) = &self.methods else {
+            return Some(None);
+        };
+        if list.is_empty() {
+            err(
+                format!("{path}.methods"),
+                "is empty: omit it to match every method".into(),
+            );
+            return None;
+        }
+        let mut ok = true;
+        let mut methods = Vec::new();
+        for (j, m) in list.iter().enumerate() {
+            match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => methods.push(method),
+                Err(_) => {
+                    err(
+                        format!("{path}.methods[{j}]"),
+                        format!("invalid HTTP method {m:?}"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(Some(methods))
+    }
+
+    /// False: an error was reported.
+    fn check_upstream(
+        &self,
+        path: &str,
+        upstreams: &BTreeMap<String, RawUpstream>,
+        err: &mut impl FnMut(String, String),
+    ) -> bool {
+        if upstreams.contains_key(&self.upstream) {
+            return true;
+        }
+        let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+        err(
+            format!("{path}.upstream"),
+            format!(
+                "unknown upstream {:?}; defined upstreams: [{}]",
+                self.upstream,
+                known.join(", ")
+            ),
+        );
+        false
+    }
+}
+
+/// The warnings of the compiled `routes` against the `store` section: a route whose
+/// `lock_ttl`, less the first third of it that passes before its first renewal is sent, leaves a
+/// renewal less than `store.timeout` to land (SPEC §4.5 refuses only `store.timeout` at or past
+/// `lock_ttl`). There, a renewal that takes its whole deadline lands after the lease, and a
+/// repeat sent meanwhile runs the operation again; renewals are sent earlier when the store
+/// answers slowly, but no schedule makes room that the store's deadline takes.
+pub(super) fn warnings(routes: &[RouteSettings], store: &StoreSettings) -> Vec<ConfigWarning> {
+    let timeout = store.timeout;
+    routes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, route)| {
+            let lock_ttl = route.idempotency.as_ref()?.lock_ttl;
+            let left = lock_ttl - lock_ttl / 3;
+            (left < timeout).then(|| ConfigWarning {
+                route: route.name.clone(),
+                path: format!("routes[{i}].idempotency.lock_ttl"),
+                message: format!(
+                    "{} leaves a lease renewal {} (lock_ttl less its first third) to land, less than store.timeout ({}): a renewal as slow as store.timeout lands after the lease, and a retry sent meanwhile runs the operation again; raise lock_ttl to at least {} (one and a half store.timeout) or lower store.timeout",
+                    humantime::format_duration(lock_ttl),
+                    humantime::format_duration(left),
+                    humantime::format_duration(timeout),
+                    humantime::format_duration(timeout + timeout / 2),
+                ),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::Config;
+
+    const MINIMAL: &str = "
+listen: 127.0.0.1:8080
+upstreams:
+  booking:
+    url: http://127.0.0.1:8081
+routes:
+  - name: create-booking
+    path: /bookings
+    upstream: booking
+    idempotency: {}
+";
+
+    #[test]
+    fn an_empty_idempotency_section_means_every_default() {
+        let yaml = MINIMAL.replace("idempotency: {}", "idempotency:");
+        let c = Config::from_yaml(&yaml).expect("valid");
+        let i = c.routes[0].idempotency.as_ref().expect("idempotent");
+        assert_eq!(i.lock_ttl, Duration::from_secs(10));
+        let passthrough = MINIMAL.replace("    idempotency: {}\n", "");
+        let c = Config::from_yaml(&passthrough).expect("valid");
+        assert!(c.routes[0].idempotency.is_none());
+    }
+}

@@ -1,0 +1,516 @@
+//! Every answer the proxy makes itself, as `application/problem+json` (RFC 9457), in one place:
+//! [`Problem`] on the proxy's listener, [`AdminProblem`] for the admin listener's refusals.
+//!
+//! Each kind has a stable `type` URI, `urn:idemproxy:problem:<slug>`, listed in the README;
+//! clients may branch on it. The `detail` says what happened to this request in words.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
+
+use crate::body::{self, Body};
+use crate::record::SavedResponse;
+use crate::store::StoreError;
+use crate::upstream::UpstreamError;
+
+/// The prefix of every problem `type`.
+pub const TYPE_PREFIX: &str = "urn:idemproxy:problem:";
+
+/// A refusal or failure the proxy answers itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// No route matches the method and path (404).
+    NoRoute,
+    /// The key header is missing on a route that requires it (400).
+    MissingKey { header: HeaderName },
+    /// The key header is invalid or repeated (400).
+    InvalidKey {
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The request body is over `max_request_body` (413).
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: u64,
+    },
+    /// The request body could not be read (400).
+    BadRequestBody {
+        /// Why.
+        detail: String,
+    },
+    /// The key was used before for a different request (422).
+    KeyReused,
+    /// The first request with this key is still in flight (409, `Retry-After`).
+    InProgress {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The key's first response was too large to save (409).
+    NotReplayable {
+        /// The status the first request got.
+        status: StatusCode,
+    },
+    /// The operation ran, but its response could not be kept while the store refused to save
+    /// it (the pending-save bounds were reached): saved in its place, and replayed (502).
+    ResultNotKept {
+        /// The status the first request got.
+        status: StatusCode,
+    },
+    /// The store could not be reached or did not answer in time (503).
+    StoreUnavailable {
+        /// The store error, for the log and the detail.
+        detail: String,
+    },
+    /// The upstream could not be reached; nothing was sent (502).
+    UpstreamUnavailable {
+        upstream: String,
+        /// Why.
+        detail: String,
+    },
+    /// The upstream did not answer completely within its timeout; it may have acted (504).
+    UpstreamTimeout { upstream: String },
+    /// The upstream connection failed after the request was sent; it may have acted (502).
+    UpstreamFailed {
+        upstream: String,
+        /// Why.
+        detail: String,
+    },
+    /// A header the proxy reads for idempotency is named in `Connection`, which would strip it
+    /// before the upstream (400).
+    HopByHopConflict { header: HeaderName },
+    /// The client did not send the whole body within `limits.body_read_timeout` (408).
+    BodyTimeout {
+        /// The deadline.
+        after: Duration,
+    },
+    /// Too many exchanges are still running after their clients left, or too many results wait
+    /// for the store as `result-not-kept` records (503); nothing claimed.
+    Overloaded,
+    /// The proxy failed inside (500); it may not have finished the exchange.
+    Internal,
+    /// A `key_from` part could not be read from the request (400); nothing claimed.
+    UnreadableKeyPart {
+        /// Which part, and why.
+        detail: String,
+    },
+    /// The request's head is over the proxy's limits (431); nothing claimed. The same answer on
+    /// HTTP/1.1 and HTTP/2 (SPEC §4.3).
+    HeadersTooLarge {
+        /// The limit it is over.
+        limit: HeadLimit,
+    },
+    /// An unknown outcome on a route under `on_unknown_outcome: resolve`, as its first client
+    /// gets it: the upstream failure (its kind, status and title), and a detail that says the
+    /// proxy is asking the upstream (SPEC §4.8).
+    BeingResolved(Box<Problem>),
+    /// An unknown outcome that asking the upstream did not settle by `give_up_after`: saved as
+    /// the key's result in place of `keep`'s, with the status `keep` saves (504 or 502).
+    OutcomeUnknown {
+        /// The upstream's name.
+        upstream: String,
+        /// 504 after a timeout, 502 after a failed connection.
+        status: StatusCode,
+    },
+}
+
+/// A limit on a request head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadLimit {
+    /// At most this many header fields (the host counts as one).
+    Count(usize),
+    /// At most this many bytes of request line and headers, as HTTP/1.1 writes them.
+    Bytes(usize),
+}
+
+impl Problem {
+    /// The answer to a store failure before anything was forwarded (503): whatever the
+    /// backend, the same kind, with the error in the detail.
+    pub(crate) fn of_store(e: &StoreError) -> Problem {
+        Problem::StoreUnavailable {
+            detail: e.to_string(),
+        }
+    }
+
+    /// The answer to an upstream failure (and, with `on_unknown_outcome: keep`, the key's saved
+    /// result), or to the client's body failing on its way upstream.
+    pub(crate) fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
+        let upstream = upstream.to_owned();
+        match e {
+            UpstreamError::Connect(detail) => Problem::UpstreamUnavailable {
+                upstream,
+                detail: detail.clone(),
+            },
+            UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
+            UpstreamError::Failed(detail) => Problem::UpstreamFailed {
+                upstream,
+                detail: detail.clone(),
+            },
+            UpstreamError::ClientBody {
+                timed_out: Some(after),
+                ..
+            } => Problem::BodyTimeout { after: *after },
+            UpstreamError::ClientBody { detail, .. } => Problem::BadRequestBody {
+                detail: detail.clone(),
+            },
+        }
+    }
+
+    /// Its row of the kind table: every kind's slug, status and title, in one place.
+    #[allow(clippy::too_many_lines)] // A table: one row a kind.
+    fn kind(&self) -> Kind {
+        use StatusCode as S;
+        let (slug, status, title) = match self {
+            Problem::NoRoute => ("no-route", S::NOT_FOUND, "No route matches this request"),
+            Problem::MissingKey { .. } => (
+                "missing-idempotency-key",
+                S::BAD_REQUEST,
+                "Idempotency key missing",
+            ),
+            Problem::InvalidKey { .. } => (
+                "invalid-idempotency-key",
+                S::BAD_REQUEST,
+                "Invalid idempotency key",
+            ),
+            Problem::BodyTooLarge { .. } => (
+                "request-too-large",
+                S::PAYLOAD_TOO_LARGE,
+                "Request body too large",
+            ),
+            Problem::BadRequestBody { .. } => (
+                "bad-request-body",
+                S::BAD_REQUEST,
+                "Request body could not be read",
+            ),
+            Problem::KeyReused => (
+                "idempotency-key-reused",
+                S::UNPROCESSABLE_ENTITY,
+                "Idempotency key reused for a different request",
+            ),
+            Problem::InProgress { .. } => (
+                "request-in-progress",
+                S::CONFLICT,
+                "A request with this idempotency key is in progress",
+            ),
+            Problem::NotReplayable { .. } => (
+                "response-not-replayable",
+                S::CONFLICT,
+                "Response cannot be replayed",
+            ),
+            Problem::ResultNotKept { .. } => {
+                ("result-not-kept", S::BAD_GATEWAY, "Response not kept")
+            }
+            Problem::StoreUnavailable { .. } => (
+                "store-unavailable",
+                S::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            ),
+            Problem::UpstreamUnavailable { .. } => (
+                "upstream-unavailable",
+                S::BAD_GATEWAY,
+                "Upstream unavailable",
+            ),
+            Problem::UpstreamTimeout { .. } => {
+                ("upstream-timeout", S::GATEWAY_TIMEOUT, "Upstream timed out")
+            }
+            Problem::UpstreamFailed { .. } => {
+                ("upstream-failed", S::BAD_GATEWAY, "Upstream failed")
+            }
+            Problem::HopByHopConflict { .. } => (
+                "hop-by-hop-conflict",
+                S::BAD_REQUEST,
+                "A header idempotency relies on is named in Connection",
+            ),
+            Problem::BodyTimeout { .. } => (
+                "request-body-timeout",
+                S::REQUEST_TIMEOUT,
+                "Request body not received in time",
+            ),
+            Problem::Overloaded => (
+                "overloaded",
+                S::SERVICE_UNAVAILABLE,
+                "Too much unfinished work",
+            ),
+            Problem::Internal => (
+                "internal-error",
+                S::INTERNAL_SERVER_ERROR,
+                "Internal proxy error",
+            ),
+            Problem::UnreadableKeyPart { .. } => (
+                "unreadable-key-part",
+                S::BAD_REQUEST,
+                "Idempotency key cannot be derived",
+            ),
+            Problem::HeadersTooLarge { .. } => (
+                "headers-too-large",
+                S::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "Request head too large",
+            ),
+            Problem::BeingResolved(cause) => return cause.kind(),
+            Problem::OutcomeUnknown { status, .. } => (
+                "outcome-unknown",
+                *status,
+                "Outcome of the operation unknown",
+            ),
+        };
+        Kind {
+            slug,
+            status,
+            title,
+        }
+    }
+
+    /// The stable slug of this kind (the last part of its `type`).
+    pub fn slug(&self) -> &'static str {
+        self.kind().slug
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.kind().status
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::NoRoute => "No configured route matches this method and path.".into(),
+            Problem::MissingKey { header } => format!(
+                "This route requires the {header} header; send a unique key per operation and reuse it on retries."
+            ),
+            Problem::InvalidKey { detail } => format!(
+                "{detail}. A key is 1 to 255 visible ASCII characters, bare or as a quoted string, sent once."
+            ),
+            Problem::BodyTooLarge { limit } => format!(
+                "The request body is larger than this route's limit of {limit} bytes; nothing was done."
+            ),
+            Problem::BadRequestBody { detail } => {
+                format!("The request body could not be read: {detail}.")
+            }
+            Problem::KeyReused => "This idempotency key was already used for a request with a different method, path, query, body or fingerprinted headers. Use a new key for a new operation.".into(),
+            Problem::InProgress { .. } => "The first request with this idempotency key has not finished yet; retry after the time in Retry-After to get its response.".into(),
+            Problem::NotReplayable { status } => format!(
+                "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",
+                status.as_u16()
+            ),
+            Problem::ResultNotKept { status } => format!(
+                "The operation with this idempotency key was performed (the first request got status {}), but the idempotency store refused to save its response for longer than the proxy could hold it, so this record was saved in its place. Do not retry it with a new key unless you mean to do it again.",
+                status.as_u16()
+            ),
+            Problem::StoreUnavailable { detail } => format!(
+                "The idempotency store did not answer ({detail}); nothing was forwarded. Retry later with the same key."
+            ),
+            Problem::UpstreamUnavailable { upstream, detail } => format!(
+                "Could not connect to upstream {upstream} ({detail}); the request was not sent. Retry with the same key."
+            ),
+            Problem::UpstreamTimeout { upstream } => format!(
+                "Upstream {upstream} did not send a complete response in time; it may have performed the operation."
+            ),
+            Problem::UpstreamFailed { upstream, detail } => format!(
+                "The connection to upstream {upstream} failed after the request was sent ({detail}); it may have performed the operation."
+            ),
+            Problem::HopByHopConflict { header } => format!(
+                "The Connection header names {header}, which this route reads for the idempotency key, its scope or its fingerprint; a hop-by-hop header would not reach the upstream. Nothing was done."
+            ),
+            Problem::BodyTimeout { after } => format!(
+                "The request body did not arrive within {}s; nothing was done. Retry with the same key.",
+                after.as_secs_f64()
+            ),
+            Problem::Overloaded => "The proxy holds too much unfinished work (requests whose clients left, or results the idempotency store has not taken yet); nothing was done. Retry later with the same key.".into(),
+            Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
+            Problem::UnreadableKeyPart { detail } => format!(
+                "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
+            ),
+            Problem::HeadersTooLarge {
+                limit: HeadLimit::Count(limit),
+            } => format!(
+                "The request has more than {limit} header fields (the host counts as one); nothing was done. Retry with fewer headers and the same key."
+            ),
+            Problem::HeadersTooLarge {
+                limit: HeadLimit::Bytes(limit),
+            } => format!(
+                "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
+            ),
+            Problem::BeingResolved(cause) => format!(
+                "{} The proxy is asking the upstream whether it did; until it knows, a retry with the same key gets 409 (Retry-After), then the operation's result, or, if it did not happen, runs it once.",
+                cause.detail()
+            ),
+            Problem::OutcomeUnknown { upstream, status } => format!(
+                "No complete response came from upstream {upstream} (the first request got status {}), and asking it whether it performed the operation gave no answer in time; it may have. The operation will not be run again with this key: check with the upstream before retrying with a new one.",
+                status.as_u16()
+            ),
+        }
+    }
+
+    /// The problem document's bytes.
+    pub fn body(&self) -> Bytes {
+        document(&self.kind(), &self.detail())
+    }
+
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let mut h = vec![content_type()];
+        let retry_after = match self {
+            Problem::InProgress { retry_after } => Some(*retry_after),
+            // A store outage is usually short; a client retrying with the same key is safe.
+            Problem::StoreUnavailable { .. } | Problem::Overloaded => Some(Duration::from_secs(1)),
+            _ => None,
+        };
+        if let Some(after) = retry_after {
+            // Whole seconds, at least 1 (Retry-After has no fractions).
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            h.push((header::RETRY_AFTER, HeaderValue::from(secs)));
+        }
+        h
+    }
+
+    pub fn response(&self) -> Response<Body> {
+        respond(self.status(), self.body(), self.headers())
+    }
+
+    /// The problem as a response to save: with `on_unknown_outcome: keep`, a 502/504 problem
+    /// becomes the key's result and is replayed to every repeat.
+    pub(crate) fn saved(&self) -> SavedResponse {
+        SavedResponse {
+            status: self.status(),
+            headers: self.headers(),
+            body: self.body(),
+        }
+    }
+}
+
+/// A refusal of the admin listener: a path it does not serve, and the key tooling's (`/keys`)
+/// answers that are not a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AdminProblem {
+    /// No admin endpoint has this path (404).
+    NoEndpoint,
+    /// No admin token is configured, so the key tooling does not exist (404).
+    KeyToolingOff,
+    /// The bearer token is missing or wrong (401).
+    Unauthorized,
+    /// `/keys` takes `GET` and `DELETE` only (405).
+    MethodNotAllowed,
+    /// The request does not name a record in a form the tooling reads (400).
+    InvalidRecordName {
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// No idempotent route has that name (404).
+    NoIdempotentRoute,
+    /// Nothing is saved under the key (404).
+    NoRecord,
+    /// The key holds a claim in flight, which is never forgotten (409).
+    RecordInFlight,
+    /// What the key holds is not a finished record of this proxy, so it is left alone (409).
+    NotARecord,
+    /// The store failed or did not answer in time (503).
+    StoreUnavailable { detail: String },
+}
+
+impl AdminProblem {
+    /// The admin's answer to a store failure (503, no `Retry-After`).
+    pub(crate) fn of_store(e: &StoreError) -> AdminProblem {
+        AdminProblem::StoreUnavailable {
+            detail: e.to_string(),
+        }
+    }
+
+    /// Its row of the kind table: every kind's slug, status and title, in one place.
+    fn kind(&self) -> Kind {
+        use StatusCode as S;
+        let (slug, status, title) = match self {
+            AdminProblem::NoEndpoint => {
+                ("no-admin-endpoint", S::NOT_FOUND, "No such admin endpoint")
+            }
+            AdminProblem::KeyToolingOff => ("key-tooling-off", S::NOT_FOUND, "Key tooling off"),
+            AdminProblem::Unauthorized => ("unauthorized", S::UNAUTHORIZED, "Admin token required"),
+            AdminProblem::MethodNotAllowed => (
+                "method-not-allowed",
+                S::METHOD_NOT_ALLOWED,
+                "Method not allowed",
+            ),
+            AdminProblem::InvalidRecordName { .. } => {
+                ("invalid-record-name", S::BAD_REQUEST, "Record not named")
+            }
+            AdminProblem::NoIdempotentRoute => (
+                "no-idempotent-route",
+                S::NOT_FOUND,
+                "No such idempotent route",
+            ),
+            AdminProblem::NoRecord => ("no-record", S::NOT_FOUND, "No record"),
+            AdminProblem::RecordInFlight => ("record-in-flight", S::CONFLICT, "Claim in flight"),
+            AdminProblem::NotARecord => ("not-a-record", S::CONFLICT, "Not a record"),
+            AdminProblem::StoreUnavailable { .. } => (
+                "admin-store-unavailable",
+                S::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            ),
+        };
+        Kind {
+            slug,
+            status,
+            title,
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            AdminProblem::NoEndpoint => "The admin listener serves /healthz, /readyz, /metrics and, with an admin token, /keys/ROUTE.".into(),
+            AdminProblem::KeyToolingOff => "The key tooling is off: configure admin_token_file or admin_token_env.".into(),
+            AdminProblem::Unauthorized => "Send Authorization: Bearer <admin token>.".into(),
+            AdminProblem::MethodNotAllowed => "/keys takes GET (show a record) or DELETE (forget it).".into(),
+            AdminProblem::InvalidRecordName { detail } => format!("{detail}."),
+            AdminProblem::NoIdempotentRoute => "No idempotent route has that name.".into(),
+            AdminProblem::NoRecord => "No record under this key.".into(),
+            AdminProblem::RecordInFlight => "A claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl.".into(),
+            AdminProblem::NotARecord => "What is under this key is not a finished record of this proxy; left alone.".into(),
+            AdminProblem::StoreUnavailable { detail } => {
+                format!("The idempotency store did not answer ({detail}).")
+            }
+        }
+    }
+
+    pub(crate) fn response(&self) -> Response<Body> {
+        let kind = self.kind();
+        let body = document(&kind, &self.detail());
+        respond(kind.status, body, vec![content_type()])
+    }
+}
+
+fn content_type() -> (HeaderName, HeaderValue) {
+    (
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    )
+}
+
+/// A kind's row of its table: what every document of that kind shares.
+struct Kind {
+    /// The last part of its `type`: stable, clients may branch on it.
+    slug: &'static str,
+    status: StatusCode,
+    title: &'static str,
+}
+
+/// An RFC 9457 document: `type`, `title`, `status`, `detail`.
+fn document(kind: &Kind, detail: &str) -> Bytes {
+    let doc = serde_json::json!({
+        "type": format!("{TYPE_PREFIX}{}", kind.slug),
+        "title": kind.title,
+        "status": kind.status.as_u16(),
+        "detail": detail,
+    });
+    Bytes::from(doc.to_string())
+}
+
+fn respond(
+    status: StatusCode,
+    body: Bytes,
+    headers: Vec<(HeaderName, HeaderValue)>,
+) -> Response<Body> {
+    let mut resp = Response::new(body::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .extend(headers.into_iter().map(|(n, v)| (Some(n), v)));
+    resp
+}
+
+#[cfg(test)]
+mod tests;

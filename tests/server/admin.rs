@@ -1,0 +1,643 @@
+//! SPEC §5 and the operations tooling: the admin listener (`/healthz`, `/readyz`, `/metrics`),
+//! the counts the metrics keep, readiness during the drain, and the key tooling (look up and
+//! forget one record, over HTTP and from the command line).
+
+use std::process::Command;
+use std::time::Duration;
+
+use harness::every_store;
+use harness::{
+    Backend, Env, ProxyProcess, Reply, TestProxy, binary, client, eventually, free_port, send,
+    spawn_booking, write_config,
+};
+use http::{HeaderMap, HeaderName, HeaderValue};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const BODY: &str = r#"{"seat":"12A"}"#;
+
+/// An admin listener over an in-process proxy; stopped on drop or by [`Admin::stop`].
+struct Admin {
+    base: String,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Admin {
+    /// Stops the admin listener and waits until it is done (it holds the proxy meanwhile).
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+async fn admin(proxy: &TestProxy) -> Admin {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(idemproxy::server::serve_admin(
+        listener,
+        proxy.proxy.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Admin { base, stop, task }
+}
+
+async fn get(url: String, token: Option<&str>) -> Reply {
+    let mut req = client().get(url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    send(req).await
+}
+
+async fn post(proxy: &TestProxy, key: &str, extra: &[(&str, &str)]) -> Reply {
+    let mut req = client()
+        .post(proxy.url("/bookings"))
+        .header("Idempotency-Key", key)
+        .body(BODY);
+    for (n, v) in extra {
+        req = req.header(*n, *v);
+    }
+    send(req).await
+}
+
+/// The value of the series `line_start` (name and labels exactly as exposed) in `text`.
+fn value(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line_start} in:\n{text}"))
+}
+
+fn requests(text: &str, outcome: &str) -> f64 {
+    value(
+        text,
+        &format!(r#"idemproxy_requests_total{{route="create-booking",outcome="{outcome}"}}"#),
+    )
+}
+
+every_store!(
+    health_readiness_and_metrics_count_every_outcome,
+    key_tooling_shows_and_forgets_records,
+);
+
+/// `/healthz` and `/readyz` answer 200; `/metrics` counts forwards, replays, conflicts,
+/// mismatches and refusals as they happen, and the memory store's fill.
+async fn health_readiness_and_metrics_count_every_outcome(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let admin = admin(&proxy).await;
+    assert_eq!(
+        get(format!("{}/healthz", admin.base), None).await.status,
+        200
+    );
+    assert_eq!(
+        get(format!("{}/readyz", admin.base), None).await.status,
+        200
+    );
+
+    assert_eq!(post(&proxy, "m-1", &[]).await.status, 201);
+    assert_eq!(post(&proxy, "m-1", &[]).await.status, 201);
+    let slow = spawn_booking(proxy.url(""), "m-2", BODY, "800ms");
+    assert!(eventually(Duration::from_secs(3), || env.mock.calls("m-2") == 1).await);
+    assert_eq!(post(&proxy, "m-2", &[]).await.status, 409);
+    let mismatch = send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "m-1")
+            .body("another body"),
+    )
+    .await;
+    assert_eq!(mismatch.status, 422);
+    assert_eq!(
+        send(client().post(proxy.url("/bookings")).body(BODY))
+            .await
+            .status,
+        400
+    );
+    assert_eq!(slow.await.expect("slow").status, 201);
+
+    let m = get(format!("{}/metrics", admin.base), None).await;
+    assert_eq!(m.status, 200);
+    assert!(m.header("content-type").contains("openmetrics-text"));
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert_eq!(requests(&text, "forwarded"), 2.0);
+    assert_eq!(requests(&text, "replayed"), 1.0);
+    assert_eq!(requests(&text, "conflict"), 1.0);
+    assert_eq!(requests(&text, "mismatch"), 1.0);
+    assert_eq!(requests(&text, "missing_key"), 1.0);
+    assert_eq!(requests(&text, "store_error"), 0.0);
+    assert_eq!(
+        value(
+            &text,
+            r#"idemproxy_request_duration_seconds_count{route="create-booking",outcome="forwarded"}"#
+        ),
+        2.0
+    );
+    assert!(
+        value(
+            &text,
+            r#"idemproxy_upstream_duration_seconds_count{upstream="booking"}"#
+        ) >= 2.0
+    );
+    assert!(
+        value(
+            &text,
+            r#"idemproxy_store_operation_duration_seconds_count{op="claim"}"#
+        ) >= 5.0
+    );
+    for name in [
+        "idemproxy_lost_leases_total",
+        "idemproxy_saves_abandoned_total",
+        "idemproxy_unprotected_requests_total",
+        "idemproxy_lease_renewals_total",
+    ] {
+        assert!(text.contains(name), "{name} is exposed");
+    }
+    if backend == Backend::Memory {
+        assert_eq!(value(&text, "idemproxy_memory_store_records"), 2.0);
+        assert_eq!(
+            value(&text, "idemproxy_memory_store_max_entries"),
+            1_000_000.0
+        );
+    } else {
+        // The same two records, seen from outside the proxy.
+        let keys = env.stored_keys();
+        assert_eq!(keys.len(), 2, "m-1 and m-2 are kept: {keys:?}");
+    }
+}
+
+/// Readiness follows the store: 503 while Redis does not answer, 200 once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_readiness_follows_the_store_and_store_errors_are_counted() {
+    let env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let admin = admin(&proxy).await;
+    assert_eq!(
+        get(format!("{}/readyz", admin.base), None).await.status,
+        200
+    );
+    env.redis().pause();
+    let started = std::time::Instant::now();
+    let r = get(format!("{}/readyz", admin.base), None).await;
+    assert_eq!(r.status, 503, "{:?}", r.body);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "within the store timeout"
+    );
+    assert_eq!(post(&proxy, "down", &[]).await.status, 503);
+    env.redis().resume();
+    let mut ready = false;
+    for _ in 0..50 {
+        if get(format!("{}/readyz", admin.base), None).await.status == 200 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ready, "ready again once Redis answers");
+    let text = String::from_utf8_lossy(&get(format!("{}/metrics", admin.base), None).await.body)
+        .into_owned();
+    assert_eq!(requests(&text, "store_error"), 1.0);
+    assert!(value(&text, r#"idemproxy_store_errors_total{op="claim"}"#) >= 1.0);
+    assert!(value(&text, r#"idemproxy_store_errors_total{op="ping"}"#) >= 1.0);
+}
+
+/// What a raw `HEAD path` on `addr` gets back: the whole answer as text, read until the
+/// server closes (`Connection: close`) or 5s pass.
+async fn raw_head(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the admin listener");
+    let req = format!("HEAD {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(req.as_bytes()).await.expect("send HEAD");
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut got)).await;
+    assert!(
+        read.is_ok(),
+        "the answer to HEAD {path} did not end within 5s"
+    );
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Load balancers that probe with `HEAD` get what `GET` gets, without the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_probes_get_the_status_of_get_without_a_body() {
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&env.config("")).await;
+    let admin = admin(&proxy).await;
+    let addr = admin.base.trim_start_matches("http://").to_owned();
+    for (path, body) in [("/healthz", "ok\n"), ("/readyz", "ready\n")] {
+        let get = get(format!("{}{path}", admin.base), None).await;
+        assert_eq!(get.status, 200, "GET {path}");
+        assert_eq!(get.body, body.as_bytes(), "GET {path}");
+        let answer = raw_head(&addr, path).await;
+        let (head, rest) = answer
+            .split_once("\r\n\r\n")
+            .unwrap_or_else(|| panic!("no head in the answer to HEAD {path}: {answer:?}"));
+        assert!(head.starts_with("HTTP/1.1 200 "), "HEAD {path}: {head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-length: {}", body.len())),
+            "HEAD {path} announces GET's body: {head}"
+        );
+        assert_eq!(rest, "", "HEAD {path} has no body");
+    }
+    // Other paths are refused as before, HEAD or not.
+    let answer = raw_head(&addr, "/nothing").await;
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
+    admin.stop().await;
+    proxy.stop().await;
+}
+
+/// After SIGTERM, `/readyz` answers 503 while requests in flight finish (a load balancer stops
+/// sending), and the process exits 0 once they are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_is_503_while_draining() {
+    let env = Env::new(Backend::Memory).await;
+    let admin_port = free_port();
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!("shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:{admin_port}\n"),
+    );
+    let mut proxy = ProxyProcess::spawn(&yaml);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let mut up = false;
+    for _ in 0..50 {
+        if let Ok(r) = client().get(format!("{admin}/readyz")).send().await {
+            up = r.status() == 200;
+            if up {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "ready before the drain");
+    let slow = spawn_booking(proxy.url(""), "drain-1", BODY, "1500ms");
+    assert!(eventually(Duration::from_secs(3), || env.mock.calls("drain-1") == 1).await);
+    proxy.signal("-TERM");
+    let mut saw_draining = false;
+    for _ in 0..40 {
+        match client().get(format!("{admin}/readyz")).send().await {
+            Ok(r) if r.status() == 503 => {
+                saw_draining = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(25)).await,
+        }
+    }
+    assert!(saw_draining, "readyz said 503 during the drain");
+    assert_eq!(
+        slow.await.expect("slow").status,
+        201,
+        "the request in flight finished"
+    );
+    assert_eq!(proxy.wait(Duration::from_secs(10)), Some(0));
+}
+
+/// A token file, written for the test.
+fn token_file(token: &str) -> tempfile::NamedTempFile {
+    write_config(&format!("{token}\n"))
+}
+
+/// The key tooling: off without a token, 401 with a wrong one; a record is shown by key and
+/// scope or by its hash, without its body unless asked; an in-flight claim is shown and never
+/// forgotten; a finished record (here a saved 502) is forgotten, so the retry runs again.
+async fn key_tooling_shows_and_forgets_records(backend: Backend) {
+    let env = Env::new(backend).await;
+    let off = env.proxy(&env.config("")).await;
+    let off_admin = admin(&off).await;
+    // No token configured: the endpoints do not exist. Refusals are problem+json.
+    get(
+        format!("{}/keys/create-booking?key=x", off_admin.base),
+        Some("t"),
+    )
+    .await
+    .assert_problem(404, "key-tooling-off");
+    get(format!("{}/nothing-here", off_admin.base), None)
+        .await
+        .assert_problem(404, "no-admin-endpoint");
+    // One proxy on the store at a time: an SQLite file is one store's at once.
+    off_admin.stop().await;
+    off.stop().await;
+
+    let token = token_file("s3cret-token");
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!(
+            "shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:1\nadmin_token_file: {}\n",
+            token.path().display()
+        ),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let admin = admin(&proxy).await;
+    let base = &admin.base;
+    let auth = ("Authorization", "Bearer alice");
+    let first = post(&proxy, "kt-1", &[auth]).await;
+    assert_eq!(first.status, 201);
+
+    let by_key =
+        format!("{base}/keys/create-booking?key=kt-1&scope=Authorization%3A%20Bearer%20alice");
+    get(by_key.clone(), None)
+        .await
+        .assert_problem(401, "unauthorized");
+    assert_eq!(get(by_key.clone(), Some("wrong")).await.status, 401);
+    let shown = get(by_key.clone(), Some("s3cret-token")).await;
+    assert_eq!(shown.status, 200, "{:?}", shown.body);
+    // The auth scheme is case-insensitive (RFC 9110 §11.1); the token is not.
+    for (authorization, status) in [
+        ("bearer s3cret-token", 200),
+        ("BEARER s3cret-token", 200),
+        ("Bearer S3CRET-TOKEN", 401),
+        ("Basic s3cret-token", 401),
+        ("Bearers3cret-token", 401),
+    ] {
+        let r = send(
+            client()
+                .get(by_key.clone())
+                .header("Authorization", authorization),
+        )
+        .await;
+        assert_eq!(r.status, status, "{authorization}");
+    }
+    let doc = shown.json();
+    assert_eq!(doc["state"], "finished");
+    assert_eq!(doc["status"], 201);
+    assert_eq!(doc["body_bytes"], first.body.len());
+    assert!(
+        doc["headers"]
+            .as_array()
+            .expect("headers")
+            .iter()
+            .any(|h| h == "content-type")
+    );
+    assert!(doc.get("body").is_none(), "never the body unless asked");
+    assert!(doc["ttl_remaining_ms"].as_u64().expect("ttl") > 86_000_000);
+    assert!(doc["age_ms"].as_u64().expect("age") < 60_000);
+    let mut scope = HeaderMap::new();
+    scope.insert(
+        HeaderName::from_static("authorization"),
+        HeaderValue::from_static("Bearer alice"),
+    );
+    let expected = harness::store_key(
+        "idemproxy:",
+        "create-booking",
+        &[HeaderName::from_static("authorization")],
+        &scope,
+        "kt-1",
+    );
+    let hash = expected.rsplit(':').next().expect("hash").to_owned();
+    assert_eq!(doc["key_hash"], hash.as_str());
+    assert_eq!(doc["store_key"], expected.as_str());
+    // By hash, with the body.
+    let with_body = get(
+        format!("{base}/keys/create-booking/{hash}?body=true"),
+        Some("s3cret-token"),
+    )
+    .await
+    .json();
+    assert_eq!(
+        with_body["body"].as_str().expect("body").as_bytes(),
+        &first.body[..]
+    );
+    // Another caller's same key is another record.
+    let other = get(
+        format!("{base}/keys/create-booking?key=kt-1&scope=Authorization%3A%20Bearer%20bob"),
+        Some("s3cret-token"),
+    )
+    .await;
+    other.assert_problem(404, "no-record");
+    for (url, status, slug) in [
+        ("/keys/no-such-route?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/rest?key=kt-1", 404, "no-idempotent-route"),
+        ("/keys/create-booking/abc", 400, "invalid-record-name"),
+        ("/keys/create-booking", 400, "invalid-record-name"),
+        (
+            "/keys/create-booking?key=kt-1&scope=nocolon",
+            400,
+            "invalid-record-name",
+        ),
+    ] {
+        get(format!("{base}{url}"), Some("s3cret-token"))
+            .await
+            .assert_problem(status, slug);
+    }
+    send(client().put(by_key.clone()).bearer_auth("s3cret-token"))
+        .await
+        .assert_problem(405, "method-not-allowed");
+
+    // In flight: shown, never forgotten.
+    let slow = spawn_booking(proxy.url(""), "kt-2", BODY, "1s");
+    assert!(eventually(Duration::from_secs(3), || env.mock.calls("kt-2") == 1).await);
+    let url = format!("{base}/keys/create-booking?key=kt-2");
+    assert_eq!(
+        get(url.clone(), Some("s3cret-token")).await.json()["state"],
+        "in_flight"
+    );
+    let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
+    del.assert_problem(409, "record-in-flight");
+    assert_eq!(slow.await.expect("slow").status, 201);
+
+    // A saved 502 (the upstream reset after receiving; on_unknown_outcome: keep) is forgotten,
+    // and the customer's retry runs again.
+    let failed = post(&proxy, "kt-3", &[("X-Mock-Reset", "true")]).await;
+    assert_eq!(failed.status, 502);
+    assert_eq!(post(&proxy, "kt-3", &[]).await.status, 502, "replayed");
+    let url = format!("{base}/keys/create-booking?key=kt-3");
+    let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
+    assert_eq!(del.status, 200, "{:?}", del.body);
+    assert_eq!(del.json()["forgotten"], true);
+    assert_eq!(get(url.clone(), Some("s3cret-token")).await.status, 404);
+    let retried = post(&proxy, "kt-3", &[]).await;
+    assert_eq!(retried.status, 201, "the retry ran again");
+    assert_eq!(env.mock.calls("kt-3"), 2);
+    assert_eq!(
+        send(client().delete(url).bearer_auth("s3cret-token"))
+            .await
+            .status,
+        200
+    );
+}
+
+/// The same from the command line, against a running proxy process: `idemproxy health`,
+/// `idemproxy keys show`, `idemproxy keys forget`; and the request log carries the key's hash
+/// (never the key itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn command_line_health_and_keys() {
+    let env = Env::new(Backend::Memory).await;
+    let admin_port = free_port();
+    let token = token_file("cli-token");
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!(
+            "shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:{admin_port}\nadmin_token_file: {}\n",
+            token.path().display()
+        ),
+    );
+    let proxy = ProxyProcess::spawn(&yaml);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let run = |args: &[&str]| {
+        let out = Command::new(binary())
+            .args(args)
+            .env("IDEMPROXY_ADMIN", &admin)
+            .env_remove("IDEMPROXY_ADMIN_TOKEN")
+            .output()
+            .expect("run idemproxy");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let mut healthy = false;
+    for _ in 0..50 {
+        if run(&["health"]).0 == Some(0) {
+            healthy = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(healthy, "idemproxy health exits 0 against a running proxy");
+    let (code, _, err) = run(&["health", "--admin", "http://127.0.0.1:1"]);
+    assert_eq!(code, Some(1), "unhealthy when nothing answers: {err}");
+
+    let r = send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "cli-secret-key-1")
+            .header("X-Mock-Reset", "true")
+            .body(BODY),
+    )
+    .await;
+    assert_eq!(r.status, 502);
+    let token_path = token.path().display().to_string();
+    let (code, out, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--key",
+        "cli-secret-key-1",
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(doc["state"], "finished");
+    assert_eq!(doc["status"], 502);
+    let hash = doc["key_hash"].as_str().expect("hash").to_owned();
+    // "The key, as the client sent it": its quoted Structured Field form is the same key.
+    let (code, out, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--key",
+        "\"cli-secret-key-1\"",
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(0), "the quoted form finds the record: {err}");
+    let quoted: serde_json::Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(quoted["key_hash"], hash.as_str());
+    let (code, _, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--key",
+        "bad key",
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(1), "an invalid key is refused: {err}");
+    assert!(err.contains("400"), "{err}");
+
+    // The request log names the key by its hash, never by the key.
+    let log = proxy.log();
+    assert!(log.contains(&hash), "the log carries the key hash:\n{log}");
+    assert!(
+        !log.contains("cli-secret-key-1"),
+        "never the raw key:\n{log}"
+    );
+
+    let (code, _, err) = run(&[
+        "keys",
+        "show",
+        "--route",
+        "create-booking",
+        "--hash",
+        &hash,
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = run(&[
+        "keys",
+        "forget",
+        "--route",
+        "create-booking",
+        "--hash",
+        &hash,
+    ]);
+    assert_eq!(code, Some(1), "no token: refused: {err}");
+    assert!(err.contains("401"), "{err}");
+    let (code, out, err) = run(&[
+        "keys",
+        "forget",
+        "--route",
+        "create-booking",
+        "--hash",
+        &hash,
+        "--token-file",
+        &token_path,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("forgotten"), "{out}");
+    assert!(
+        eventually(Duration::from_secs(2), || proxy
+            .log()
+            .contains("record forgotten"))
+        .await,
+        "every forget is logged"
+    );
+    let again = send(
+        client()
+            .post(proxy.url("/bookings"))
+            .header("Idempotency-Key", "cli-secret-key-1")
+            .body(BODY),
+    )
+    .await;
+    assert_eq!(again.status, 201, "the retry ran again");
+}
+
+/// The harness reads `/metrics` as a scraper does: by name and labels, summing what matches.
+#[test]
+fn the_metrics_text_is_read_as_a_scraper_reads_it() {
+    let text = "# TYPE r counter\n\
+        r_total{route=\"a\",outcome=\"x\"} 2\n\
+        r_total{route=\"b \\\"q\\\"\",outcome=\"x\"} 3\n\
+        g 7\n# EOF\n";
+    assert_eq!(
+        harness::metric_value(text, "r_total", &[("route", "a")]),
+        2.0
+    );
+    assert_eq!(
+        harness::metric_value(text, "r_total", &[("route", "b \"q\"")]),
+        3.0
+    );
+    assert_eq!(
+        harness::metric_value(text, "r_total", &[("outcome", "x")]),
+        5.0
+    );
+    assert_eq!(harness::metric_value(text, "g", &[]), 7.0);
+    assert!(
+        std::panic::catch_unwind(|| harness::metric_value(text, "r_total", &[("route", "c")]))
+            .is_err()
+    );
+}

@@ -1,0 +1,19 @@
+//! The stores against real servers of the tests' own: the contract every store keeps, then what
+//! each backend adds.
+//!
+//! - [`contract`] — the store contract, each check on every store.
+//! - [`faults`] — reconnecting after a restart or a dropped connection, replies lost after a
+//!   release or a large completion, large records staged on their way in.
+//! - [`redis`] — TLS and passwords, scripts Redis forgot.
+//! - [`wait_replicas`] — `store.wait_replicas`.
+//! - [`cluster`] — `redis-cluster`, slot moves and failover.
+//! - [`postgres`] — the PostgreSQL store.
+//! - [`sqlite`] — the SQLite store.
+
+mod cluster;
+mod contract;
+mod faults;
+mod postgres;
+mod redis;
+mod sqlite;
+mod wait_replicas;
