@@ -27,7 +27,7 @@ use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
 use crate::proxy::{Proxy, RecordLookup};
-use crate::record::{Record, Saved};
+use crate::record::{Phase, Record, Saved};
 use crate::store::{Forgotten, StoreError};
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -228,6 +228,11 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
         Record::InFlight { .. } => {
             doc["state"] = json!("in_flight");
         }
+        // Never the lookup's copied headers: they may be credentials.
+        Record::Resolvable(r) => match r.phase {
+            Phase::InFlight => doc["state"] = json!("in_flight"),
+            Phase::Resolving => doc["state"] = json!("resolving"),
+        },
         Record::Done { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
@@ -235,7 +240,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
                 doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
             }
             match saved {
-                Saved::Response(r) => {
+                Saved::Response(r) | Saved::Resolved(r) => {
                     doc["replayable"] = json!(true);
                     doc["status"] = json!(r.status.as_u16());
                     doc["headers"] = json!(

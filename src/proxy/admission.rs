@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::context::Context;
-use super::resolve::Lookup;
+use super::resolve::{Lookup, render_lookup};
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
 use crate::key_from;
@@ -146,7 +146,7 @@ pub(super) fn with_body(
                 KeySource::Derive | KeySource::None => derived_key.as_deref().unwrap_or(""),
             };
             let upstream = route.upstream.name();
-            match Lookup::render(resolve, upstream, &route.settings.path, &parts, &body, key) {
+            match render_lookup(resolve, upstream, &route.settings.path, &parts, &body, key) {
                 Ok(lookup) => Some(lookup),
                 Err(e) => {
                     let problem = Problem::UnreadableKeyPart {

@@ -63,7 +63,11 @@ impl Completion {
                 saved: Saved::NotReplayable { status },
                 ..
             } => *status,
-            Record::InFlight { .. } => StatusCode::BAD_GATEWAY,
+            Record::Done {
+                saved: Saved::Resolved(r),
+                ..
+            } => r.status,
+            Record::InFlight { .. } | Record::Resolvable(_) => StatusCode::BAD_GATEWAY,
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::route::IdempotencySettings;
 /// The header added to every replayed response.
 pub(crate) const REPLAYED: &str = "idempotent-replayed";
 
-/// The header a replay of a result found by asking the upstream carries (SPEC §4.8).
+/// The header added to the replay of a response a resolution found.
 pub(crate) const RESOLVED: &str = "idempotent-resolved";
 
 /// The answer to a repeat of a finished operation.
@@ -24,6 +24,13 @@ pub(super) fn replay(saved: Saved) -> Answer {
             let mut resp = response_of(saved);
             resp.headers_mut()
                 .insert(REPLAYED, HeaderValue::from_static("true"));
+            (resp, Outcome::Replayed)
+        }
+        Saved::Resolved(saved) => {
+            let mut resp = response_of(saved);
+            let headers = resp.headers_mut();
+            headers.insert(REPLAYED, HeaderValue::from_static("true"));
+            headers.insert(RESOLVED, HeaderValue::from_static("true"));
             (resp, Outcome::Replayed)
         }
         Saved::NotReplayable { status } => {

@@ -107,12 +107,12 @@ impl Settlement {
     /// No response: the key is freed when the operation surely did not run, otherwise kept,
     /// freed or resolved as `on_unknown_outcome` says. Also the problem the client gets, and
     /// its outcome. `lookup` is the request's rendered lookup (a `resolve` route's), and
-    /// `call_start` when its upstream call started.
+    /// `sent` the latest moment the request could have been written upstream.
     pub(super) fn of_failure(
         context: &Context,
         e: &UpstreamError,
         lookup: Option<Lookup>,
-        call_start: Instant,
+        sent: Instant,
     ) -> (Settlement, Problem, Outcome) {
         let problem = Problem::of_upstream(context.route.upstream.name(), e);
         let settlement = match e {
@@ -133,10 +133,6 @@ impl Settlement {
             }
             _ => match context.policy.on_unknown_outcome {
                 OnUnknownOutcome::Resolve => {
-                    // The request was written no later than the connection was made (within
-                    // connect_timeout of the call's start), and no later than now.
-                    let connect = context.route.upstream.connect_timeout();
-                    let sent = (call_start + connect).min(Instant::now());
                     let why = Why::Resolving {
                         error: e.to_string(),
                     };
@@ -207,6 +203,7 @@ impl Settlement {
                 lookup,
                 sent,
                 failure,
+                gave_up: false,
             }
             .spawn(),
             // A resolve route always renders its lookup before the claim; without one there is

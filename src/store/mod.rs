@@ -13,6 +13,20 @@
 //! - `get`, `wait_change`: for `on_conflict: wait`;
 //! - `ping`: readiness; `inspect`, `forget`: the admin's key tooling.
 //!
+//! On a route with `on_unknown_outcome: resolve` the claim is a [`crate::record::Resolvable`] record (format
+//! version 2), and its lifetime is not its lease:
+//! - `claim_resolvable` takes a free key, *or takes over* a resolvable claim whose lease has
+//!   lapsed (one atomic step: Redis a script, SQL one statement under the row's lock), so two
+//!   instances never resolve one key at once. The store stamps the times on its own clock.
+//!   The key then lives until `give_up_after` + `ttl` after the request could have been sent,
+//!   whatever happens to the lease; sweeps and expiry never end it earlier.
+//! - `renew` extends only the lease inside the value (never shortening the key's lifetime);
+//!   `resolving` also records that the holder resolves, and when it asks next; `complete` and
+//!   `release` are fenced on the token and on the lease being live. All four know a resolvable
+//!   claim by `held.record` and compare its token, not its whole value (the store rewrites its
+//!   times).
+//! - `now`: the store's clock, which every time in a resolvable record is on.
+//!
 //! [`StoreHandle`] wraps a backend and puts every call under `store.timeout`: a hung Redis
 //! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request. It
 //! decodes what the backends return; what they write was encoded by [`crate::record`].
@@ -21,6 +35,9 @@ pub mod memory;
 pub mod postgres;
 pub mod redis;
 pub mod sqlite;
+
+#[cfg(test)]
+pub(crate) mod resolvable_tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,6 +100,47 @@ pub enum Claim {
     Existing(Record),
 }
 
+/// How a claim that can be resolved is timed, from the route as it is when the key is claimed.
+/// The store stamps the record with them, on its own clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvableTimes {
+    /// The lease (`lock_ttl`): a claim after it has lapsed takes the record over.
+    pub lease: Duration,
+    /// How long after the claim the request can have been sent at the latest: the upstream's
+    /// `connect_timeout` (the claim is committed before the request is sent, and nothing is
+    /// written to the upstream after its connect gave up). `sent_at` = claim + this.
+    pub send_margin: Duration,
+    /// How long the key lives after `sent_at`: `give_up_after` + `ttl`.
+    pub lifetime: Duration,
+}
+
+/// What a backend's [`Store::claim_resolvable`] did, with the value the key holds now and the
+/// store's clock when it did it (milliseconds, the clock of the record's times).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolvableFound {
+    /// The key was free (or its record had lived its lifetime): it holds our claim, stamped.
+    Claimed { value: Bytes, now: u64 },
+    /// The key held a resolvable claim whose lease had lapsed: it is ours now, resolving.
+    TakenOver { value: Bytes, now: u64 },
+    /// The key holds something live: left alone.
+    Existing { value: Bytes },
+}
+
+/// What [`StoreHandle::claim_resolvable`] found.
+#[derive(Debug, Clone)]
+pub enum ResolvableClaim {
+    /// The key was free and is ours: send the request. `held` is the claim as the store
+    /// stamped it (its `sent_at` is when `settle_after` counts from); `now` the store's clock
+    /// when it claimed.
+    Claimed { held: Held, now: u64 },
+    /// Another holder's lease had lapsed: the claim is ours, its phase `Resolving` and its next
+    /// lookup due at once. Resolve it — never forward it. `gave_up`: it is past
+    /// `give_up_after` already, so save `outcome-unknown` at once instead of asking.
+    TakenOver { held: Held, now: u64, gave_up: bool },
+    /// The key holds something else, live (a live claim of either kind, a finished record).
+    Existing(Record),
+}
+
 /// A store backend. Implementations make each method one atomic step on one key.
 ///
 /// The flow's steps: [`claim`](Store::claim), [`renew`](Store::renew),
@@ -131,6 +189,32 @@ pub trait Store: Send + Sync + 'static {
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError>;
     /// Reads the key.
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError>;
+    /// Claims `key` with the resolvable claim `held` if it is free, stamping its times on the
+    /// store's clock (see [`crate::record::resolvable::stamp_claim`]); or takes over the
+    /// resolvable claim it holds if that one's lease has lapsed (token and lease replaced,
+    /// phase resolving, next lookup now, everything else and the key's lifetime kept,
+    /// [`crate::record::resolvable::stamp_takeover`]); or returns what it holds. One atomic
+    /// step.
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, StoreError>;
+    /// The holder of the resolvable claim `held` (its token, its lease live) marks it
+    /// resolving, with its next lookup `next_lookup_in` from now, and extends its lease to
+    /// `lease` from now (never shortening the key's lifetime). `Some(now)` on the store's
+    /// clock; `None`: the lease was lost, nothing was written.
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError>;
+    /// The store's clock where `key` lives, in milliseconds: the clock of every time in its
+    /// resolvable record (on a Redis Cluster, the clock of the node serving its slot).
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError>;
     /// Returns when the key may have changed, or after `max` at the latest. The caller reads
     /// the key again either way, and chooses `max` as its polling interval. The default just
     /// sleeps: a shared store cannot know when another instance finishes.
@@ -270,6 +354,92 @@ impl StoreHandle {
             None => Ok(None),
             Some(bytes) => Ok(Some(Record::decode_shared(&bytes)?)),
         }
+    }
+
+    /// See [`Store::claim_resolvable`]; decodes what the key holds. A key found holding our
+    /// own claim (a claim sent again after its answer was lost, and the first landed) counts
+    /// as claimed if it is still in flight, and as taken over if it is resolving: only a
+    /// takeover makes it resolving, so a takeover is never mistaken for a fresh claim.
+    pub async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableClaim, StoreError> {
+        if held.resolvable().is_none() {
+            return Err(StoreError::Backend {
+                op: "claim",
+                source: "claim_resolvable needs a resolvable claim (Record::Resolvable)".into(),
+            });
+        }
+        let found = self
+            .timed(
+                StoreOp::Claim,
+                self.inner.claim_resolvable(key, held, times),
+            )
+            .await?;
+        let ours = |value: &Bytes| -> Result<Held, StoreError> {
+            let record = Record::decode_shared(value)?;
+            if !matches!(record, Record::Resolvable(_)) {
+                return Err(StoreError::Corrupt(DecodeError(
+                    "a resolvable claim was answered with another kind of record",
+                )));
+            }
+            Ok(Held {
+                record,
+                encoded: value.clone(),
+            })
+        };
+        let taken_over = |held: Held, now: u64| {
+            let gave_up = held.resolvable().is_some_and(|r| now >= r.gives_up_at());
+            ResolvableClaim::TakenOver { held, now, gave_up }
+        };
+        match found {
+            ResolvableFound::Claimed { value, now } => Ok(ResolvableClaim::Claimed {
+                held: ours(&value)?,
+                now,
+            }),
+            ResolvableFound::TakenOver { value, now } => Ok(taken_over(ours(&value)?, now)),
+            ResolvableFound::Existing { value } => {
+                let record = Record::decode_shared(&value)?;
+                match (&record, held.record.token()) {
+                    (Record::Resolvable(r), Some(token)) if r.token == *token => {
+                        let now = r.claimed_at.max(r.next_lookup_at);
+                        let held = Held {
+                            record: record.clone(),
+                            encoded: value,
+                        };
+                        Ok(match r.phase {
+                            crate::record::Phase::InFlight => {
+                                ResolvableClaim::Claimed { held, now }
+                            }
+                            crate::record::Phase::Resolving => taken_over(held, now),
+                        })
+                    }
+                    _ => Ok(ResolvableClaim::Existing(record)),
+                }
+            }
+        }
+    }
+
+    /// See [`Store::resolving`].
+    pub async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.timed(
+            StoreOp::Renew,
+            self.inner.resolving(key, held, next_lookup_in, lease),
+        )
+        .await
+    }
+
+    /// See [`Store::now`].
+    pub async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.timed(StoreOp::Get, self.inner.now(key)).await
     }
 
     /// See [`Store::wait_change`].

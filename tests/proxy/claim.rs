@@ -869,6 +869,26 @@ impl Store for LateClaims {
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
         self.inner.get(key).await
     }
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: idemproxy::store::ResolvableTimes,
+    ) -> Result<idemproxy::store::ResolvableFound, StoreError> {
+        self.inner.claim_resolvable(key, held, times).await
+    }
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.resolving(key, held, next_lookup_in, lease).await
+    }
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.inner.now(key).await
+    }
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
     }

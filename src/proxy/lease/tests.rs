@@ -42,6 +42,26 @@ impl Store for ReadsFail {
             after: Duration::from_millis(1),
         })
     }
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: crate::store::ResolvableTimes,
+    ) -> Result<crate::store::ResolvableFound, StoreError> {
+        self.0.claim_resolvable(key, held, times).await
+    }
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.0.resolving(key, held, next_lookup_in, lease).await
+    }
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.0.now(key).await
+    }
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }
@@ -98,6 +118,26 @@ impl Store for RefusesSaves {
     }
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
         self.inner.get(key).await
+    }
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: crate::store::ResolvableTimes,
+    ) -> Result<crate::store::ResolvableFound, StoreError> {
+        self.inner.claim_resolvable(key, held, times).await
+    }
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.resolving(key, held, next_lookup_in, lease).await
+    }
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.inner.now(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
@@ -227,6 +267,26 @@ impl Store for SlowRenewals {
     }
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
         self.inner.get(key).await
+    }
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: crate::store::ResolvableTimes,
+    ) -> Result<crate::store::ResolvableFound, StoreError> {
+        self.inner.claim_resolvable(key, held, times).await
+    }
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.resolving(key, held, next_lookup_in, lease).await
+    }
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.inner.now(key).await
     }
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())

@@ -225,7 +225,9 @@ impl Observation {
         // The request goes out as `enforce` would send it, resent after the keep-alive race
         // only where `enforce` would (SPEC §4.3).
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
-        let call_start = Instant::now();
+        // The latest moment the request can be written: the call's start plus the longest its
+        // connection can take.
+        let sent = Instant::now() + up.connect_timeout();
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => up.call_bounded(req, idem.max_response_body, resend).await,
             Err(e) => Err(e),
@@ -245,7 +247,7 @@ impl Observation {
             Err(e) => {
                 tracing::warn!(route = %route.name, upstream = up.name(), error = %e, "upstream call failed");
                 let (settlement, problem, outcome) =
-                    Settlement::of_failure(&context, &e, lookup, call_start);
+                    Settlement::of_failure(&context, &e, lookup, sent.min(Instant::now()));
                 (settlement, refuse(problem, outcome))
             }
         };

@@ -107,7 +107,7 @@ impl Shadow {
             }
             match &existing {
                 Record::Done { .. } => return self.duplicate(Would::Replay, &existing),
-                Record::InFlight { .. } => {
+                Record::InFlight { .. } | Record::Resolvable(_) => {
                     let now = Instant::now();
                     if self.context.policy.on_conflict == OnConflict::Reject || now >= wait_until {
                         return self.duplicate(Would::Conflict, &existing);

@@ -2,62 +2,49 @@
 //! its headers copied), sent to its upstream through the upstream's own pool and bounds, and
 //! its answer read as the route's `found` and `absent` statuses say.
 
+use http::StatusCode;
 use http::request::Parts;
-use http::{HeaderName, HeaderValue, Method, StatusCode};
 
 use crate::key_from::{self, Unreadable};
 use crate::metrics::LookupAnswer;
 use crate::proxy::replay::saved_headers;
+pub(crate) use crate::record::Lookup;
 use crate::record::{Saved, SavedResponse};
 use crate::route::{IdempotencySettings, PathPattern, ResolveSettings};
 use crate::upstream::{Bounded, Upstream};
 
-/// A route's lookup, rendered for one request: what it takes to ask about that request later,
-/// from any instance, without the request itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Lookup {
-    /// The upstream it is sent to, by name.
-    pub upstream: String,
-    pub method: Method,
-    /// The path and query, its parts percent-encoded.
-    pub path: String,
-    /// The request's headers the lookup carries (`resolve.headers`), in order.
-    pub headers: Vec<(HeaderName, HeaderValue)>,
-}
-
-impl Lookup {
-    /// Renders `resolve`'s lookup for a request on a route whose path is `pattern` and whose
-    /// upstream is `route_upstream`; `key` is the key as the upstream gets it. A part that
-    /// can't be read is the error, before anything is claimed.
-    pub(crate) fn render(
-        resolve: &ResolveSettings,
-        route_upstream: &str,
-        pattern: &PathPattern,
-        head: &Parts,
-        body: &[u8],
-        key: &str,
-    ) -> Result<Lookup, Unreadable> {
-        let path = key_from::render_lookup(&resolve.request, pattern, head, body, key)?;
-        let headers = resolve
-            .headers
-            .iter()
-            .flat_map(|name| {
-                head.headers
-                    .get_all(name)
-                    .iter()
-                    .map(move |v| (name.clone(), v.clone()))
-            })
-            .collect();
-        Ok(Lookup {
-            upstream: resolve
-                .upstream
-                .clone()
-                .unwrap_or_else(|| route_upstream.to_owned()),
-            method: resolve.request.method.clone(),
-            path,
-            headers,
+/// Renders `resolve`'s lookup for a request on a route whose path is `pattern` and whose
+/// upstream is `route_upstream`; `key` is the key as the upstream gets it. A part that can't
+/// be read is the error, before anything is claimed. The lookup is what it takes to ask about
+/// that request later, from any instance, without the request itself: the claim carries it.
+pub(crate) fn render(
+    resolve: &ResolveSettings,
+    route_upstream: &str,
+    pattern: &PathPattern,
+    head: &Parts,
+    body: &[u8],
+    key: &str,
+) -> Result<Lookup, Unreadable> {
+    let target = key_from::render_lookup(&resolve.request, pattern, head, body, key)?;
+    let headers = resolve
+        .headers
+        .iter()
+        .flat_map(|name| {
+            head.headers
+                .get_all(name)
+                .iter()
+                .map(move |v| (name.clone(), v.clone()))
         })
-    }
+        .collect();
+    Ok(Lookup {
+        upstream: resolve
+            .upstream
+            .clone()
+            .unwrap_or_else(|| route_upstream.to_owned()),
+        method: resolve.request.method.clone(),
+        target,
+        headers,
+    })
 }
 
 /// What one lookup said.
@@ -103,7 +90,7 @@ pub(crate) async fn ask(
     let sent = upstream
         .ask(
             lookup.method.clone(),
-            &lookup.path,
+            &lookup.target,
             &lookup.headers,
             idem.max_response_body,
         )

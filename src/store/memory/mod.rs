@@ -31,6 +31,12 @@
 //! once per [`PURGE_AT_BOUND_EVERY`]; otherwise it is refused at once. A claim is refused while
 //! a lapsed record could have made room for that long at most.
 //!
+//! A claim that can be resolved (`on_unknown_outcome: resolve`) keeps its lease inside its
+//! value, on this store's clock (milliseconds since the store started); the slot's deadline is
+//! then the record's lifetime, which renewals never shorten. Renew, complete and release know it
+//! by the held record and compare its token and lease instead of its whole value, since the
+//! store rewrites its times in place (a copy: records are immutable once shared).
+//!
 //! Waiters (`on_conflict: wait`) are woken in-process by a per-key [`Notify`], made only for keys
 //! that someone waits on, when the claim is completed, released or expires.
 
@@ -46,9 +52,9 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::key::KeyId;
-use crate::record;
+use crate::record::{self, resolvable};
 
 /// How many independently locked maps the records are spread over.
 const SHARDS: usize = 64;
@@ -139,6 +145,17 @@ impl Shard {
         self.map
             .get_mut(key)
             .filter(|s| s.expires > now && *s.record == *held.encoded)
+    }
+
+    /// The live slot of the resolvable claim `held`, while its token holds it and its lease
+    /// has not lapsed (the compare of a resolvable claim's compare-and-set).
+    fn holds_resolvable(&mut self, key: &MapKey, held: &Held, now: u64) -> Option<&mut Slot> {
+        let token = held.resolvable()?.token;
+        self.map.get_mut(key).filter(|s| {
+            s.expires > now
+                && resolvable::token(&s.record) == Some(&token[..])
+                && resolvable::lease_until(&s.record).is_some_and(|l| l > now)
+        })
     }
 
     fn wake(&mut self, key: &MapKey) {
@@ -284,6 +301,95 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// One resolvable claim attempt (see [`Store::claim_resolvable`]); `Err(())` the store is
+    /// at its bound.
+    fn try_claim_resolvable(
+        &self,
+        key: &MapKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, ()> {
+        let mut shard = self.shard(key);
+        let now = self.now();
+        let lease = millis(times.lease);
+        match shard.map.entry(*key) {
+            Entry::Occupied(mut o) if o.get().expires > now => {
+                let slot = o.get_mut();
+                let lapsed = resolvable::lease_until(&slot.record).is_some_and(|l| l <= now);
+                let token = held.record.token();
+                let (true, Some(token)) = (lapsed, token) else {
+                    return Ok(ResolvableFound::Existing {
+                        value: shared(&slot.record),
+                    });
+                };
+                // A takeover: the lifetime (the slot's deadline) stays as the first claim set it.
+                let mut value = slot.record.to_vec();
+                resolvable::stamp_takeover(&mut value, token, now, lease);
+                slot.record = Arc::from(value);
+                let value = shared(&slot.record);
+                self.lapses_at(slot.expires);
+                Ok(ResolvableFound::TakenOver { value, now })
+            }
+            entry => {
+                let mut value = held.encoded.to_vec();
+                resolvable::stamp_claim(&mut value, now, lease, millis(times.send_margin));
+                let expires = now
+                    .saturating_add(millis(times.send_margin))
+                    .saturating_add(millis(times.lifetime));
+                let slot = Slot {
+                    expires,
+                    record: Arc::from(value),
+                };
+                let value = shared(&slot.record);
+                match entry {
+                    // An expired record is absent: take its place (the count does not change).
+                    Entry::Occupied(mut o) => {
+                        o.insert(slot);
+                        shard.wake(key);
+                    }
+                    Entry::Vacant(v) => {
+                        if !self.reserve() {
+                            return Err(());
+                        }
+                        v.insert(slot);
+                    }
+                }
+                self.lapses_at(expires);
+                Ok(ResolvableFound::Claimed { value, now })
+            }
+        }
+    }
+
+    /// Rewrites the lease of the resolvable claim `held` to `lease` from now, and with
+    /// `next_lookup_in`, marks it resolving; the slot's deadline (its lifetime) only grows.
+    fn renew_resolvable(
+        &self,
+        key: &MapKey,
+        held: &Held,
+        lease: Duration,
+        next_lookup_in: Option<Duration>,
+    ) -> Option<u64> {
+        let mut shard = self.shard(key);
+        let now = self.now();
+        let slot = shard.holds_resolvable(key, held, now)?;
+        let mut value = slot.record.to_vec();
+        let lease_until = now.saturating_add(millis(lease));
+        resolvable::write(&mut value, resolvable::LEASE_UNTIL, lease_until);
+        if let Some(next) = next_lookup_in {
+            value[resolvable::PHASE] = b'R';
+            resolvable::write(
+                &mut value,
+                resolvable::NEXT_LOOKUP_AT,
+                now.saturating_add(millis(next)),
+            );
+        }
+        slot.record = Arc::from(value);
+        slot.expires = slot.expires.max(lease_until);
+        Some(now)
+    }
+}
+
 /// Zero-copy bytes of a record: replays share the stored buffer.
 fn shared(record: &Arc<[u8]>) -> Bytes {
     Bytes::from_owner(ArcBytes(record.clone()))
@@ -385,6 +491,12 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let key = MapKey::of(key);
+        if held.resolvable().is_some() {
+            return Ok(self
+                .inner
+                .renew_resolvable(&key, held, lease, None)
+                .is_some());
+        }
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
         match shard.holds(&key, held, now) {
@@ -407,7 +519,12 @@ impl Store for MemoryStore {
         let key = MapKey::of(key);
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
-        let Some(slot) = shard.holds(&key, held, now) else {
+        let holds = if held.resolvable().is_some() {
+            shard.holds_resolvable(&key, held, now)
+        } else {
+            shard.holds(&key, held, now)
+        };
+        let Some(slot) = holds else {
             // A completion sent again after it landed counts as done, as on Redis.
             let landed = shard
                 .map
@@ -426,9 +543,15 @@ impl Store for MemoryStore {
         let key = MapKey::of(key);
         let mut shard = self.inner.shard(&key);
         let now = self.inner.now();
+        let resolvable = held.resolvable().is_some();
         match shard.live(&key, now) {
             // Gone already (as on Redis, where a release may be sent twice): the key is free.
             None => return Ok(true),
+            Some(_) if resolvable => {
+                if shard.holds_resolvable(&key, held, now).is_none() {
+                    return Ok(false);
+                }
+            }
             Some(slot) if *slot.record != *held.encoded => return Ok(false),
             Some(_) => {}
         }
@@ -447,6 +570,42 @@ impl Store for MemoryStore {
             .map(|s| shared(&s.record)))
     }
 
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, StoreError> {
+        let key = MapKey::of(key);
+        if let Ok(found) = self.inner.try_claim_resolvable(&key, held, times) {
+            return Ok(found);
+        }
+        let full = StoreError::Full(self.inner.max_entries);
+        if !self.inner.purge_at_bound() {
+            return Err(full);
+        }
+        self.inner
+            .try_claim_resolvable(&key, held, times)
+            .map_err(|()| full)
+    }
+
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        let key = MapKey::of(key);
+        Ok(self
+            .inner
+            .renew_resolvable(&key, held, lease, Some(next_lookup_in)))
+    }
+
+    async fn now(&self, _key: &StoreKey) -> Result<u64, StoreError> {
+        Ok(self.inner.now())
+    }
+
     async fn wait_change(&self, key: &StoreKey, max: Duration) {
         let key = MapKey::of(key);
         let (notify, expires) = {
@@ -455,7 +614,8 @@ impl Store for MemoryStore {
             let Some(expires) = shard
                 .live(&key, now)
                 .filter(|s| record::is_in_flight(&s.record))
-                .map(|s| s.expires)
+                // A resolvable claim's lease is inside it; its slot lives longer.
+                .map(|s| resolvable::lease_until(&s.record).unwrap_or(s.expires))
             else {
                 return;
             };

@@ -61,10 +61,10 @@ use tokio::sync::OnceCell;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::PostgresSettings;
 use crate::metrics::{Metrics, StoreKind};
-use crate::record::{FINISHED_PREFIX, Record};
+use crate::record::{FINISHED_PREFIX, FINISHED_PREFIX_2, resolvable};
 use error::{backend, pg};
 use pool::Connections;
 use sql::Statements;
@@ -244,9 +244,9 @@ impl Inner {
 
 /// The claim's fencing token.
 fn token<'a>(op: &'static str, held: &'a Held) -> Result<&'a [u8], StoreError> {
-    match &held.record {
-        Record::InFlight { token, .. } => Ok(token),
-        Record::Done { .. } => Err(backend(op, "a claim must hold an in-progress record")),
+    match held.record.token() {
+        Some(token) => Ok(token),
+        None => Err(backend(op, "a claim must hold an in-progress record")),
     }
 }
 
@@ -255,6 +255,43 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis())
         .unwrap_or(i64::MAX)
         .clamp(1, MAX_MILLIS)
+}
+
+/// What the resolvable claim statement's rows say: `None` run it again (no row: another
+/// session's claim was committing; or only a resolvable claim with a lapsed lease, which
+/// another session's takeover was committing), else what happened.
+fn resolvable_outcome(rows: &[Row]) -> Result<Option<ResolvableFound>, tokio_postgres::Error> {
+    let mut existing = None;
+    for row in rows {
+        let kind: i32 = row.try_get(0)?;
+        let value = Bytes::from(row.try_get::<_, Vec<u8>>(1)?);
+        let now = u64::try_from(row.try_get::<_, i64>(2)?).unwrap_or(0);
+        match kind {
+            1 => return Ok(Some(ResolvableFound::Claimed { value, now })),
+            2 => return Ok(Some(ResolvableFound::TakenOver { value, now })),
+            _ => {
+                if existing.is_none() {
+                    let lapsed = resolvable::lease_until(&value).is_some_and(|l| l <= now);
+                    existing = Some((value, lapsed));
+                }
+            }
+        }
+    }
+    Ok(match existing {
+        Some((_, true)) | None => None,
+        Some((value, false)) => Some(ResolvableFound::Existing { value }),
+    })
+}
+
+/// The number a resolvable statement returned (`now_ms`), if it returned a row.
+fn returned_now(op: &'static str, rows: &[Row]) -> Result<Option<u64>, StoreError> {
+    match rows.first() {
+        None => Ok(None),
+        Some(row) => {
+            let now: i64 = row.try_get(0).map_err(pg(op))?;
+            Ok(Some(u64::try_from(now).unwrap_or(0)))
+        }
+    }
 }
 
 /// What the claim statement's rows say: `None` no row (run it again), `Some(None)` the key is
@@ -316,6 +353,14 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let (key, token, lease) = (key.text(), token("renew", held)?, millis(lease));
+        if held.resolvable().is_some() {
+            let sql = &self.inner.sql.resolvable.renew;
+            let rows = self
+                .inner
+                .query("renew", sql, &[&key, &token, &lease])
+                .await?;
+            return Ok(returned_now("renew", &rows)?.is_some());
+        }
         let changed = self
             .inner
             .execute("renew", &self.inner.sql.renew, &[&key, &token, &lease])
@@ -337,12 +382,13 @@ impl Store for PostgresStore {
             done.as_ref(),
             millis(ttl),
         );
+        let statement = if held.resolvable().is_some() {
+            &inner.sql.resolvable.complete
+        } else {
+            &inner.sql.complete
+        };
         let changed = inner
-            .execute(
-                "complete",
-                &inner.sql.complete,
-                &[&key, &token, &done, &ttl],
-            )
+            .execute("complete", statement, &[&key, &token, &done, &ttl])
             .await?;
         if changed == 1 {
             return Ok(true);
@@ -357,9 +403,14 @@ impl Store for PostgresStore {
 
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
         let (key, token) = (key.text(), token("release", held)?);
+        let statement = if held.resolvable().is_some() {
+            &self.inner.sql.resolvable.release
+        } else {
+            &self.inner.sql.release
+        };
         let rows = self
             .inner
-            .query("release", &self.inner.sql.release, &[&key, &token])
+            .query("release", statement, &[&key, &token])
             .await?;
         match rows.first() {
             Some(row) => row.try_get(0).map_err(pg("release")),
@@ -379,6 +430,70 @@ impl Store for PostgresStore {
             ))),
             None => Ok(None),
         }
+    }
+
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, StoreError> {
+        let inner = &self.inner;
+        inner.ready("claim").await?;
+        let (key, token, value) = (key.text(), token("claim", held)?, held.encoded.as_ref());
+        let (lease, lifetime) = (millis(times.lease), millis(times.lifetime));
+        // 0 is a valid margin (`millis` is at least 1).
+        let margin = i64::try_from(times.send_margin.as_millis())
+            .unwrap_or(MAX_MILLIS)
+            .min(MAX_MILLIS);
+        let conn = inner.connections.get("claim").await?;
+        let sql = &inner.sql.resolvable.claim;
+        let statement = inner.statement(&conn, "claim", sql).await?;
+        for _ in 0..CLAIM_ATTEMPTS {
+            let rows = conn
+                .query(
+                    &statement,
+                    &[&key, &token, &value, &lease, &margin, &lifetime],
+                )
+                .await
+                .map_err(pg("claim"))?;
+            if let Some(found) = resolvable_outcome(&rows).map_err(pg("claim"))? {
+                conn.finished();
+                return Ok(found);
+            }
+        }
+        conn.finished();
+        Err(backend(
+            "claim",
+            format!(
+                "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim or takeover of the key while it was committing"
+            ),
+        ))
+    }
+
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        let (key, token) = (key.text(), token("renew", held)?);
+        let (lease, next) = (millis(lease), millis(next_lookup_in));
+        let sql = &self.inner.sql.resolvable.resolving;
+        let rows = self
+            .inner
+            .query("renew", sql, &[&key, &token, &lease, &next])
+            .await?;
+        returned_now("renew", &rows)
+    }
+
+    async fn now(&self, _key: &StoreKey) -> Result<u64, StoreError> {
+        let rows = self
+            .inner
+            .query("now", &self.inner.sql.resolvable.now, &[])
+            .await?;
+        Ok(returned_now("now", &rows)?.unwrap_or(0))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -407,7 +522,11 @@ impl Store for PostgresStore {
         let key = key.text();
         let rows = self
             .inner
-            .query("forget", &self.inner.sql.forget, &[&key, &FINISHED_PREFIX])
+            .query(
+                "forget",
+                &self.inner.sql.forget,
+                &[&key, &FINISHED_PREFIX, &FINISHED_PREFIX_2],
+            )
             .await?;
         let mut found = Forgotten::Absent;
         for row in &rows {

@@ -33,12 +33,38 @@ pub(super) struct Statements {
     pub(super) get: String,
     /// `$1` key: the live value and its remaining milliseconds.
     pub(super) inspect: String,
-    /// `$1` key, `$2` the prefix of finished records: rows `(deleted, value)`.
+    /// `$1` key, `$2` and `$3` the prefixes of finished records (versions 1 and 2): rows
+    /// `(deleted, value)`.
     pub(super) forget: String,
     /// `$1` batch size: rows deleted.
     pub(super) sweep: String,
     /// `SELECT 1`.
     pub(super) ping: &'static str,
+    /// The statements of a claim that can be resolved.
+    pub(super) resolvable: ResolvableStatements,
+}
+
+/// The statements of a claim that can be resolved (`on_unknown_outcome: resolve`). Its lease
+/// lives inside its value (offsets in [`crate::record::resolvable`], plus one: SQL counts from
+/// 1), in milliseconds of the server's `now()`, and its row's `expires_at` is its lifetime:
+/// a lapsed lease no longer frees the row (the sweep and every `expires_at` test leave it
+/// alone); it lets a claim take the resolution over, in one statement. The lease is compared as
+/// the 8 big-endian bytes it is stored as (`int8send`), which order as the numbers do.
+pub(super) struct ResolvableStatements {
+    /// `$1` key, `$2` token, `$3` the new claim (unstamped), `$4` lease, `$5` send margin, `$6`
+    /// lifetime after the send: rows `(kind, value, now_ms)`, kind 1 claimed, 2 taken over,
+    /// 3 existing.
+    pub(super) claim: String,
+    /// `$1` key, `$2` token, `$3` lease: `now_ms` if renewed.
+    pub(super) renew: String,
+    /// `$1` key, `$2` token, `$3` lease, `$4` next lookup in: `now_ms` if done.
+    pub(super) resolving: String,
+    /// `$1` key, `$2` token, `$3` the finished record, `$4` ttl: rows changed (0 or 1).
+    pub(super) complete: String,
+    /// `$1` key, `$2` token: one row, whether the key is free of that claim.
+    pub(super) release: String,
+    /// The server's clock in milliseconds.
+    pub(super) now: String,
 }
 
 impl Statements {
@@ -148,7 +174,8 @@ impl Statements {
                 "WITH del AS (
                     DELETE FROM {t}
                     WHERE key = $1 AND token IS NULL AND expires_at > now()
-                      AND substring(value FROM 1 FOR octet_length($2::bytea)) = $2::bytea
+                      AND (substring(value FROM 1 FOR octet_length($2::bytea)) = $2::bytea
+                        OR substring(value FROM 1 FOR octet_length($3::bytea)) = $3::bytea)
                     RETURNING 1
                 )
                 SELECT true, NULL::bytea FROM del
@@ -171,13 +198,21 @@ impl Statements {
                  AND expires_at < now()"
             ),
             ping: "SELECT 1",
+            resolvable: ResolvableStatements::new(&t),
         }
     }
 
     /// Every statement the store runs on a request's behalf: what a fresh connection prepares
     /// before it serves one (`warm.rs`).
-    pub(super) fn all(&self) -> [&str; 10] {
+    pub(super) fn all(&self) -> [&str; 16] {
+        let r = &self.resolvable;
         [
+            &r.claim,
+            &r.renew,
+            &r.resolving,
+            &r.complete,
+            &r.release,
+            &r.now,
             &self.claim,
             &self.renew,
             &self.complete,
@@ -189,5 +224,106 @@ impl Statements {
             &self.sweep,
             self.ping,
         ]
+    }
+}
+
+/// The server's clock in milliseconds since the epoch: the clock of a resolvable record's times.
+const NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
+/// `r.value` is a resolvable claim (format version 2, state 'Q').
+const IS_RESOLVABLE: &str =
+    "octet_length(r.value) >= 86 AND substring(r.value FROM 1 FOR 5) = '\\x4944500251'::bytea";
+
+impl ResolvableStatements {
+    fn new(t: &str) -> ResolvableStatements {
+        // Held: our token, the row live, a resolvable claim, its lease live.
+        let held = format!(
+            "r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {IS_RESOLVABLE}
+             AND substring(r.value FROM 22 FOR 8) > int8send(c.ms)"
+        );
+        ResolvableStatements {
+            // Like the plain claim (see `Statements::claim` for every interleaving), with a
+            // third writer: `took` takes over a live resolvable claim whose lease has lapsed.
+            // `upd` (lifetime over) and `took` (lifetime not over) can never both match one
+            // version of the row, and two takeovers at once cannot both win: the second
+            // waits for the first's row lock, re-checks its WHERE on the new version — whose
+            // lease is live — and changes nothing; its read then shows the old version, which
+            // the caller recognises (a lapsed lease, no claim) and runs the statement again.
+            claim: format!(
+                "WITH c AS (SELECT {NOW_MS} AS ms),
+                stamped AS (
+                    SELECT overlay($3::bytea PLACING
+                        int8send(c.ms + $4::bigint) || int8send(c.ms) || int8send(c.ms + $5::bigint)
+                        || '\\x46'::bytea || int8send(0::bigint)
+                        FROM 22 FOR 33) AS value,
+                        now() + ($5::bigint + $6::bigint) * interval '1 millisecond' AS expires_at
+                    FROM c
+                ), ins AS (
+                    INSERT INTO {t} (key, token, value, expires_at)
+                    SELECT $1, $2, s.value, s.expires_at FROM stamped s
+                    ON CONFLICT (key) DO NOTHING
+                    RETURNING value
+                ), upd AS (
+                    UPDATE {t} AS r
+                    SET token = $2, value = s.value, expires_at = s.expires_at
+                    FROM stamped s
+                    WHERE r.key = $1 AND r.expires_at <= now()
+                    RETURNING r.value
+                ), took AS (
+                    UPDATE {t} AS r
+                    SET token = $2, value = overlay(overlay(r.value
+                            PLACING $2::bytea || int8send(c.ms + $4::bigint) FROM 6 FOR 24)
+                            PLACING '\\x52'::bytea || int8send(c.ms) FROM 46 FOR 9)
+                    FROM c
+                    WHERE r.key = $1 AND r.expires_at > now() AND {IS_RESOLVABLE}
+                      AND substring(r.value FROM 22 FOR 8) <= int8send(c.ms)
+                    RETURNING r.value
+                )
+                SELECT 1, value, (SELECT ms FROM c) FROM ins
+                UNION ALL SELECT 1, value, (SELECT ms FROM c) FROM upd
+                UNION ALL SELECT 2, value, (SELECT ms FROM c) FROM took
+                UNION ALL SELECT 3, value, (SELECT ms FROM c) FROM {t}
+                    WHERE key = $1 AND expires_at > now()"
+            ),
+            // The lease only: the row's lifetime grows if the lease outlasts it, never shrinks.
+            renew: format!(
+                "WITH c AS (SELECT {NOW_MS} AS ms)
+                UPDATE {t} AS r
+                SET value = overlay(r.value PLACING int8send(c.ms + $3::bigint) FROM 22 FOR 8),
+                    expires_at = greatest(r.expires_at, now() + $3::bigint * interval '1 millisecond')
+                FROM c
+                WHERE {held}
+                RETURNING c.ms"
+            ),
+            resolving: format!(
+                "WITH c AS (SELECT {NOW_MS} AS ms)
+                UPDATE {t} AS r
+                SET value = overlay(overlay(r.value
+                        PLACING int8send(c.ms + $3::bigint) FROM 22 FOR 8)
+                        PLACING '\\x52'::bytea || int8send(c.ms + $4::bigint) FROM 46 FOR 9),
+                    expires_at = greatest(r.expires_at, now() + $3::bigint * interval '1 millisecond')
+                FROM c
+                WHERE {held}
+                RETURNING c.ms"
+            ),
+            complete: format!(
+                "WITH c AS (SELECT {NOW_MS} AS ms)
+                UPDATE {t} AS r
+                SET token = NULL, value = $3,
+                    expires_at = now() + $4::bigint * interval '1 millisecond'
+                FROM c
+                WHERE {held}"
+            ),
+            // True when the key is then free of our claim: deleted now, or nothing live there.
+            // Our own claim with a lapsed lease is left (it may have been sent): false.
+            release: format!(
+                "WITH c AS (SELECT {NOW_MS} AS ms), del AS (
+                    DELETE FROM {t} AS r USING c WHERE {held}
+                    RETURNING 1
+                )
+                SELECT EXISTS (SELECT 1 FROM del)
+                    OR NOT EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND expires_at > now())"
+            ),
+            now: format!("SELECT {NOW_MS}"),
+        }
     }
 }

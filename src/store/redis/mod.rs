@@ -52,11 +52,14 @@ use redis::{AsyncCommands, RedisResult, Script};
 pub(crate) use self::connect::{client, cluster_client};
 pub use self::connection::RedisConnection;
 use self::replicas::Replicas;
-use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
-use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use self::scripts::{
+    CLAIM_RESOLVABLE, COMPLETE, COMPLETE_RESOLVABLE, COMPLETE_STAGED, FORGET, INSPECT, NOW,
+    RELEASE, RELEASE_RESOLVABLE, RENEW, RENEW_RESOLVABLE,
+};
+use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreKind, StoreOp};
-use crate::record::{DecodeError, FINISHED_PREFIX};
+use crate::record::{DecodeError, FINISHED_PREFIX, FINISHED_PREFIX_2};
 
 /// The Redis store, on one Redis (the default) or a Redis Cluster.
 pub struct RedisStore<C = ConnectionManager> {
@@ -70,8 +73,32 @@ pub struct RedisStore<C = ConnectionManager> {
     release: Script,
     inspect: Script,
     forget: Script,
+    /// The scripts of a claim that can be resolved (`on_unknown_outcome: resolve`).
+    resolvable: ResolvableScripts,
     /// `store.wait_replicas` > 0 (one Redis only).
     replicas: Option<Replicas>,
+}
+
+/// The scripts of a claim that can be resolved: its lease lives inside the value, on Redis's
+/// clock (`TIME`, read by each script), and the key's lifetime is its own (`PXAT` when
+/// claimed, never shortened after), so a lapsed lease no longer frees the key: it lets a claim
+/// take the resolution over, in one script.
+struct ResolvableScripts {
+    claim: Script,
+    renew: Script,
+    complete: Script,
+    release: Script,
+    now: Script,
+}
+
+/// A resolvable claim's token (the fence its scripts compare).
+fn resolvable_token<'a>(op: &'static str, held: &'a Held) -> Result<&'a [u8], StoreError> {
+    held.resolvable()
+        .map(|r| &r.token[..])
+        .ok_or_else(|| StoreError::Backend {
+            op,
+            source: "a resolvable claim was expected".into(),
+        })
 }
 
 /// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
@@ -182,6 +209,13 @@ impl<C: RedisConnection> RedisStore<C> {
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             forget: Script::new(FORGET),
+            resolvable: ResolvableScripts {
+                claim: Script::new(CLAIM_RESOLVABLE),
+                renew: Script::new(RENEW_RESOLVABLE),
+                complete: Script::new(COMPLETE_RESOLVABLE),
+                release: Script::new(RELEASE_RESOLVABLE),
+                now: Script::new(NOW),
+            },
             replicas: None,
         }
     }
@@ -285,6 +319,22 @@ impl<C: RedisConnection> RedisStore<C> {
         ttl: Duration,
     ) -> RedisResult<bool> {
         let key = key.text();
+        // A resolvable claim is fenced on its token (its value changes as its lease is
+        // renewed), so the staged path, which compares whole values, does not apply: the
+        // record goes inline. Resolutions are rare, and their records are bounded by
+        // `max_response_body` like any.
+        if let Some(r) = held.resolvable() {
+            let n: i64 = self
+                .resolvable
+                .complete
+                .key(key)
+                .arg(&r.token[..])
+                .arg(done.as_ref())
+                .arg(millis(ttl))
+                .invoke_async(&mut conn)
+                .await?;
+            return Ok(n == 1);
+        }
         if done.len() >= staged::STAGE_FROM
             && let Some(staging) = staged::staging_key(&key, held)
         {
@@ -385,7 +435,73 @@ impl<C: RedisConnection> RedisStore<C> {
         Ok(true)
     }
 
+    /// The claim script of a resolvable claim on `conn`: `(kind, now, value)`.
+    async fn claim_resolvable_on(
+        &self,
+        conn: &mut impl ConnectionLike,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+        token: &[u8],
+    ) -> RedisResult<(i64, u64, Vec<u8>)> {
+        self.resolvable
+            .claim
+            .key(key.text())
+            .arg(held.encoded.as_ref())
+            .arg(millis(times.lease))
+            // 0 is a valid margin here (no `PX` of it): not `millis`, which is at least 1.
+            .arg(u64::try_from(times.send_margin.as_millis()).unwrap_or(u64::MAX))
+            .arg(millis(times.lifetime))
+            .arg(token)
+            .invoke_async(conn)
+            .await
+    }
+
+    /// [`Store::renew`] and [`Store::resolving`] of a resolvable claim: `Some(now)` renewed.
+    async fn renew_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        lease: Duration,
+        next_lookup_in: Option<Duration>,
+    ) -> Result<Option<u64>, StoreError> {
+        let token = resolvable_token("renew", held)?;
+        let next = next_lookup_in
+            .map(|d| millis(d).to_string())
+            .unwrap_or_default();
+        let (renewed, now): (i64, u64) = self
+            .shared("renew", |mut conn| {
+                let next = next.clone();
+                async move {
+                    self.resolvable
+                        .renew
+                        .key(key.text())
+                        .arg(token)
+                        .arg(millis(lease))
+                        .arg(next)
+                        .invoke_async(&mut conn)
+                        .await
+                }
+            })
+            .await?;
+        Ok((renewed == 1).then_some(now))
+    }
+
     async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
+        if held.resolvable().is_some() {
+            let token = resolvable_token("release", held)?;
+            let n: i64 = self
+                .shared("release", |mut conn| async move {
+                    self.resolvable
+                        .release
+                        .key(key.text())
+                        .arg(token)
+                        .invoke_async(&mut conn)
+                        .await
+                })
+                .await?;
+            return Ok(n != 0);
+        }
         let n: i64 = self
             .shared("release", |mut conn| async move {
                 self.release
@@ -438,6 +554,12 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         held: &Held,
         lease: Duration,
     ) -> Result<bool, StoreError> {
+        if held.resolvable().is_some() {
+            return Ok(self
+                .renew_resolvable(key, held, lease, None)
+                .await?
+                .is_some());
+        }
         let n: i64 = self
             .shared("renew", |mut conn| async move {
                 self.renew
@@ -483,6 +605,77 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         Ok(value.map(Bytes::from))
     }
 
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, StoreError> {
+        let token = resolvable_token("claim", held)?;
+        let (kind, now, value) = match &self.replicas {
+            Some(replicas) => {
+                let (dedicated, answer) = replicas
+                    .write("claim", |mut conn| async move {
+                        self.claim_resolvable_on(&mut conn, key, held, times, token)
+                            .await
+                    })
+                    .await?;
+                let (kind, now, value) = answer;
+                if kind == 3 {
+                    dedicated.give_back();
+                } else if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Claim).await {
+                    // A fresh claim is released, as any claim too few replicas acknowledged. A
+                    // takeover is not: the record may have been sent, and must stay to be
+                    // resolved; its lease lapses and the next claim takes it over again.
+                    if kind == 1 {
+                        let _ = bounded("release", self.timeout, self.release_on(key, held)).await;
+                    }
+                    return Err(StoreError::ReplicasMissing {
+                        op: "claim",
+                        wanted: replicas.wanted(),
+                        acked: short.acked,
+                    });
+                }
+                (kind, now, value)
+            }
+            None => {
+                self.shared("claim", |mut conn| async move {
+                    self.claim_resolvable_on(&mut conn, key, held, times, token)
+                        .await
+                })
+                .await?
+            }
+        };
+        let value = Bytes::from(value);
+        match kind {
+            1 => Ok(ResolvableFound::Claimed { value, now }),
+            2 => Ok(ResolvableFound::TakenOver { value, now }),
+            _ => Ok(ResolvableFound::Existing { value }),
+        }
+    }
+
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        self.renew_resolvable(key, held, lease, Some(next_lookup_in))
+            .await
+    }
+
+    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
+        self.shared("now", |mut conn| async move {
+            self.resolvable
+                .now
+                .key(key.text())
+                .invoke_async(&mut conn)
+                .await
+        })
+        .await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.shared("ping", |conn| async move { conn.ping().await })
             .await
@@ -504,6 +697,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
             .forget
             .key(key.text())
             .arg(FINISHED_PREFIX)
+            .arg(FINISHED_PREFIX_2)
             .invoke_async(&mut conn)
             .await
             .map_err(backend("forget"))?;

@@ -80,13 +80,137 @@ return 0";
 pub(crate) const INSPECT: &str = r"
 return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
 
-/// Deletes a finished record only: its value starts with the finished-record prefix
-/// (ARGV[1]). 0: absent; 1: forgotten; 2: anything else, left alone.
+/// Deletes a finished record only: its value starts with a finished-record prefix (ARGV[1],
+/// version 1; ARGV[2], version 2). 0: absent; 1: forgotten; 2: anything else, left alone.
 pub(crate) const FORGET: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
-if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+if string.sub(v, 1, string.len(ARGV[1])) == ARGV[1]
+  or string.sub(v, 1, string.len(ARGV[2])) == ARGV[2] then
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 2";
+
+/// The store's clock, in milliseconds, from Redis's `TIME` (the clock every time in a
+/// resolvable record is on). Every script that reads or writes those times reads the clock
+/// itself, on the node that serves the key.
+macro_rules! now_ms {
+    () => {
+        "local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"
+    };
+}
+
+/// Whether `v` is a resolvable claim (`'Q'`, format version 2; offsets in
+/// [`crate::record::resolvable`], plus one: Lua counts from 1), and whether its lease, at bytes
+/// 22..29, is still live at `now`.
+macro_rules! resolvable_fns {
+    () => {
+        "local function is_q(v)
+  return v and #v >= 86 and string.sub(v, 1, 5) == 'IDP\\2Q'
+end
+local function lease_live(v, now)
+  return struct.unpack('>I8', v, 22) > now
+end
+"
+    };
+}
+
+/// A claim on a `resolve` route (ARGV[1], its times to be stamped here): takes the key if it is
+/// absent, stamping the claim with Redis's clock (lease until now + ARGV[2], claimed now, sent at
+/// the latest now + ARGV[3]) and giving the key its lifetime (ARGV[4] after it was sent,
+/// `PXAT`); or, when the key holds a resolvable claim whose lease has lapsed, takes it over for
+/// the token ARGV[5] (lease until now + ARGV[2], resolving, next lookup now; the rest of the
+/// value and the key's lifetime kept, `KEEPTTL`); or leaves the key as it is. One script, so
+/// two instances can never both take one key over. Answers `{1 claimed | 2 taken over |
+/// 3 existing, now, value}`.
+pub(crate) const CLAIM_RESOLVABLE: &str = concat!(
+    now_ms!(),
+    resolvable_fns!(),
+    r"
+local v = redis.call('GET', KEYS[1])
+local lease = tonumber(ARGV[2])
+if not v then
+  local sent = now + tonumber(ARGV[3])
+  local value = string.sub(ARGV[1], 1, 21)
+    .. struct.pack('>I8I8I8', now + lease, now, sent) .. 'F' .. struct.pack('>I8', 0)
+    .. string.sub(ARGV[1], 55)
+  redis.call('SET', KEYS[1], value, 'PXAT', sent + tonumber(ARGV[4]))
+  return {1, now, value}
+end
+if is_q(v) and not lease_live(v, now) then
+  local value = string.sub(v, 1, 5) .. ARGV[5] .. struct.pack('>I8', now + lease)
+    .. string.sub(v, 30, 45) .. 'R' .. struct.pack('>I8', now) .. string.sub(v, 55)
+  redis.call('SET', KEYS[1], value, 'KEEPTTL')
+  return {2, now, value}
+end
+return {3, now, v}"
+);
+
+/// The holder (token ARGV[1], lease live) of a resolvable claim extends its lease to now +
+/// ARGV[2]; with ARGV[3] not empty, also marks it resolving, its next lookup at now + ARGV[3].
+/// The key's lifetime is never shortened (only lengthened, should the lease outlast it).
+/// Answers `{1 | 0 (lost, nothing written), now}`.
+pub(crate) const RENEW_RESOLVABLE: &str = concat!(
+    now_ms!(),
+    resolvable_fns!(),
+    r"
+local v = redis.call('GET', KEYS[1])
+if not is_q(v) or string.sub(v, 6, 21) ~= ARGV[1] or not lease_live(v, now) then
+  return {0, now}
+end
+local lease_until = now + tonumber(ARGV[2])
+local value
+if ARGV[3] == '' then
+  value = string.sub(v, 1, 21) .. struct.pack('>I8', lease_until) .. string.sub(v, 30)
+else
+  value = string.sub(v, 1, 21) .. struct.pack('>I8', lease_until) .. string.sub(v, 30, 45)
+    .. 'R' .. struct.pack('>I8', now + tonumber(ARGV[3])) .. string.sub(v, 55)
+end
+local expires = redis.call('PEXPIRETIME', KEYS[1])
+redis.call('SET', KEYS[1], value, 'KEEPTTL')
+if expires >= 0 and expires < lease_until then
+  redis.call('PEXPIREAT', KEYS[1], lease_until)
+end
+return {1, now}"
+);
+
+/// The holder (token ARGV[1], lease live) of a resolvable claim replaces it by the finished
+/// record ARGV[2], kept for ARGV[3] milliseconds. A key that already holds that very record
+/// counts as done too (a completion sent again). 1: done; 0: the lease was lost.
+pub(crate) const COMPLETE_RESOLVABLE: &str = concat!(
+    now_ms!(),
+    resolvable_fns!(),
+    r"
+local v = redis.call('GET', KEYS[1])
+if is_q(v) and string.sub(v, 6, 21) == ARGV[1] and lease_live(v, now) then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+if v == ARGV[2] then
+  return 1
+end
+return 0"
+);
+
+/// The holder (token ARGV[1], lease live) of a resolvable claim deletes it. 1: deleted; 2: the
+/// key is gone already; 0: it holds something else, or our claim with its lease lapsed (left
+/// for a takeover: it may have been sent).
+pub(crate) const RELEASE_RESOLVABLE: &str = concat!(
+    now_ms!(),
+    resolvable_fns!(),
+    r"
+local v = redis.call('GET', KEYS[1])
+if not v then
+  return 2
+end
+if is_q(v) and string.sub(v, 6, 21) == ARGV[1] and lease_live(v, now) then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"
+);
+
+/// Redis's clock on the node that serves KEYS[1], in milliseconds.
+pub(crate) const NOW: &str = concat!(now_ms!(), "return now");

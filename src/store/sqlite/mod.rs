@@ -45,10 +45,10 @@ use self::clock::{Clock, deadline, remaining};
 use self::readers::{Readers, Row};
 use self::waiters::Waiters;
 use self::writer::{Shared, Writer};
-use super::{Forgotten, Held, Store, StoreError, StoreKey};
+use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::SqliteSync;
 use crate::metrics::{Metrics, StoreKind};
-use crate::record::{self, Record, Token};
+use crate::record::{self, Token};
 
 /// Records in an SQLite file.
 pub struct SqliteStore {
@@ -155,9 +155,9 @@ impl Inner {
 
 /// The fencing token of a claim held by this proxy.
 fn token(op: &'static str, held: &Held) -> Result<Token, StoreError> {
-    match &held.record {
-        Record::InFlight { token, .. } => Ok(*token),
-        Record::Done { .. } => Err(unavailable(op, "a finished record holds no claim")),
+    match held.record.token() {
+        Some(token) => Ok(*token),
+        None => Err(unavailable(op, "a finished record holds no claim")),
     }
 }
 
@@ -223,6 +223,16 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let key = key.text();
         let token = token("renew", held)?;
+        if held.resolvable().is_some() {
+            return Ok(self
+                .inner
+                .writer
+                .submit("renew", None, false, move |ops, now| {
+                    ops.renew_resolvable(&key, &token, lease, None, now)
+                })
+                .await?
+                .is_some());
+        }
         self.inner
             .writer
             .submit("renew", None, false, move |ops, now| {
@@ -240,6 +250,15 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let key = key.text();
         let token = token("complete", held)?;
+        if held.resolvable().is_some() {
+            return self
+                .inner
+                .writer
+                .submit("complete", Some(key.clone()), false, move |ops, now| {
+                    ops.complete_resolvable(&key, &token, &done, deadline(now, ttl), now)
+                })
+                .await;
+        }
         self.inner
             .writer
             .submit("complete", Some(key.clone()), false, move |ops, now| {
@@ -251,6 +270,15 @@ impl Store for SqliteStore {
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
         let key = key.text();
         let token = token("release", held)?;
+        if held.resolvable().is_some() {
+            return self
+                .inner
+                .writer
+                .submit("release", Some(key.clone()), false, move |ops, now| {
+                    ops.release_resolvable(&key, &token, now)
+                })
+                .await;
+        }
         self.inner
             .writer
             .submit("release", Some(key.clone()), false, move |ops, now| {
@@ -261,6 +289,45 @@ impl Store for SqliteStore {
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
         Ok(self.inner.live("get", key.text()).await?.map(|r| r.value))
+    }
+
+    async fn claim_resolvable(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        times: ResolvableTimes,
+    ) -> Result<ResolvableFound, StoreError> {
+        let key = key.text();
+        let token = token("claim", held)?;
+        let value = held.encoded.clone();
+        // Always on the writer: a live record may be a claim to take over, which is a write.
+        self.inner
+            .writer
+            .submit("claim", None, false, move |ops, now| {
+                ops.claim_resolvable(&key, &token, &value, times, now)
+            })
+            .await
+    }
+
+    async fn resolving(
+        &self,
+        key: &StoreKey,
+        held: &Held,
+        next_lookup_in: Duration,
+        lease: Duration,
+    ) -> Result<Option<u64>, StoreError> {
+        let key = key.text();
+        let token = token("renew", held)?;
+        self.inner
+            .writer
+            .submit("renew", None, false, move |ops, now| {
+                ops.renew_resolvable(&key, &token, lease, Some(next_lookup_in), now)
+            })
+            .await
+    }
+
+    async fn now(&self, _key: &StoreKey) -> Result<u64, StoreError> {
+        Ok(u64::try_from(self.inner.clock.now_ms()).unwrap_or(0))
     }
 
     async fn wait_change(&self, key: &StoreKey, max: Duration) {
@@ -287,7 +354,10 @@ impl Store for SqliteStore {
                 return;
             }
             // Also wake when the lease would lapse: a dead holder never completes.
-            let lease_left = remaining(row.expires_at, self.inner.clock.now_ms());
+            // A resolvable claim's lease is inside it; its row lives longer.
+            let lease_end = record::resolvable::lease_until(&row.value)
+                .map_or(row.expires_at, |l| i64::try_from(l).unwrap_or(i64::MAX));
+            let lease_left = remaining(lease_end, self.inner.clock.now_ms());
             let _ = tokio::time::timeout(lease_left + Duration::from_millis(1), notified).await;
         })
         .await;

@@ -11,6 +11,12 @@
 //! expires_at > now`. A lapsed lease therefore changes nothing, even when nobody has taken the
 //! key since; and a finished row (token NULL) matches no token at all.
 //!
+//! A claim that can be resolved (`on_unknown_outcome: resolve`) keeps its lease inside its
+//! value, and its row's `expires_at` is its lifetime, not its lease. Its operations read the
+//! row, judge the token and the lease in Rust, and write it back, all inside the writer's
+//! transaction: under SQLite's one write lock nothing can change the row in between, so each
+//! is one atomic step, as a single statement would be.
+//!
 //! Blobs are bound by reference (SQLite copies each once, into the row it writes) and read
 //! into one owned buffer; comparisons read the stored blob in place.
 
@@ -18,8 +24,8 @@ use bytes::Bytes;
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, Statement, params};
 
-use crate::record::Token;
-use crate::store::Forgotten;
+use crate::record::{Token, resolvable};
+use crate::store::{Forgotten, ResolvableFound, ResolvableTimes};
 
 /// The claim: insert, or take over a row whose lease or TTL has run out; anything live is left
 /// as it is. `RETURNING` yields a row only when this statement wrote one, so "no row" means the
@@ -41,6 +47,9 @@ const FINISHED_VALUE: &str =
     "SELECT value FROM records WHERE key = ?1 AND token IS NULL AND expires_at > ?2";
 const RELEASE: &str = "DELETE FROM records WHERE key = ?1 AND token = ?2 AND expires_at > ?3";
 const LIVE: &str = "SELECT 1 FROM records WHERE key = ?1 AND expires_at > ?2";
+/// A resolvable claim rewritten by its holder or taken over (its lifetime only ever grows).
+const REWRITE: &str = "
+    UPDATE records SET token = ?2, value = ?3, expires_at = max(expires_at, ?4) WHERE key = ?1";
 const DELETE: &str = "DELETE FROM records WHERE key = ?1";
 /// Expired rows, oldest first through the `expires_at` index, a bounded number at a time.
 const SWEEP: &str = "
@@ -60,6 +69,7 @@ pub(super) struct Ops<'c> {
     live: Statement<'c>,
     delete: Statement<'c>,
     sweep: Statement<'c>,
+    rewrite: Statement<'c>,
 }
 
 impl<'c> Ops<'c> {
@@ -76,6 +86,7 @@ impl<'c> Ops<'c> {
             live: conn.prepare(LIVE)?,
             delete: conn.prepare(DELETE)?,
             sweep: conn.prepare(SWEEP)?,
+            rewrite: conn.prepare(REWRITE)?,
         })
     }
 
@@ -183,10 +194,161 @@ impl<'c> Ops<'c> {
         }
     }
 
+    /// The live value under `key`, if any.
+    fn live_value(&mut self, key: &str, now: i64) -> rusqlite::Result<Option<Vec<u8>>> {
+        self.live_value
+            .query_row(params![key, now], |r| r.get::<_, Vec<u8>>(0))
+            .optional()
+    }
+
+    /// The live value under `key` if it is the resolvable claim of `token` with its lease
+    /// live at `now`.
+    fn held_resolvable(
+        &mut self,
+        key: &str,
+        token: &Token,
+        now: i64,
+    ) -> rusqlite::Result<Option<Vec<u8>>> {
+        let now = u64::try_from(now).unwrap_or(0);
+        Ok(self.live_value(key, now_i64(now))?.filter(|v| {
+            resolvable::token(v) == Some(&token[..])
+                && resolvable::lease_until(v).is_some_and(|l| l > now)
+        }))
+    }
+
+    /// See [`crate::store::Store::claim_resolvable`]: `value` is the new claim, unstamped.
+    pub(super) fn claim_resolvable(
+        &mut self,
+        key: &str,
+        token: &Token,
+        value: &[u8],
+        times: ResolvableTimes,
+        now: i64,
+    ) -> rusqlite::Result<ResolvableFound> {
+        let at = u64::try_from(now).unwrap_or(0);
+        let mut stamped = value.to_vec();
+        resolvable::stamp_claim(&mut stamped, at, ms(times.lease), ms(times.send_margin));
+        let expires_at = now
+            .saturating_add(ms_i64(times.send_margin))
+            .saturating_add(ms_i64(times.lifetime));
+        // Free or lived its lifetime: the upsert takes it (the same statement as a claim).
+        let wrote = self
+            .claim
+            .query_row(params![key, &token[..], &stamped, expires_at, now], |_| {
+                Ok(())
+            })
+            .optional()?;
+        if wrote.is_some() {
+            return Ok(ResolvableFound::Claimed {
+                value: Bytes::from(stamped),
+                now: at,
+            });
+        }
+        let Some(live) = self.live_value(key, now)? else {
+            return Err(rusqlite::Error::QueryReturnedNoRows);
+        };
+        let lapsed = resolvable::lease_until(&live).is_some_and(|l| l <= at);
+        if !lapsed {
+            return Ok(ResolvableFound::Existing {
+                value: Bytes::from(live),
+            });
+        }
+        let mut taken = live;
+        resolvable::stamp_takeover(&mut taken, token, at, ms(times.lease));
+        self.rewrite
+            .execute(params![key, &token[..], &taken, i64::MIN])?;
+        Ok(ResolvableFound::TakenOver {
+            value: Bytes::from(taken),
+            now: at,
+        })
+    }
+
+    /// Renews the resolvable claim of `token` to `lease` from `now` (and with `next_lookup_in`,
+    /// marks it resolving); `Some(now)` if it held the key.
+    pub(super) fn renew_resolvable(
+        &mut self,
+        key: &str,
+        token: &Token,
+        lease: std::time::Duration,
+        next_lookup_in: Option<std::time::Duration>,
+        now: i64,
+    ) -> rusqlite::Result<Option<u64>> {
+        let Some(mut value) = self.held_resolvable(key, token, now)? else {
+            return Ok(None);
+        };
+        let at = u64::try_from(now).unwrap_or(0);
+        let lease_until = at.saturating_add(ms(lease));
+        resolvable::write(&mut value, resolvable::LEASE_UNTIL, lease_until);
+        if let Some(next) = next_lookup_in {
+            value[resolvable::PHASE] = b'R';
+            resolvable::write(
+                &mut value,
+                resolvable::NEXT_LOOKUP_AT,
+                at.saturating_add(ms(next)),
+            );
+        }
+        self.rewrite
+            .execute(params![key, &token[..], &value, now_i64(lease_until)])?;
+        Ok(Some(at))
+    }
+
+    /// Completes the resolvable claim of `token` (token and live lease checked here, then the
+    /// fenced completion).
+    pub(super) fn complete_resolvable(
+        &mut self,
+        key: &str,
+        token: &Token,
+        done: &[u8],
+        expires_at: i64,
+        now: i64,
+    ) -> rusqlite::Result<bool> {
+        if self.held_resolvable(key, token, now)?.is_none() {
+            let landed = self
+                .finished_value
+                .query_row(params![key, now], |r| {
+                    Ok(matches!(r.get_ref(0)?, ValueRef::Blob(b) if b == done))
+                })
+                .optional()?;
+            return Ok(landed == Some(true));
+        }
+        self.complete(key, token, done, expires_at, now)
+    }
+
+    /// Deletes the resolvable claim of `token` while its lease is live. `true` once the key is
+    /// free of it; `false` when something else lives there, or our claim with a lapsed lease
+    /// (left to be taken over: it may have been sent).
+    pub(super) fn release_resolvable(
+        &mut self,
+        key: &str,
+        token: &Token,
+        now: i64,
+    ) -> rusqlite::Result<bool> {
+        if self.held_resolvable(key, token, now)?.is_some() {
+            self.delete.execute(params![key])?;
+            return Ok(true);
+        }
+        Ok(!self.live.exists(params![key, now])?)
+    }
+
     /// Deletes at most `limit` rows expired at `now`; returns how many.
     pub(super) fn sweep(&mut self, now: i64, limit: usize) -> rusqlite::Result<u64> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let deleted = self.sweep.execute(params![now, limit])?;
         Ok(deleted as u64)
     }
+}
+
+/// Milliseconds of a duration, saturating.
+fn ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds of a duration as an SQLite integer, saturating.
+fn ms_i64(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A time of a record as an SQLite integer, saturating.
+fn now_i64(t: u64) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
 }

@@ -11,7 +11,7 @@ use http::StatusCode;
 use rusqlite::Connection;
 
 use super::*;
-use crate::record::{Saved, SavedResponse, new_token};
+use crate::record::{Record, Saved, SavedResponse, new_token};
 use crate::store::{Claim, StoreHandle};
 
 mod file;
@@ -465,4 +465,56 @@ async fn past_the_read_queue_bound_a_read_fails_at_once_during_a_stall() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+// A claim that can be resolved (`on_unknown_outcome: resolve`): the shared contract, on the
+// host's clock moved forward.
+
+#[tokio::test]
+async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder() {
+    let f = Fixture::new();
+    let advance = |d| {
+        f.advance(d);
+        std::future::ready(())
+    };
+    crate::store::resolvable_tests::claim_takeover_and_complete(&f.handle, &k(1), advance).await;
+}
+
+#[tokio::test]
+async fn a_resolvable_claim_lives_its_lifetime_whatever_its_lease() {
+    let f = Fixture::new();
+    let advance = |d| {
+        f.advance(d);
+        std::future::ready(())
+    };
+    crate::store::resolvable_tests::lifetime_and_give_up(&f.handle, &k(2), advance).await;
+}
+
+/// The sweep deletes a resolvable claim by its lifetime, never by its lapsed lease.
+#[tokio::test]
+async fn the_sweep_leaves_a_resolvable_claim_until_its_lifetime() {
+    use crate::store::resolvable_tests::{resolvable, times};
+    let f = Fixture::new();
+    let give_up = Duration::from_secs(30);
+    let a = resolvable(4, give_up);
+    f.handle
+        .claim_resolvable(&k(4), &a, times(give_up * 2))
+        .await
+        .expect("claim");
+    f.advance(Duration::from_secs(40));
+    f.store.inner.sweep_batch().await.expect("sweep");
+    assert_eq!(f.rows(), 1, "a lapsed lease is no lapsed record");
+    f.advance(Duration::from_secs(30));
+    f.store.inner.sweep_batch().await.expect("sweep");
+    assert_eq!(f.rows(), 0, "gone after 2 s + 60 s");
+}
+
+#[tokio::test]
+async fn a_resolvable_claim_is_released_only_while_its_lease_holds() {
+    let f = Fixture::new();
+    let advance = |d| {
+        f.advance(d);
+        std::future::ready(())
+    };
+    crate::store::resolvable_tests::release_is_fenced(&f.handle, &k(3), advance).await;
 }
