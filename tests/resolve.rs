@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use harness::{Backend, Env, Reply, TestProxy, book_with, eventually, every_store};
+use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
 every_store!(
     a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
@@ -287,4 +287,119 @@ async fn with_on_conflict_wait_a_repeat_waits_for_the_resolution(backend: Backen
     assert_eq!(waited.header("idempotent-resolved"), "true");
     assert_eq!(bookings_for(&env, "R-wait"), 1);
     proxy.stop().await;
+}
+
+/// The stores whose records outlive the proxy (SPEC §4.6): a proxy SIGKILLed mid-request or
+/// mid-resolution, started again on the same store, resolves the key and never forwards it
+/// twice.
+macro_rules! across_restarts {
+    ($($module:ident: $backend:ident),* $(,)?) => {
+        $(
+            mod $module {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_proxy_killed_mid_request_is_resolved_after_its_restart() {
+                    super::killed(harness::Backend::$backend, super::Killed::MidRequest).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_proxy_killed_mid_resolution_is_resolved_after_its_restart() {
+                    super::killed(harness::Backend::$backend, super::Killed::MidResolution).await
+                }
+            }
+        )*
+    };
+}
+
+across_restarts!(restart_sqlite: Sqlite, restart_postgres: Postgres, restart_redis: Redis);
+
+/// When the proxy dies.
+enum Killed {
+    /// While the upstream call is running (the booking made, the response not yet sent).
+    MidRequest,
+    /// After the first client got its 502, while the lookups still answer 404.
+    MidResolution,
+}
+
+/// SIGKILL, and wait for the process to be gone.
+fn kill(proxy: &mut ProxyProcess) {
+    proxy.signal("-KILL");
+    // A process killed by a signal has no exit code: `wait` reaps it and answers `None`.
+    let _ = proxy.wait(Duration::from_secs(5));
+}
+
+async fn killed(backend: Backend, when: Killed) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 30s\ninterval: 200ms\ngive_up_after: 1m",
+        "lock_ttl: 2s\n",
+    );
+    let port = harness::free_port();
+    let mut victim = ProxyProcess::spawn_on(&yaml, port);
+    let (key, reference) = ("k-killed", "R-killed");
+    let body = booking(reference);
+    match when {
+        Killed::MidRequest => {
+            let url = victim.url("");
+            let body = body.clone();
+            // Fails when the process dies; only the side effect matters.
+            tokio::spawn(async move {
+                let _ = harness::send(
+                    harness::client()
+                        .post(format!("{url}/bookings"))
+                        .header("Idempotency-Key", key)
+                        .header("Content-Type", "application/json")
+                        .header("X-Mock-Hang", "30s")
+                        .body(body),
+                )
+                .await;
+            });
+            assert!(
+                eventually(Duration::from_secs(5), || bookings_for(&env, reference)
+                    == 1)
+                .await,
+                "the booking was made"
+            );
+        }
+        Killed::MidResolution => {
+            let first = book_with(
+                &victim.url(""),
+                key,
+                &body,
+                &[
+                    ("X-Mock-Lose-Response", "after"),
+                    ("X-Mock-Commit-After", "6s"),
+                ],
+            )
+            .await;
+            first.assert_problem(502, "upstream-failed");
+            // A lookup or two answered 404.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    kill(&mut victim);
+
+    let proxy = ProxyProcess::spawn_on(&yaml, port);
+    let until = Instant::now() + Duration::from_secs(30);
+    let settled = loop {
+        let reply = book_with(&proxy.url(""), key, &body, &[]).await;
+        if reply.status != 409 || Instant::now() >= until {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        settled.status,
+        200,
+        "the restarted proxy resolved the key to the booking: {:?}\n{}",
+        settled.body,
+        proxy.log()
+    );
+    assert_eq!(settled.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, reference), 1, "never forwarded twice");
+    assert!(
+        proxy.log().contains("taken over"),
+        "the restarted proxy took the claim over:\n{}",
+        proxy.log()
+    );
 }
