@@ -8,6 +8,9 @@
 
 use std::time::{Duration, Instant};
 
+use idemproxy::config::Config;
+use idemproxy::proxy::Reloaded;
+
 use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
 every_store!(
@@ -17,6 +20,9 @@ every_store!(
     lookups_that_never_answer_end_as_outcome_unknown_and_never_forward,
     a_repeat_during_the_resolution_is_409_and_not_forwarded,
     with_on_conflict_wait_a_repeat_waits_for_the_resolution,
+    a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
+    a_reload_during_a_resolution_leaves_it_under_what_it_started_with,
+    an_observed_route_resolves_in_the_background_and_forwards_repeats,
 );
 
 const ROUTE: &str = "create-booking";
@@ -286,6 +292,100 @@ async fn with_on_conflict_wait_a_repeat_waits_for_the_resolution(backend: Backen
     );
     assert_eq!(waited.header("idempotent-resolved"), "true");
     assert_eq!(bookings_for(&env, "R-wait"), 1);
+    proxy.stop().await;
+}
+
+async fn a_lookup_part_that_cannot_be_read_is_refused_before_the_claim(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&resolving(&env, "settle_after: 5s", "")).await;
+    // No `reference` in the body: the lookup could never be sent, so nothing is claimed.
+    let refused = book_with(&proxy.url(""), "k-noref", r#"{"seat":"12A"}"#, &[]).await;
+    let doc = refused.assert_problem(400, "unreadable-key-part");
+    assert!(
+        doc["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("json:/reference")),
+        "the detail names the part: {doc}"
+    );
+    assert_eq!(env.mock.calls("k-noref"), 0, "nothing forwarded");
+    // Nothing claimed: the same key with a readable body runs.
+    let body = booking("R-noref");
+    let ran = book_with(&proxy.url(""), "k-noref", &body, &[]).await;
+    assert_eq!(ran.status, 201, "{:?}", ran.body);
+    proxy.stop().await;
+}
+
+async fn a_reload_during_a_resolution_leaves_it_under_what_it_started_with(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 10s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-reload");
+    let first = book_with(
+        &proxy.url(""),
+        "k-reload",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    // A reload that would end a resolution at once (absent final at once, giving up at once)
+    // applies only to resolutions that start after it.
+    let changed = resolving(
+        &env,
+        "settle_after: 200ms\ninterval: 200ms\ngive_up_after: 200ms",
+        "",
+    );
+    let config = Config::from_yaml(&changed).expect("valid");
+    let reloaded = proxy.proxy.reload(config);
+    assert!(matches!(reloaded, Reloaded::Applied(_)), "{reloaded:?}");
+    let settled = retry_until_settled(&proxy, "k-reload", &body).await;
+    assert_eq!(
+        settled.status, 200,
+        "found under the first times: {:?}",
+        settled.body
+    );
+    assert_eq!(settled.header("idempotent-resolved"), "true");
+    assert_eq!(resolutions(&proxy, "gave_up"), 0);
+    assert_eq!(bookings_for(&env, "R-reload"), 1);
+    proxy.stop().await;
+}
+
+async fn an_observed_route_resolves_in_the_background_and_forwards_repeats(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "settle_after: 10s\ninterval: 200ms",
+            "mode: observe\n",
+        ))
+        .await;
+    let body = booking("R-observed");
+    let first = book_with(
+        &proxy.url(""),
+        "k-observed",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    assert_eq!(first.status, 502, "{:?}", first.body);
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "found") == 1).await,
+        "the observed route resolved the key in the background"
+    );
+    // Observe forwards every request: the repeat runs, and is counted as a replay of the
+    // resolved result.
+    let repeat = book_with(&proxy.url(""), "k-observed", &body, &[]).await;
+    assert_eq!(repeat.status, 201, "forwarded: {:?}", repeat.body);
+    assert!(repeat.headers.get("idempotent-replayed").is_none());
+    assert_eq!(
+        bookings_for(&env, "R-observed"),
+        2,
+        "observe forwards every request"
+    );
     proxy.stop().await;
 }
 
