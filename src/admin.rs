@@ -21,13 +21,13 @@ use std::net::SocketAddr;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
 use crate::proxy::{Proxy, RecordLookup};
-use crate::record::{Phase, Record, Saved};
+use crate::record::{Phase, Record, Resolvable, Saved};
 use crate::store::{Forgotten, StoreError};
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -228,11 +228,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
         Record::InFlight { .. } => {
             doc["state"] = json!("in_flight");
         }
-        // Never the lookup's copied headers: they may be credentials.
-        Record::Resolvable(r) => match r.phase {
-            Phase::InFlight => doc["state"] = json!("in_flight"),
-            Phase::Resolving => doc["state"] = json!("resolving"),
-        },
+        Record::Resolvable(r) => resolvable_doc(proxy, &key, &r, &mut doc).await,
         Record::Done { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
@@ -265,6 +261,32 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
         }
     }
     json_response(StatusCode::OK, &doc)
+}
+
+/// A claim of a `resolve` route: `in_flight`, or `resolving` with the time of its next lookup
+/// (on the store's clock, which the record's times are on: the wait from now, and when that
+/// is by this host's clock). The lookup is named by its upstream, method and the names of its
+/// copied headers — never their values, which may be credentials.
+async fn resolvable_doc(proxy: &Proxy, key: &StoreKey, r: &Resolvable, doc: &mut Value) {
+    doc["lookup"] = json!({
+        "upstream": r.lookup.upstream,
+        "method": r.lookup.method.as_str(),
+        "headers": r.lookup.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+    });
+    if r.phase == Phase::InFlight {
+        doc["state"] = json!("in_flight");
+        return;
+    }
+    doc["state"] = json!("resolving");
+    // The store's clock, read once more: a time of the record means nothing without it.
+    if let Ok(now) = proxy.store().now(key).await {
+        let wait = r.next_lookup_at.saturating_sub(now);
+        doc["next_lookup_in_ms"] = json!(wait);
+        let at = std::time::SystemTime::now() + std::time::Duration::from_millis(wait);
+        if let Ok(unix) = at.duration_since(std::time::UNIX_EPOCH) {
+            doc["next_lookup_at_unix_ms"] = json!(unix.as_millis() as u64);
+        }
+    }
 }
 
 async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Response<Body> {

@@ -6,7 +6,7 @@
 //! name the section of the product contract a rule comes from.
 //!
 //! # Layout
-//! One line a module, in the order a request meets them; `tests/layout.rs` keeps the list whole.
+//! One line a module, in the order a request meets them; `tests/project/layout.rs` keeps the list whole.
 //! - [`server`]: [`run`] and the workers — listeners, accept loops, connection deadlines, TLS,
 //!   the drain — and which store each worker opens.
 //! - [`proxy`]: the per-request flow — match, admission, exchange, lease, settle, replay,

@@ -211,7 +211,7 @@ mod tests {
             let e = signal_reload(Some(&path)).expect_err(garbled);
             assert!(matches!(e, SignalError::Garbled { .. }), "{garbled:?}: {e}");
         }
-        // (A live process that is not idemproxy, and a dead one: tests/reload.rs, with real
+        // (A live process that is not idemproxy, and a dead one: tests/server/reload/process.rs, with real
         // processes; this test binary's own name contains "idemproxy".)
     }
 }

@@ -20,11 +20,15 @@
 //! been forwarded (for example, to parse and timestamp the HTTP requests an upstream received).
 //! Dropping the relay stops it and closes every connection it holds.
 //!
-//! ```ignore
-//! let relay = Relay::start(redis.addr()).await;
-//! // point the proxy at relay.addr() instead of Redis, then:
+//! ```
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use idemproxy_harness::relay::Relay;
+//! let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let relay = Relay::start(upstream.local_addr().unwrap()).await;
+//! // point the proxy at relay.addr() instead of the server, then:
 //! relay.blackhole();
 //! relay.pass(); // every connection that lived through the blackhole is reset
+//! # });
 //! ```
 
 use std::net::SocketAddr;

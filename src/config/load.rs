@@ -63,8 +63,11 @@ pub(super) fn parse(text: &str) -> Parsed {
         // last one winning: the tree, which refuses it, says where.
         Ok(raw) => {
             let errors = match yaml_serde::from_str::<Value>(text) {
-                Ok(_) => Vec::new(),
-                Err(e) => vec![duplicate_entry(text, &e)],
+                Err(e) if e.to_string().contains("duplicate entry") => {
+                    vec![duplicate_entry(text, &e)]
+                }
+                // Anything else the tree refuses, the typed reading took: as it always did.
+                _ => Vec::new(),
             };
             return Parsed {
                 raw: errors.is_empty().then_some(raw),

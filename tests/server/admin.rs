@@ -641,3 +641,95 @@ fn the_metrics_text_is_read_as_a_scraper_reads_it() {
             .is_err()
     );
 }
+
+/// §4.8: a key being resolved (its claim taken over, written here as another instance on the
+/// same Redis would) shows as `resolving` with the wait for its next lookup and the lookup's
+/// upstream, method and header names — never the copied header values; `keys forget`
+/// answers 409 for it, as for any claim in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_a_key_being_resolved_and_never_forget_it() {
+    use idemproxy::record::{Held, Lookup, Record, Resolvable};
+    use idemproxy::store::{ResolvableClaim, ResolvableTimes, StoreKey};
+
+    let env = Env::new(Backend::Redis).await;
+    let token = token_file("s3cret-token");
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!(
+            "shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:1\nadmin_token_file: {}\n",
+            token.path().display()
+        ),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let admin = admin(&proxy).await;
+    let store = env.store_handle().await;
+    let key = StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [0x42; 32],
+    );
+    let claim = Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        [1; 16],
+        [2; 32],
+        Lookup {
+            upstream: "booking".into(),
+            method: http::Method::GET,
+            target: "/bookings/by-reference/r-9".into(),
+            headers: vec![(
+                HeaderName::from_static("authorization"),
+                HeaderValue::from_static("Bearer very-secret-credential"),
+            )],
+        },
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+        Duration::from_secs(600),
+    ))));
+    let times = ResolvableTimes {
+        lease: Duration::from_secs(30),
+        send_margin: Duration::from_secs(1),
+        lifetime: Duration::from_secs(3600),
+    };
+    let Ok(ResolvableClaim::Claimed { held, .. }) =
+        store.claim_resolvable(&key, &claim, times).await
+    else {
+        panic!("the claim of a free key");
+    };
+    let url = format!("{}/keys/create-booking/{}", admin.base, "42".repeat(32));
+    let in_flight = get(url.clone(), Some("s3cret-token")).await;
+    assert_eq!(
+        in_flight.json()["state"],
+        "in_flight",
+        "{:?}",
+        in_flight.body
+    );
+    let next = Duration::from_secs(20);
+    store
+        .resolving(&key, &held, next, times.lease)
+        .await
+        .expect("resolving")
+        .expect("still held");
+
+    let shown = get(url.clone(), Some("s3cret-token")).await;
+    assert_eq!(shown.status, 200, "{:?}", shown.body);
+    let doc = shown.json();
+    assert_eq!(doc["state"], "resolving");
+    let wait = doc["next_lookup_in_ms"].as_u64().expect("the next lookup");
+    assert!(wait > 15_000 && wait <= 20_000, "next lookup in {wait} ms");
+    assert!(doc["next_lookup_at_unix_ms"].as_u64().is_some());
+    assert_eq!(doc["lookup"]["upstream"], "booking");
+    assert_eq!(doc["lookup"]["method"], "GET");
+    assert_eq!(doc["lookup"]["headers"][0], "authorization");
+    let text = String::from_utf8_lossy(&shown.body);
+    assert!(
+        !text.contains("very-secret-credential"),
+        "never a copied header's value: {text}"
+    );
+    let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
+    del.assert_problem(409, "record-in-flight");
+    assert_eq!(
+        get(url, Some("s3cret-token")).await.json()["state"],
+        "resolving"
+    );
+    admin.stop().await;
+    proxy.stop().await;
+}

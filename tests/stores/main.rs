@@ -9,11 +9,13 @@
 //! - [`cluster`] — `redis-cluster`, slot moves and failover.
 //! - [`postgres`] — the PostgreSQL store.
 //! - [`sqlite`] — the SQLite store.
+//! - [`resolvable`] — the claim of a `resolve` route: takeover, lifetime, fencing.
 
 mod cluster;
 mod contract;
 mod faults;
 mod postgres;
 mod redis;
+mod resolvable;
 mod sqlite;
 mod wait_replicas;

@@ -1,5 +1,5 @@
 //! Unit tests of the PostgreSQL store that need no server (the server tests are in
-//! `tests/postgres.rs`).
+//! `tests/stores/postgres.rs`).
 
 use super::*;
 use crate::config::Secret;

@@ -37,6 +37,7 @@ mod connect;
 mod connection;
 mod replicas;
 mod resend;
+mod resolving;
 mod scripts;
 mod staged;
 
@@ -52,10 +53,8 @@ use redis::{AsyncCommands, RedisResult, Script};
 pub(crate) use self::connect::{client, cluster_client};
 pub use self::connection::RedisConnection;
 use self::replicas::Replicas;
-use self::scripts::{
-    CLAIM_RESOLVABLE, COMPLETE, COMPLETE_RESOLVABLE, COMPLETE_STAGED, FORGET, INSPECT, NOW,
-    RELEASE, RELEASE_RESOLVABLE, RENEW, RENEW_RESOLVABLE,
-};
+use self::resolving::{ResolvableScripts, resolvable_token};
+use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreKind, StoreOp};
@@ -77,28 +76,6 @@ pub struct RedisStore<C = ConnectionManager> {
     resolvable: ResolvableScripts,
     /// `store.wait_replicas` > 0 (one Redis only).
     replicas: Option<Replicas>,
-}
-
-/// The scripts of a claim that can be resolved: its lease lives inside the value, on Redis's
-/// clock (`TIME`, read by each script), and the key's lifetime is its own (`PXAT` when
-/// claimed, never shortened after), so a lapsed lease no longer frees the key: it lets a claim
-/// take the resolution over, in one script.
-struct ResolvableScripts {
-    claim: Script,
-    renew: Script,
-    complete: Script,
-    release: Script,
-    now: Script,
-}
-
-/// A resolvable claim's token (the fence its scripts compare).
-fn resolvable_token<'a>(op: &'static str, held: &'a Held) -> Result<&'a [u8], StoreError> {
-    held.resolvable()
-        .map(|r| &r.token[..])
-        .ok_or_else(|| StoreError::Backend {
-            op,
-            source: "a resolvable claim was expected".into(),
-        })
 }
 
 /// Maps a Redis error. A value of another Redis type under a store key (WRONGTYPE) is a corrupt
@@ -165,13 +142,9 @@ impl RedisStore<ConnectionManager> {
 
     fn with_client(client: redis::Client, timeout: Duration) -> Result<Self, StoreError> {
         let server = client.get_connection_info().addr().to_string();
-        // One connection attempt per (re)connection, no retries with backoff: a refused
-        // connection (Redis down) must fail the operation at once, as a 503, where retries
-        // would hold it until `store.timeout`. The next operation tries again, so Redis back
-        // is served at once too.
-        // A connection attempt may outlive the operation that started it (a hung Redis): the
-        // operation's own deadline, `store.timeout`, ends the wait, and the next operation
-        // finds the attempt still going rather than starting another.
+        // One attempt per (re)connection, no backoff retries: a refused connection (Redis
+        // down) is a 503 at once, not at `store.timeout` ([`resend`] tries a fresh one). An
+        // attempt may outlive its operation (a hung Redis): `store.timeout` ends the wait.
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.saturating_mul(2)))
             .set_response_timeout(Some(timeout))
@@ -209,13 +182,7 @@ impl<C: RedisConnection> RedisStore<C> {
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             forget: Script::new(FORGET),
-            resolvable: ResolvableScripts {
-                claim: Script::new(CLAIM_RESOLVABLE),
-                renew: Script::new(RENEW_RESOLVABLE),
-                complete: Script::new(COMPLETE_RESOLVABLE),
-                release: Script::new(RELEASE_RESOLVABLE),
-                now: Script::new(NOW),
-            },
+            resolvable: ResolvableScripts::new(),
             replicas: None,
         }
     }
@@ -435,58 +402,6 @@ impl<C: RedisConnection> RedisStore<C> {
         Ok(true)
     }
 
-    /// The claim script of a resolvable claim on `conn`: `(kind, now, value)`.
-    async fn claim_resolvable_on(
-        &self,
-        conn: &mut impl ConnectionLike,
-        key: &StoreKey,
-        held: &Held,
-        times: ResolvableTimes,
-        token: &[u8],
-    ) -> RedisResult<(i64, u64, Vec<u8>)> {
-        self.resolvable
-            .claim
-            .key(key.text())
-            .arg(held.encoded.as_ref())
-            .arg(millis(times.lease))
-            // 0 is a valid margin here (no `PX` of it): not `millis`, which is at least 1.
-            .arg(u64::try_from(times.send_margin.as_millis()).unwrap_or(u64::MAX))
-            .arg(millis(times.lifetime))
-            .arg(token)
-            .invoke_async(conn)
-            .await
-    }
-
-    /// [`Store::renew`] and [`Store::resolving`] of a resolvable claim: `Some(now)` renewed.
-    async fn renew_resolvable(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-        next_lookup_in: Option<Duration>,
-    ) -> Result<Option<u64>, StoreError> {
-        let token = resolvable_token("renew", held)?;
-        let next = next_lookup_in
-            .map(|d| millis(d).to_string())
-            .unwrap_or_default();
-        let (renewed, now): (i64, u64) = self
-            .shared("renew", |mut conn| {
-                let next = next.clone();
-                async move {
-                    self.resolvable
-                        .renew
-                        .key(key.text())
-                        .arg(token)
-                        .arg(millis(lease))
-                        .arg(next)
-                        .invoke_async(&mut conn)
-                        .await
-                }
-            })
-            .await?;
-        Ok((renewed == 1).then_some(now))
-    }
-
     async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
         if held.resolvable().is_some() {
             let token = resolvable_token("release", held)?;
@@ -611,49 +526,8 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         held: &Held,
         times: ResolvableTimes,
     ) -> Result<ResolvableFound, StoreError> {
-        let token = resolvable_token("claim", held)?;
-        let (kind, now, value) = match &self.replicas {
-            Some(replicas) => {
-                let (dedicated, answer) = replicas
-                    .write("claim", |mut conn| async move {
-                        self.claim_resolvable_on(&mut conn, key, held, times, token)
-                            .await
-                    })
-                    .await?;
-                let (kind, now, value) = answer;
-                if kind == 3 {
-                    dedicated.give_back();
-                } else if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Claim).await {
-                    // A fresh claim is released, as any claim too few replicas acknowledged. A
-                    // takeover is not: the record may have been sent, and must stay to be
-                    // resolved; its lease lapses and the next claim takes it over again.
-                    if kind == 1 {
-                        let _ = bounded("release", self.timeout, self.release_on(key, held)).await;
-                    }
-                    return Err(StoreError::ReplicasMissing {
-                        op: "claim",
-                        wanted: replicas.wanted(),
-                        acked: short.acked,
-                    });
-                }
-                (kind, now, value)
-            }
-            None => {
-                self.shared("claim", |mut conn| async move {
-                    self.claim_resolvable_on(&mut conn, key, held, times, token)
-                        .await
-                })
-                .await?
-            }
-        };
-        let value = Bytes::from(value);
-        match kind {
-            1 => Ok(ResolvableFound::Claimed { value, now }),
-            2 => Ok(ResolvableFound::TakenOver { value, now }),
-            _ => Ok(ResolvableFound::Existing { value }),
-        }
+        self.claim_resolvable_acknowledged(key, held, times).await
     }
-
     async fn resolving(
         &self,
         key: &StoreKey,

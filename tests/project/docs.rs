@@ -6,9 +6,11 @@
 //! - The fields a reload refuses as needing a restart: every list in the docs names exactly
 //!   the fields a running proxy's refusal names.
 //! - The metrics: the operations guide's table names exactly the series a running proxy
-//!   serves, and every metric name anywhere in the docs is one it serves (a counter with its
-//!   `_total`, as Prometheus is queried).
+//!   serves (with every store's own series, which a proxy serves on that store only), and
+//!   every metric name anywhere in the docs is one of them (a counter with its `_total`, as
+//!   Prometheus is queried).
 //! - The quick start: the lines the README shows are the lines `idemproxy demo` prints.
+//! - The admin token: rotated by a reload, as the operations guide tells operators to do it.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -433,4 +435,48 @@ fn the_quick_start_shows_what_the_demo_prints() {
         shown.contains("curl") && printed.contains(shown),
         "the README's quick start shows other lines than the demo prints.\nREADME:\n{shown}\nprinted:\n{printed}"
     );
+}
+
+/// The operations guide: the admin token is rotated by writing the new one into
+/// `admin_token_file` and reloading — no restart. The old token is refused from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_rotates_the_admin_token() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "old-token\n").expect("write the token");
+    let admin = free_port();
+    let proc = ProxyProcess::spawn(&config(
+        admin,
+        &format!("admin_token_file: {}\n", token_file.display()),
+    ));
+    let lookup = |token: &'static str| async move {
+        harness::client()
+            .get(format!("http://127.0.0.1:{admin}/keys/observed?key=k-1"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("a /keys call")
+            .status()
+            .as_u16()
+    };
+    // Authorized: nothing is saved under that key.
+    assert_eq!(lookup("old-token").await, 404);
+    assert_eq!(lookup("new-token").await, 401);
+
+    std::fs::write(&token_file, "new-token\n").expect("rotate the token");
+    proc.signal("-HUP");
+    let mut rotated = false;
+    for _ in 0..100 {
+        if lookup("new-token").await == 404 {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        rotated,
+        "the new token is taken after the reload:\n{}",
+        proc.log()
+    );
+    assert_eq!(lookup("old-token").await, 401, "the old one is refused");
 }

@@ -1,0 +1,260 @@
+//! A claim that can be resolved (`'Q'`, format version 2): its fields, and the fixed offsets of
+//! its encoding, which the stores read and patch in place (Lua, SQL, the memory and SQLite
+//! stores' Rust): the token and the four times sit at the same place in every such record. Lua
+//! and SQL count from 1: add one to these offsets.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, Method};
+
+use super::{
+    DecodeError, Token, headers_len, millis, put_headers, put_short, take_array, take_headers,
+    take_slice, take_text, take_u8, take_u16, take_u32, take_u64,
+};
+use crate::fingerprint::Fingerprint;
+
+/// How far a claim that can be resolved has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The request may be on its way to the upstream (or its answer on its way back).
+    InFlight,
+    /// The outcome was unknown: lookups are being sent.
+    Resolving,
+}
+
+impl Phase {
+    fn byte(self) -> u8 {
+        match self {
+            Phase::InFlight => b'F',
+            Phase::Resolving => b'R',
+        }
+    }
+}
+
+/// The lookup a resolution sends, rendered when the request was claimed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    /// The name of the upstream it is sent to (`resolve.upstream`, or the route's).
+    pub upstream: String,
+    pub method: Method,
+    /// The path and query, percent-encoded, as sent.
+    pub target: String,
+    /// The request headers copied onto it (`resolve.headers`). Kept in the store while the
+    /// key resolves; never shown by the key tooling, never logged.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// A claim on a `resolve` route (`'Q'`): the claim itself carries what a lookup needs, so that
+/// whoever holds it — the instance that sent the request, or one that took it over after that
+/// one's lease lapsed — can resolve an unknown outcome.
+///
+/// The four times are milliseconds on the store's clock, written by the store (a claim, a
+/// takeover, a renewal, [`crate::store::StoreHandle::resolving`]); what the proxy encodes
+/// there before a claim is overwritten. Compare them only with a `now` the store gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolvable {
+    /// The holder's fencing token. The stores compare this (not the whole value, whose times
+    /// they rewrite) to fence renewals, completions and releases.
+    pub token: Token,
+    /// The lease: the holder is alive until then; after it, a claim takes the record over.
+    pub lease_until: u64,
+    /// When the key was claimed.
+    pub claimed_at: u64,
+    /// The earliest the request can have been sent: the claim plus the upstream's
+    /// `connect_timeout` (the claim is committed before the request is sent, and the request
+    /// cannot be written later than its connect allows). `settle_after` and `give_up_after`
+    /// count from it; the record lives until `give_up_after` + `ttl` after it.
+    pub sent_at: u64,
+    pub phase: Phase,
+    /// While resolving: when the holder sends its next lookup (0 while in flight).
+    pub next_lookup_at: u64,
+    /// The fingerprint of the claiming request.
+    pub fingerprint: Fingerprint,
+    /// The route's `resolve.settle_after` when the key was claimed.
+    pub settle_after: Duration,
+    /// The route's `resolve.interval` when the key was claimed.
+    pub interval: Duration,
+    /// The route's `resolve.give_up_after` when the key was claimed.
+    pub give_up_after: Duration,
+    pub lookup: Lookup,
+}
+
+impl Resolvable {
+    /// A new claim, before the store has stamped its times (they are written as 0 and set by
+    /// the claim).
+    pub fn claim(
+        token: Token,
+        fingerprint: Fingerprint,
+        lookup: Lookup,
+        settle_after: Duration,
+        interval: Duration,
+        give_up_after: Duration,
+    ) -> Resolvable {
+        Resolvable {
+            token,
+            lease_until: 0,
+            claimed_at: 0,
+            sent_at: 0,
+            phase: Phase::InFlight,
+            next_lookup_at: 0,
+            fingerprint,
+            settle_after,
+            interval,
+            give_up_after,
+            lookup,
+        }
+    }
+
+    /// When an `absent` answer becomes final: a lookup sent at or after this (store clock)
+    /// means the operation did not happen.
+    pub fn settles_at(&self) -> u64 {
+        self.sent_at.saturating_add(millis(self.settle_after))
+    }
+
+    /// When the resolution gives up and saves `outcome-unknown` (store clock).
+    pub fn gives_up_at(&self) -> u64 {
+        self.sent_at.saturating_add(millis(self.give_up_after))
+    }
+
+    pub(super) fn encode_into(&self, out: &mut BytesMut) {
+        out.put_u8(b'Q');
+        out.put_slice(&self.token);
+        out.put_u64(self.lease_until);
+        out.put_u64(self.claimed_at);
+        out.put_u64(self.sent_at);
+        out.put_u8(self.phase.byte());
+        out.put_u64(self.next_lookup_at);
+        out.put_slice(&self.fingerprint);
+        out.put_u64(millis(self.settle_after));
+        out.put_u64(millis(self.interval));
+        out.put_u64(millis(self.give_up_after));
+        let lookup = &self.lookup;
+        put_short(out, lookup.upstream.as_bytes());
+        put_short(out, lookup.method.as_str().as_bytes());
+        out.put_u32(u32::try_from(lookup.target.len()).unwrap_or(u32::MAX));
+        out.put_slice(&lookup.target.as_bytes()[..lookup.target.len().min(u32::MAX as usize)]);
+        put_headers(out, &lookup.headers);
+    }
+
+    pub(super) fn encoded_len_hint(&self) -> usize {
+        FIXED
+            + 24
+            + 2
+            + self.lookup.upstream.len()
+            + 2
+            + self.lookup.method.as_str().len()
+            + 4
+            + self.lookup.target.len()
+            + 2
+            + headers_len(&self.lookup.headers)
+    }
+
+    /// Decodes what follows the state byte.
+    pub(super) fn decode_after_state(
+        b: &mut &[u8],
+        bytes: &Bytes,
+    ) -> Result<Resolvable, DecodeError> {
+        let token = take_array::<16>(b)?;
+        let lease_until = take_u64(b)?;
+        let claimed_at = take_u64(b)?;
+        let sent_at = take_u64(b)?;
+        let phase = match take_u8(b)? {
+            b'F' => Phase::InFlight,
+            b'R' => Phase::Resolving,
+            _ => return Err(DecodeError("unknown resolution phase")),
+        };
+        let next_lookup_at = take_u64(b)?;
+        let fingerprint = take_array::<32>(b)?;
+        let settle_after = Duration::from_millis(take_u64(b)?);
+        let interval = Duration::from_millis(take_u64(b)?);
+        let give_up_after = Duration::from_millis(take_u64(b)?);
+        let n = usize::from(take_u16(b)?);
+        let upstream = take_text(b, n)?;
+        let n = usize::from(take_u16(b)?);
+        let method = Method::from_bytes(take_slice(b, n)?)
+            .map_err(|_| DecodeError("invalid lookup method"))?;
+        let n = take_u32(b)? as usize;
+        let target = take_text(b, n)?;
+        let headers = take_headers(b, bytes)?;
+        Ok(Resolvable {
+            token,
+            lease_until,
+            claimed_at,
+            sent_at,
+            phase,
+            next_lookup_at,
+            fingerprint,
+            settle_after,
+            interval,
+            give_up_after,
+            lookup: Lookup {
+                upstream,
+                method,
+                target,
+                headers,
+            },
+        })
+    }
+}
+
+/// The first bytes of every claim that can be resolved.
+pub const PREFIX: &[u8] = b"IDP\x02Q";
+pub const TOKEN: Range<usize> = 5..21;
+pub const LEASE_UNTIL: Range<usize> = 21..29;
+pub const CLAIMED_AT: Range<usize> = 29..37;
+pub const SENT_AT: Range<usize> = 37..45;
+pub const PHASE: usize = 45;
+pub const NEXT_LOOKUP_AT: Range<usize> = 46..54;
+/// Where the fixed part ends (the fingerprint follows).
+pub const FIXED: usize = 54 + 32;
+
+/// Whether encoded bytes are a claim that can be resolved (long enough to hold the fixed
+/// part; the rest is checked when it is decoded).
+pub fn is(bytes: &[u8]) -> bool {
+    bytes.len() >= FIXED && bytes.starts_with(PREFIX)
+}
+
+/// The `u64` at `at`.
+pub fn read(bytes: &[u8], at: Range<usize>) -> u64 {
+    let mut eight = [0u8; 8];
+    eight.copy_from_slice(&bytes[at]);
+    u64::from_be_bytes(eight)
+}
+
+/// Writes `value` at `at`.
+pub fn write(bytes: &mut [u8], at: Range<usize>, value: u64) {
+    bytes[at].copy_from_slice(&value.to_be_bytes());
+}
+
+/// The token of a claim that can be resolved, if `bytes` is one.
+pub fn token(bytes: &[u8]) -> Option<&[u8]> {
+    is(bytes).then(|| &bytes[TOKEN])
+}
+
+/// The lease of a claim that can be resolved, if `bytes` is one.
+pub fn lease_until(bytes: &[u8]) -> Option<u64> {
+    is(bytes).then(|| read(bytes, LEASE_UNTIL))
+}
+
+/// Stamps a new claim's times: claimed `now`, leased until `now + lease`, sent at the
+/// latest `now + send_margin`, in flight (for the stores that write in Rust; Lua and SQL do
+/// the same in place).
+pub fn stamp_claim(bytes: &mut [u8], now: u64, lease: u64, send_margin: u64) {
+    write(bytes, LEASE_UNTIL, now.saturating_add(lease));
+    write(bytes, CLAIMED_AT, now);
+    write(bytes, SENT_AT, now.saturating_add(send_margin));
+    bytes[PHASE] = b'F';
+    write(bytes, NEXT_LOOKUP_AT, 0);
+}
+
+/// Takes a claim over for `token`: leased until `now + lease`, resolving, its next lookup
+/// at once. Everything else — when it was sent, the lookup, the timings — stays as the
+/// first holder wrote it.
+pub fn stamp_takeover(bytes: &mut [u8], token: &[u8], now: u64, lease: u64) {
+    bytes[TOKEN].copy_from_slice(token);
+    write(bytes, LEASE_UNTIL, now.saturating_add(lease));
+    bytes[PHASE] = b'R';
+    write(bytes, NEXT_LOOKUP_AT, now);
+}

@@ -1,0 +1,283 @@
+//! A claim that can be resolved (`on_unknown_outcome: resolve`), on every store, on real time:
+//! its times on the store's clock, its lifetime apart from its lease, the takeover of a lapsed
+//! lease by exactly one of many claims at once, the first holder fenced off after it, and a
+//! claim sent again that finds its own.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use harness::{Backend, Env, store_checks};
+use http::{HeaderName, HeaderValue, Method, StatusCode};
+use idemproxy::record::{Finished, Held, Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
+use idemproxy::store::{Forgotten, ResolvableClaim, ResolvableTimes, Store, StoreHandle, StoreKey};
+
+/// Short, so the tests wait little for a lease to lapse; far longer than a store call.
+const LEASE: Duration = Duration::from_millis(400);
+
+fn key(n: u8) -> StoreKey {
+    StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [n; 32],
+    )
+}
+
+fn times(send_margin: Duration, lifetime: Duration) -> ResolvableTimes {
+    ResolvableTimes {
+        lease: LEASE,
+        send_margin,
+        lifetime,
+    }
+}
+
+/// A token no other claim of this test binary has.
+fn new_token() -> [u8; 16] {
+    static NEXT: AtomicU8 = AtomicU8::new(1);
+    let mut token = [0xA5; 16];
+    token[0] = NEXT.fetch_add(1, Ordering::Relaxed);
+    token
+}
+
+fn resolvable(give_up_after: Duration) -> Held {
+    Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        new_token(),
+        [5; 32],
+        Lookup {
+            upstream: "booking".into(),
+            method: Method::GET,
+            target: "/bookings/by-reference/r-1".into(),
+            headers: vec![(
+                HeaderName::from_static("authorization"),
+                HeaderValue::from_static("Bearer secret"),
+            )],
+        },
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+        give_up_after,
+    ))))
+}
+
+fn found() -> Finished {
+    Finished::new(
+        [5; 32],
+        Saved::Resolved(SavedResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            body: Bytes::from_static(b"{\"id\":\"bk_1\"}"),
+        }),
+    )
+}
+
+/// The claim a claim answered with, and the store's clock then.
+fn ours(claim: ResolvableClaim) -> (Held, u64) {
+    match claim {
+        ResolvableClaim::Claimed { held, now } | ResolvableClaim::TakenOver { held, now, .. } => {
+            (held, now)
+        }
+        ResolvableClaim::Existing(r) => panic!("expected a claim, found {r:?}"),
+    }
+}
+
+fn stamped(held: &Held) -> &Resolvable {
+    held.resolvable().expect("a resolvable claim")
+}
+
+/// Waits until the lease of the claim under `key` has lapsed on the store's clock (bounded).
+async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
+    let lease_until = stamped(held).lease_until;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = s.now(key).await.expect("the store's clock");
+        if now > lease_until {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the lease did not lapse");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The store stamps a new claim on its own clock; sent again, a claim finds its own and is
+/// still a claim (never a takeover); after a lapse, eight claims at once take it over exactly
+/// once; the first holder is then fenced off, and the new one resolves and completes.
+async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
+    let env = Env::new(backend).await;
+    let s = store_checks::handle(env.store().await);
+    let k = key(1);
+    let margin = Duration::from_millis(250);
+    let lifetime = Duration::from_secs(60);
+    let a = resolvable(Duration::from_secs(30));
+    let (a, now) = ours(
+        s.claim_resolvable(&k, &a, times(margin, lifetime))
+            .await
+            .expect("claim"),
+    );
+    let r = stamped(&a).clone();
+    assert_eq!((r.claimed_at, r.phase), (now, Phase::InFlight));
+    assert_eq!(r.sent_at, now + 250, "sent at the latest the margin after");
+    assert_eq!(r.lease_until, now + 400);
+    // Sent again (its answer lost): the key holds our own claim, which is still ours to send.
+    match s.claim_resolvable(&k, &a, times(margin, lifetime)).await {
+        Ok(ResolvableClaim::Claimed { held, .. }) => assert_eq!(stamped(&held).token, r.token),
+        other => panic!("a claim sent again is a claim, got {other:?}"),
+    }
+
+    until_lapsed(&s, &k, &a).await;
+    let s = Arc::new(s);
+    let claims: Vec<_> = (0..8)
+        .map(|_| {
+            let s = s.clone();
+            let k = k.clone();
+            tokio::spawn(async move {
+                let b = resolvable(Duration::from_secs(30));
+                s.claim_resolvable(&k, &b, times(margin, lifetime)).await
+            })
+        })
+        .collect();
+    let mut taken = Vec::new();
+    for claim in claims {
+        match claim.await.expect("claim task").expect("claim") {
+            ResolvableClaim::TakenOver { held, gave_up, .. } => {
+                assert!(!gave_up);
+                taken.push(held);
+            }
+            ResolvableClaim::Existing(Record::Resolvable(_)) => {}
+            other => panic!("expected a takeover or the claim taken over, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        taken.len(),
+        1,
+        "exactly one claim takes the resolution over"
+    );
+    let b = taken.remove(0);
+    let t = stamped(&b).clone();
+    assert_eq!(t.phase, Phase::Resolving);
+    assert_eq!(
+        (t.claimed_at, t.sent_at, &t.lookup),
+        (r.claimed_at, r.sent_at, &r.lookup)
+    );
+    // A takeover sent again finds its own claim resolving: still a takeover, never a claim to
+    // send.
+    assert!(matches!(
+        s.claim_resolvable(&k, &b, times(margin, lifetime)).await,
+        Ok(ResolvableClaim::TakenOver { .. })
+    ));
+
+    // The first holder is fenced off.
+    assert!(!s.renew(&k, &a, LEASE).await.expect("renew"));
+    let next = Duration::from_secs(5);
+    assert_eq!(
+        s.resolving(&k, &a, next, LEASE).await.expect("resolving"),
+        None
+    );
+    let done = found();
+    let ttl = Duration::from_secs(60);
+    assert!(!s.complete(&k, &a, &done, ttl).await.expect("complete"));
+    assert!(!s.release(&k, &a).await.expect("release"));
+
+    let at = s
+        .resolving(&k, &b, next, LEASE)
+        .await
+        .expect("resolving")
+        .expect("held");
+    match s.get(&k).await.expect("get") {
+        Some(Record::Resolvable(now)) => {
+            assert_eq!(now.phase, Phase::Resolving);
+            assert_eq!(now.next_lookup_at, at + 5_000);
+        }
+        other => panic!("expected the claim resolving, got {other:?}"),
+    }
+    assert!(s.complete(&k, &b, &done, ttl).await.expect("complete"));
+    assert!(s.complete(&k, &b, &done, ttl).await.expect("sent again"));
+    assert_eq!(s.get(&k).await.expect("get").as_ref(), Some(done.record()));
+}
+
+/// The key outlives its lease until its lifetime after the send, and renewing never shortens
+/// that; a takeover past `give_up_after` says so; then the key is gone and free.
+async fn a_claim_lives_its_lifetime_whatever_its_lease(backend: Backend) {
+    let env = Env::new(backend).await;
+    let raw: Arc<dyn Store> = env.store().await;
+    let s = store_checks::handle(raw.clone());
+    let k = key(2);
+    let lifetime = Duration::from_millis(2500);
+    let give_up = Duration::from_millis(600);
+    let a = resolvable(give_up);
+    let (a, _) = ours(
+        s.claim_resolvable(&k, &a, times(Duration::ZERO, lifetime))
+            .await
+            .expect("claim"),
+    );
+    let (_, ttl) = raw.inspect(&k).await.expect("inspect").expect("held");
+    assert!(
+        ttl > Duration::from_millis(1500),
+        "lives its lifetime: {ttl:?}"
+    );
+    assert!(
+        s.renew(&k, &a, Duration::from_millis(1))
+            .await
+            .expect("renew")
+    );
+    let (_, renewed) = raw.inspect(&k).await.expect("inspect").expect("held");
+    assert!(
+        renewed > Duration::from_millis(1500),
+        "a short renewal never shortens the lifetime: {renewed:?}"
+    );
+    // Past the lease and past give_up_after, well within the lifetime.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let b = resolvable(give_up);
+    match s
+        .claim_resolvable(&k, &b, times(Duration::ZERO, lifetime))
+        .await
+    {
+        Ok(ResolvableClaim::TakenOver { gave_up: true, .. }) => {}
+        other => panic!("expected a takeover past give_up_after, got {other:?}"),
+    }
+    assert_eq!(raw.forget(&k).await.expect("forget"), Forgotten::InFlight);
+    let deadline = Instant::now() + Duration::from_secs(6);
+    while s.get(&k).await.expect("get").is_some() {
+        assert!(Instant::now() < deadline, "the claim outlived its lifetime");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let c = resolvable(give_up);
+    assert!(matches!(
+        s.claim_resolvable(&k, &c, times(Duration::ZERO, lifetime))
+            .await,
+        Ok(ResolvableClaim::Claimed { .. })
+    ));
+}
+
+/// A fresh claim is released by its holder; a found response saved for it can be forgotten
+/// like any finished record.
+async fn a_claim_is_released_and_a_resolved_record_forgotten(backend: Backend) {
+    let env = Env::new(backend).await;
+    let raw: Arc<dyn Store> = env.store().await;
+    let s = store_checks::handle(raw.clone());
+    let k = key(3);
+    let lifetime = Duration::from_secs(60);
+    let a = resolvable(Duration::from_secs(30));
+    let (a, _) = ours(
+        s.claim_resolvable(&k, &a, times(Duration::ZERO, lifetime))
+            .await
+            .expect("claim"),
+    );
+    assert!(s.release(&k, &a).await.expect("release"));
+    assert_eq!(s.get(&k).await.expect("get"), None);
+    let b = resolvable(Duration::from_secs(30));
+    let (b, _) = ours(
+        s.claim_resolvable(&k, &b, times(Duration::ZERO, lifetime))
+            .await
+            .expect("claim"),
+    );
+    let done = found();
+    assert!(s.complete(&k, &b, &done, lifetime).await.expect("complete"));
+    assert_eq!(raw.forget(&k).await.expect("forget"), Forgotten::Forgotten);
+    assert_eq!(s.get(&k).await.expect("get"), None);
+}
+
+harness::every_store!(
+    a_lapsed_claim_is_taken_over_by_exactly_one_of_many,
+    a_claim_lives_its_lifetime_whatever_its_lease,
+    a_claim_is_released_and_a_resolved_record_forgotten,
+);
