@@ -412,6 +412,47 @@ macro_rules! across_restarts {
 
 across_restarts!(restart_sqlite: Sqlite, restart_postgres: Postgres, restart_redis: Redis);
 
+/// A drain (SIGTERM) waits for a running resolution, within `shutdown_timeout`: the proxy
+/// exits once the lookup has found the booking, and the proxy started again on the file
+/// replays it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_running_resolution() {
+    let env = Env::new(Backend::Sqlite).await;
+    let yaml = resolving(&env, "settle_after: 30s\ninterval: 200ms", "");
+    let port = harness::free_port();
+    let mut proxy = ProxyProcess::spawn_on(&yaml, port);
+    let body = booking("R-drain");
+    let first = book_with(
+        &proxy.url(""),
+        "k-drain",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let draining = Instant::now();
+    proxy.signal("-TERM");
+    let code = proxy.wait(Duration::from_secs(10));
+    assert_eq!(code, Some(0), "a clean exit:\n{}", proxy.log());
+    assert!(
+        draining.elapsed() >= Duration::from_millis(800),
+        "the drain waited for the lookup to find the booking"
+    );
+    assert!(
+        proxy.log().contains("result=\"found\""),
+        "resolved before the exit:\n{}",
+        proxy.log()
+    );
+    let again = ProxyProcess::spawn_on(&yaml, port);
+    let replay = book_with(&again.url(""), "k-drain", &body, &[]).await;
+    assert_eq!(replay.status, 200, "{:?}", replay.body);
+    assert_eq!(replay.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, "R-drain"), 1);
+}
+
 /// When the proxy dies.
 enum Killed {
     /// While the upstream call is running (the booking made, the response not yet sent).
