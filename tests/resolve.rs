@@ -412,6 +412,57 @@ macro_rules! across_restarts {
 
 across_restarts!(restart_sqlite: Sqlite, restart_postgres: Postgres, restart_redis: Redis);
 
+/// Two instances on one store: after the holder dies, repeats to both race to take the claim
+/// over, and exactly one resolves it (the takeover is the claim's atomic step).
+async fn two_instances_never_both_resolve_one_key(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 30s\ninterval: 200ms\ngive_up_after: 1m",
+        "lock_ttl: 2s\n",
+    );
+    let mut victim = ProxyProcess::spawn(&yaml);
+    let (key, reference) = ("k-two", "R-two");
+    let body = booking(reference);
+    let first = book_with(
+        &victim.url(""),
+        key,
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "3s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    kill(&mut victim);
+    let (b, c) = (env.proxy(&yaml).await, env.proxy(&yaml).await);
+    let (on_b, on_c) = tokio::join!(
+        retry_until_settled(&b, key, &body),
+        retry_until_settled(&c, key, &body)
+    );
+    for reply in [&on_b, &on_c] {
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("idempotent-resolved"), "true");
+    }
+    assert_eq!(on_b.body, on_c.body, "one result");
+    let resolved = resolutions(&b, "found") + resolutions(&c, "found");
+    assert_eq!(resolved, 1, "exactly one instance resolved the key");
+    assert_eq!(bookings_for(&env, reference), 1, "never forwarded twice");
+    b.stop().await;
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_redis_never_both_resolve_one_key() {
+    two_instances_never_both_resolve_one_key(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_postgres_never_both_resolve_one_key() {
+    two_instances_never_both_resolve_one_key(Backend::Postgres).await
+}
+
 /// A drain (SIGTERM) waits for a running resolution, within `shutdown_timeout`: the proxy
 /// exits once the lookup has found the booking, and the proxy started again on the file
 /// replays it at once.
