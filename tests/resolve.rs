@@ -23,6 +23,7 @@ every_store!(
     a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
     a_reload_during_a_resolution_leaves_it_under_what_it_started_with,
     an_observed_route_resolves_in_the_background_and_forwards_repeats,
+    a_running_resolution_counts_against_the_observed_bound,
 );
 
 const ROUTE: &str = "create-booking";
@@ -386,6 +387,60 @@ async fn an_observed_route_resolves_in_the_background_and_forwards_repeats(backe
         2,
         "observe forwards every request"
     );
+    proxy.stop().await;
+}
+
+async fn a_running_resolution_counts_against_the_observed_bound(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 10s\ninterval: 200ms",
+        "mode: observe\n",
+    )
+    .replacen(
+        "upstreams:\n",
+        "limits:\n  max_detached_exchanges: 1\nupstreams:\n",
+        1,
+    );
+    let proxy = env.proxy(&yaml).await;
+    // The first resolution runs until its booking becomes visible, 2s on: it fills the bound.
+    let slow = booking("R-bound-1");
+    let first = book_with(
+        &proxy.url(""),
+        "k-bound-1",
+        &slow,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "2s"),
+        ],
+    )
+    .await;
+    assert_eq!(first.status, 502);
+    assert!(
+        eventually(LANDS_WITHIN, || lookups(&proxy, "absent") >= 1).await,
+        "the first resolution is running"
+    );
+    // The second, past the bound, is forwarded without a claim (as observe does at its
+    // bound): never asked about.
+    let second = book_with(
+        &proxy.url(""),
+        "k-bound-2",
+        &booking("R-bound-2"),
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    assert_eq!(second.status, 502);
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "found") == 1).await,
+        "the first resolution ends found"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        resolutions(&proxy, "found"),
+        1,
+        "the second was not resolved"
+    );
+    assert_eq!(lookups(&proxy, "found"), 1);
     proxy.stop().await;
 }
 

@@ -159,6 +159,7 @@ impl Proxy {
                     store,
                     tasks: tasks.clone(),
                     pending: pending.clone(),
+                    detached: metrics.detached_exchanges.clone(),
                 })
             })
             .collect();

@@ -196,7 +196,7 @@ impl Settlement {
                 failure,
                 lookup: Some(lookup),
                 sent,
-            } => Unknown {
+            } if within_observe_bound(context) => Unknown {
                 context: context.clone(),
                 lease,
                 fingerprint,
@@ -207,12 +207,9 @@ impl Settlement {
             }
             .spawn(),
             // A resolve route always renders its lookup before the claim; without one there is
-            // nothing to ask, and keep's result is the safe one.
-            Action::Resolve {
-                failure,
-                lookup: None,
-                ..
-            } => {
+            // nothing to ask, and keep's result is the safe one. So it is on an observed route
+            // whose background work is at its bound.
+            Action::Resolve { failure, .. } => {
                 let done = Finished::new(fingerprint, Saved::Response(failure.saved()));
                 let shared = &context.shared;
                 lease
@@ -274,6 +271,25 @@ impl Why {
             ),
         }
     }
+}
+
+/// Whether a resolution may start: always on an enforced route (its key is held, and its
+/// record taken over if this proxy stops); on an observed route only while the work observe
+/// runs after its clients were answered is under `limits.max_detached_exchanges` (SPEC §4.7),
+/// past which the key is saved as `keep` would save it, and the line logged.
+fn within_observe_bound(context: &Context) -> bool {
+    if context.policy.mode == Mode::Enforce {
+        return true;
+    }
+    let bound = i64::from(context.limits.max_detached_exchanges);
+    let within = context.shared.detached.get() < bound;
+    if !within {
+        tracing::warn!(
+            route = %context.route.name,
+            "observe: at limits.max_detached_exchanges, the unknown outcome is not resolved; saved as keep saves it"
+        );
+    }
+    within
 }
 
 /// The release of an upstream answer that is not the operation's result — the upstream's

@@ -23,6 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 
 use super::ask::{self, Answer, Lookup, Statuses};
@@ -34,6 +35,7 @@ use crate::problem::Problem;
 use crate::proxy::context::Context;
 use crate::proxy::lease::Lease;
 use crate::record::{Finished, Saved};
+use crate::route::Mode;
 use crate::store::Held;
 
 /// A key to resolve: its held claim, and what asking about it takes.
@@ -102,9 +104,16 @@ pub(in crate::proxy) fn take_over(
 
 impl Unknown {
     /// Starts its resolution in a task of its own, tracked so that a drain waits for it.
+    /// On an observed route it counts as work after its client was answered
+    /// (`idemproxy_detached_exchanges`), which observe's bound limits (SPEC §4.7).
     pub(in crate::proxy) fn spawn(self) {
         let tasks = self.context.shared.tasks.clone();
-        tasks.spawn(self.run());
+        let counted = (self.context.policy.mode == Mode::Observe)
+            .then(|| Counted::new(self.context.shared.detached.clone()));
+        tasks.spawn(async move {
+            let _counted = counted;
+            self.run().await;
+        });
     }
 
     async fn run(self) {
@@ -320,5 +329,21 @@ impl Unknown {
                 &shared.pending,
             )
             .await;
+    }
+}
+
+/// One unit of a gauge for as long as it lives: dropped at the task's end, or its panic.
+struct Counted(Gauge);
+
+impl Counted {
+    fn new(gauge: Gauge) -> Counted {
+        gauge.inc();
+        Counted(gauge)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
