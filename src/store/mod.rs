@@ -21,8 +21,8 @@
 //!   The key then lives until `give_up_after` + `ttl` after the request could have been sent,
 //!   whatever happens to the lease; sweeps and expiry never end it earlier.
 //! - `renew` extends only the lease inside the value (never shortening the key's lifetime);
-//!   `resolving` also records that the holder resolves, and when it asks next; `complete` and
-//!   `release` are fenced on the token and on the lease being live. All four know a resolvable
+//!   `resolving` also records that the holder resolves, and when it asks next; `complete` is
+//!   fenced on the token and on the lease being live, `release` on the token alone. All four know a resolvable
 //!   claim by `held.record` and compare its token, not its whole value (the store rewrites its
 //!   times).
 //! - `now`: the store's clock, which every time in a resolvable record is on.
@@ -181,7 +181,12 @@ pub trait Store: Send + Sync + 'static {
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError>;
-    /// Deletes the claim if `held` still holds the key. `true` once the key is free of it:
+    /// Deletes the claim if `held` still holds the key. A resolvable claim is released by its
+    /// token alone, its lease lapsed or not: a takeover replaces the token in the same step
+    /// that takes the claim over, so a token still in place means nobody else holds it, and
+    /// a release says the request was never sent (a claim answered too late, a refusal before
+    /// any byte) or that its lookup found it absent for good — a takeover would then only
+    /// resolve it again. `true` once the key is free of it:
     /// deleted now, or gone already (a release sent again after its answer was lost finds the
     /// key gone; so does one whose lease lapsed with nobody taking the key). `false` only when
     /// the key holds something else — another request's claim or a finished record — which

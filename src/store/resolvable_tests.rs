@@ -279,8 +279,8 @@ where
     ));
 }
 
-/// A fresh claim given up before anything was sent is released; one whose lease lapsed is
-/// left to be taken over.
+/// A fresh claim given up before anything was sent is released, its lease lapsed or not (a
+/// claim answered too late); a takeover fences the first holder's release off.
 pub(crate) async fn release_is_fenced<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
 where
     F: Fn(Duration) -> Fut,
@@ -311,9 +311,25 @@ where
     let b = b.clone();
     advance(LEASE + Duration::from_millis(100)).await;
     assert!(
-        !s.release(key, &b).await.expect("release"),
-        "a lapsed lease is lost"
+        s.release(key, &b).await.expect("release"),
+        "the token still holds it: nobody took it over"
     );
+    assert_eq!(s.get(key).await.expect("get"), None);
+
+    let c = resolvable(3, give_up);
+    let claim = s
+        .claim_resolvable(key, &c, times(lifetime))
+        .await
+        .expect("claim");
+    let (c, _) = stamped(&claim);
+    let c = c.clone();
+    advance(LEASE + Duration::from_millis(100)).await;
+    let d = resolvable(3, give_up);
+    assert!(matches!(
+        s.claim_resolvable(key, &d, times(lifetime)).await,
+        Ok(ResolvableClaim::TakenOver { .. })
+    ));
+    assert!(!s.release(key, &c).await.expect("release"), "taken over");
     assert!(matches!(
         s.get(key).await.expect("get"),
         Some(Record::Resolvable(_))

@@ -99,8 +99,9 @@ async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
 }
 
 /// The store stamps a new claim on its own clock; sent again, a claim finds its own and is
-/// still a claim (never a takeover); after a lapse, eight claims at once take it over exactly
-/// once; the first holder is then fenced off, and the new one resolves and completes.
+/// still a claim (never a takeover); after a lapse, eight claims at once, from two instances
+/// on a shared store, take it over exactly once; the first holder is then fenced off, and the
+/// new one resolves and completes.
 async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     let env = Env::new(backend).await;
     let s = store_checks::handle(env.store().await);
@@ -124,10 +125,19 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     }
 
     until_lapsed(&s, &k, &a).await;
+    // Two instances on one store, where a store is shared (not memory; SQLite takes one
+    // process): the claims alternate between this store and a second one of its own.
+    let second = match backend {
+        Backend::Memory | Backend::Sqlite => None,
+        _ => Some(Arc::new(store_checks::handle(env.store().await))),
+    };
     let s = Arc::new(s);
     let claims: Vec<_> = (0..8)
-        .map(|_| {
-            let s = s.clone();
+        .map(|i| {
+            let s = match &second {
+                Some(other) if i % 2 == 1 => other.clone(),
+                _ => s.clone(),
+            };
             let k = k.clone();
             tokio::spawn(async move {
                 let b = resolvable(Duration::from_secs(30));
@@ -274,6 +284,111 @@ async fn a_claim_is_released_and_a_resolved_record_forgotten(backend: Backend) {
     assert!(s.complete(&k, &b, &done, lifetime).await.expect("complete"));
     assert_eq!(raw.forget(&k).await.expect("forget"), Forgotten::Forgotten);
     assert_eq!(s.get(&k).await.expect("get"), None);
+}
+
+/// The operations guide's `psql` expression reads a claim's lease out of its value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_documented_query_reads_the_lease() {
+    let env = Env::new(Backend::Postgres).await;
+    let s = store_checks::handle(env.store().await);
+    let k = key(4);
+    let a = resolvable(Duration::from_secs(30));
+    let (a, _) = ours(
+        s.claim_resolvable(&k, &a, times(Duration::ZERO, Duration::from_secs(60)))
+            .await
+            .expect("claim"),
+    );
+    let pg = env.postgres();
+    let read = pg.server().sql(&format!(
+        "SELECT ('x' || encode(substring(value FROM 22 FOR 8), 'hex'))::bit(64)::bigint
+         FROM {}.records
+         WHERE substring(value FROM 1 FOR 5) = '\\x4944500251'::bytea AND key = '{}'",
+        pg.schema,
+        k.text()
+    ));
+    assert_eq!(read, stamped(&a).lease_until.to_string());
+}
+
+/// With `store.wait_replicas`, a fresh claim too few replicas acknowledged is released (it was
+/// never sent), and a takeover is not (it may have been sent: it stays to be resolved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_claim_too_few_replicas_acknowledge_is_released_and_a_takeover_kept() {
+    use harness::RedisServer;
+    use idemproxy::config::RedisAccess;
+    use idemproxy::metrics::Metrics;
+    use idemproxy::store::StoreError;
+    use idemproxy::store::redis::RedisStore;
+
+    let env = Env::new(Backend::Redis).await;
+    let primary = env.redis().port();
+    let replica = tokio::task::spawn_blocking(move || {
+        RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.to_string()])
+    })
+    .await
+    .expect("start the replica");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut c = ::redis::Client::open(replica.url())
+            .expect("replica url")
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .expect("connect to the replica");
+        let info: String = ::redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut c)
+            .expect("INFO");
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica did not sync");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let timeout = Duration::from_millis(500);
+    let metrics = Arc::new(Metrics::new());
+    let store = RedisStore::connect(
+        &env.redis().url(),
+        &RedisAccess::default(),
+        1,
+        timeout,
+        metrics.clone(),
+    )
+    .expect("redis store");
+    let s = StoreHandle::new(Arc::new(store), timeout, metrics);
+    let lifetime = Duration::from_secs(60);
+    let a = resolvable(Duration::from_secs(30));
+    let (a, _) = ours(
+        s.claim_resolvable(&key(5), &a, times(Duration::ZERO, lifetime))
+            .await
+            .expect("an acknowledged claim"),
+    );
+
+    replica.pause();
+    let fresh = resolvable(Duration::from_secs(30));
+    match s
+        .claim_resolvable(&key(6), &fresh, times(Duration::ZERO, lifetime))
+        .await
+    {
+        Err(StoreError::ReplicasMissing { .. }) => {}
+        other => panic!("expected too few replicas, got {other:?}"),
+    }
+    assert_eq!(s.get(&key(6)).await.expect("get"), None, "released");
+
+    until_lapsed(&s, &key(5), &a).await;
+    let b = resolvable(Duration::from_secs(30));
+    match s
+        .claim_resolvable(&key(5), &b, times(Duration::ZERO, lifetime))
+        .await
+    {
+        Err(StoreError::ReplicasMissing { .. }) => {}
+        other => panic!("expected too few replicas, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            s.get(&key(5)).await.expect("get"),
+            Some(Record::Resolvable(_))
+        ),
+        "a takeover stays to be resolved"
+    );
+    replica.resume();
 }
 
 harness::every_store!(

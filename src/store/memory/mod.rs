@@ -447,8 +447,10 @@ impl Store for MemoryStore {
         match shard.live(&key, now) {
             // Gone already (as on Redis, where a release may be sent twice): the key is free.
             None => return Ok(true),
-            Some(_) if resolvable => {
-                if shard.holds_resolvable(&key, held, now).is_none() {
+            // A resolvable claim is released by its token alone (see `Store::release`).
+            Some(slot) if resolvable => {
+                let token = held.record.token().map(|t| &t[..]);
+                if record::resolvable::token(&slot.record) != token {
                     return Ok(false);
                 }
             }

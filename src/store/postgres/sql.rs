@@ -314,10 +314,11 @@ impl ResolvableStatements {
                 WHERE {held}"
             ),
             // True when the key is then free of our claim: deleted now, or nothing live there.
-            // Our own claim with a lapsed lease is left (it may have been sent): false.
+            // Fenced on the token alone (see `Store::release`): a takeover replaces the token.
             release: format!(
-                "WITH c AS (SELECT {NOW_MS} AS ms), del AS (
-                    DELETE FROM {t} AS r USING c WHERE {held}
+                "WITH del AS (
+                    DELETE FROM {t} AS r
+                    WHERE r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {IS_RESOLVABLE}
                     RETURNING 1
                 )
                 SELECT EXISTS (SELECT 1 FROM del)

@@ -195,18 +195,16 @@ end
 return 0"
 );
 
-/// The holder (token ARGV[1], lease live) of a resolvable claim deletes it. 1: deleted; 2: the
-/// key is gone already; 0: it holds something else, or our claim with its lease lapsed (left
-/// for a takeover: it may have been sent).
+/// The holder (token ARGV[1]) of a resolvable claim deletes it, its lease lapsed or not (see
+/// `Store::release`). 1: deleted; 2: the key is gone already; 0: it holds something else.
 pub(crate) const RELEASE_RESOLVABLE: &str = concat!(
-    now_ms!(),
     resolvable_fns!(),
     r"
 local v = redis.call('GET', KEYS[1])
 if not v then
   return 2
 end
-if is_q(v) and string.sub(v, 6, 21) == ARGV[1] and lease_live(v, now) then
+if is_q(v) and string.sub(v, 6, 21) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0"

@@ -314,16 +314,18 @@ impl<'c> Ops<'c> {
         self.complete(key, token, done, expires_at, now)
     }
 
-    /// Deletes the resolvable claim of `token` while its lease is live. `true` once the key is
-    /// free of it; `false` when something else lives there, or our claim with a lapsed lease
-    /// (left to be taken over: it may have been sent).
+    /// Deletes the resolvable claim of `token` (its token alone: see `Store::release`). `true`
+    /// once the key is free of it; `false` when something else lives there.
     pub(super) fn release_resolvable(
         &mut self,
         key: &str,
         token: &Token,
         now: i64,
     ) -> rusqlite::Result<bool> {
-        if self.held_resolvable(key, token, now)?.is_some() {
+        let ours = self
+            .live_value(key, now)?
+            .is_some_and(|v| resolvable::token(&v) == Some(&token[..]));
+        if ours {
             self.delete.execute(params![key])?;
             return Ok(true);
         }
