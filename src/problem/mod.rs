@@ -100,6 +100,13 @@ pub enum Problem {
         /// The limit it is over.
         limit: HeadLimit,
     },
+    /// A part of a `resolve` route's lookup (`resolve.request`) could not be read from the
+    /// request (400, the type of [`Problem::UnreadableKeyPart`]); nothing claimed: a request whose
+    /// outcome could not be asked about is never sent (SPEC §4.8).
+    UnreadableLookupPart {
+        /// Which part, and why.
+        detail: String,
+    },
     /// An unknown outcome on a route under `on_unknown_outcome: resolve`, as its first client
     /// gets it: the upstream failure (its kind, status and title), and a detail that says the
     /// proxy is asking the upstream (SPEC §4.8).
@@ -236,7 +243,7 @@ impl Problem {
                 S::INTERNAL_SERVER_ERROR,
                 "Internal proxy error",
             ),
-            Problem::UnreadableKeyPart { .. } => (
+            Problem::UnreadableKeyPart { .. } | Problem::UnreadableLookupPart { .. } => (
                 "unreadable-key-part",
                 S::BAD_REQUEST,
                 "Idempotency key cannot be derived",
@@ -317,6 +324,9 @@ impl Problem {
             Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
+            ),
+            Problem::UnreadableLookupPart { detail } => format!(
+                "This route asks the upstream about a request whose outcome is unknown with a lookup made of parts of the request, and one could not be read: {detail}. Send that part. Nothing was done."
             ),
             Problem::HeadersTooLarge {
                 limit: HeadLimit::Count(limit),

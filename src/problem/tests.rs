@@ -59,6 +59,18 @@ fn all() -> Vec<Problem> {
 }
 
 #[test]
+fn an_unreadable_lookup_part_is_an_unreadable_key_part_that_names_the_lookup() {
+    let p = Problem::UnreadableLookupPart {
+        detail: "resolve.request part json:/reference cannot be read: absent".into(),
+    };
+    assert_eq!(
+        (p.slug(), p.status()),
+        ("unreadable-key-part", StatusCode::BAD_REQUEST)
+    );
+    assert!(p.detail().contains("lookup") && p.detail().contains("json:/reference"));
+}
+
+#[test]
 fn an_outcome_being_resolved_is_its_failure_with_a_detail_that_says_so() {
     let cause = Problem::UpstreamTimeout {
         upstream: "booking".into(),

@@ -149,8 +149,11 @@ pub(super) fn with_body(
             match render_lookup(resolve, upstream, &route.settings.path, &parts, &body, key) {
                 Ok(lookup) => Some(lookup),
                 Err(e) => {
-                    let problem = Problem::UnreadableKeyPart {
-                        detail: e.to_string(),
+                    let problem = Problem::UnreadableLookupPart {
+                        detail: format!(
+                            "resolve.request part {} cannot be read: {}",
+                            e.part, e.why
+                        ),
                     };
                     return Err(Box::new(Underived {
                         problem,

@@ -335,7 +335,9 @@ fn too_large(
 fn reason(problem: &Problem) -> String {
     match problem {
         Problem::MissingKey { header } => format!("no {header} header"),
-        Problem::InvalidKey { detail } | Problem::UnreadableKeyPart { detail } => detail.clone(),
+        Problem::InvalidKey { detail }
+        | Problem::UnreadableKeyPart { detail }
+        | Problem::UnreadableLookupPart { detail } => detail.clone(),
         Problem::HopByHopConflict { header } => format!("Connection names {header}"),
         other => other.slug().to_owned(),
     }
