@@ -23,7 +23,8 @@
 //! - [`body`]: the body type that flows through all of it.
 //! - [`route`]: compiled routes — path patterns, upstream, idempotency or webhook policy.
 //! - [`config`]: the YAML file, one module a section, validated and compiled into routes.
-//! - [`metrics`]: the Prometheus series, by route, upstream, store operation and store.
+//! - [`metrics`]: the Prometheus series, by route, upstream and store operation; each store adds
+//!   its own when it is opened.
 //! - [`tls`]: certificates and keys read at load, the listener's and each upstream's roots.
 //! - [`reload`]: what triggers a reload (SIGHUP rereads the file).
 //! - [`pid_file`]: where the process id is written, for `idemproxy reload` to signal.

@@ -1,6 +1,6 @@
 //! What triggers a reload: SIGHUP rereads the configuration file the proxy was started with
 //! and hands it to [`Proxy::reload_file`], which validates it as `--check` does and swaps it
-//! in, or refuses it whole (see `proxy/reload.rs` for what can change in place).
+//! in, or refuses it whole (see `proxy/reload/` for what can change in place).
 //!
 //! `idemproxy reload --config FILE` is the same signal, sent to the process named by the
 //! file's `pid_file` ([`crate::pid_file`]).

@@ -389,7 +389,7 @@ impl Env {
                     .unwrap_or_else(|e| panic!("connect the {what} store: {e}")),
             ),
             BackendSettings::RedisCluster { nodes, access } => Arc::new(
-                RedisStore::cluster(nodes, access, s.timeout)
+                RedisStore::cluster(nodes, access, s.timeout, &metrics)
                     .unwrap_or_else(|e| panic!("connect the {what} store: {e}")),
             ),
         }

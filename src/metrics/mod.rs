@@ -12,23 +12,28 @@
 //! themselves, and so do gauges that only go up and down. A gauge a worker *sets* from its own
 //! resources (the PostgreSQL pool's) is set through a [`GaugePart`], so that the series is the
 //! sum over workers rather than the value of whichever wrote last.
+//!
+//! A store's own series (the SQLite commit histogram, the PostgreSQL pool gauges, …) are the
+//! store's: each store defines them, as a [`StoreSeries`], and registers them on this registry
+//! when it is opened ([`Metrics::store_series`]). So a proxy exports the series of the store it
+//! uses and no other's, and a bare [`Metrics::new`] exports none.
 
 mod observed;
 mod resolved;
 mod routes;
-mod stores;
 mod summed;
 
 pub use observed::{ObservedMetrics, Unclaimed, Would};
 pub use resolved::{LookupAnswer, Resolution, ResolvedMetrics};
 pub use routes::{RouteKind, RouteMetrics};
-pub use stores::{StoreKind, StoreSeries};
 pub use summed::GaugePart;
 
-use std::sync::LazyLock;
+use std::any::Any;
+use std::fmt;
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
@@ -193,9 +198,10 @@ struct UpstreamLabel {
     upstream: String,
 }
 
+/// A store operation's label (`op="claim"`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OpLabel {
-    op: &'static str,
+pub(crate) struct OpLabel {
+    pub(crate) op: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -218,7 +224,8 @@ impl MetricConstructor<Histogram> for Buckets {
     }
 }
 
-fn latency() -> Histogram {
+/// A histogram of durations, in seconds: the buckets of every latency series.
+pub(crate) fn latency() -> Histogram {
     // 0.5ms .. ~33s
     Histogram::new(exponential_buckets(0.0005, 2.0, 17))
 }
@@ -234,9 +241,37 @@ pub fn log_line_dropped() {
     LOG_LINES_DROPPED.inc();
 }
 
+/// A store's own series, made and registered once on a [`Metrics`] registry by the first of
+/// its stores opened there ([`Metrics::store_series`]); the stores opened after it (one a
+/// worker) share them.
+pub trait StoreSeries: Clone + Send + Sync + 'static {
+    /// Makes the series and registers them with `registry`.
+    fn register(registry: &mut Registry) -> Self;
+}
+
+/// Encodes one series under `name`, from a store's collector: as the registry would have, but
+/// for the full stop the registry adds to a help text (the stores' series always had none).
+pub(crate) fn encode_one(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    metric: &impl EncodeMetric,
+) -> fmt::Result {
+    let metric_encoder = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+    metric.encode(metric_encoder)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere while holding the lock leaves the registry whole: use it.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Every metric the proxy keeps.
 pub struct Metrics {
-    registry: Registry,
+    /// Behind a lock for the stores, which register their series once the proxy runs.
+    registry: Mutex<Registry>,
+    /// The [`StoreSeries`] registered so far, one of each type.
+    store_series: Mutex<Vec<Box<dyn Any + Send + Sync>>>,
     routes: routes::RouteFamilies,
     observed: observed::ObservedFamilies,
     resolved: resolved::ResolvedFamilies,
@@ -256,8 +291,6 @@ pub struct Metrics {
     /// Observed repeats held in the background (`on_conflict: wait`), at most
     /// `limits.max_detached_exchanges`.
     pub observed_held: Gauge,
-    /// Each store's own series, exported only by the store in use.
-    pub stores: StoreSeries,
     /// Connections each worker's accept loop took on the main listener.
     worker_connections: Family<WorkerLabel, Counter>,
     /// Connections open on the main listener, every worker's together.
@@ -316,7 +349,6 @@ impl Metrics {
             Family::new_with_constructor(Buckets(latency)),
         );
         let store_ops = store_ops(r);
-        let stores = StoreSeries::register(r);
         let config_reloads: Family<ResultLabel, Counter> = register(
             r,
             "idemproxy_config_reloads",
@@ -381,10 +413,10 @@ impl Metrics {
             resolved: resolved::ResolvedFamilies::register(r),
             upstream_duration,
             store_ops,
-            stores,
             config_reloads,
             reload_key_changes,
-            registry,
+            registry: Mutex::new(registry),
+            store_series: Mutex::default(),
         }
     }
 
@@ -447,11 +479,23 @@ impl Metrics {
             .inc();
     }
 
+    /// The series of store type `S`: registered by the first call, shared by the later ones
+    /// (each worker's store of that type).
+    pub fn store_series<S: StoreSeries>(&self) -> S {
+        let mut made = lock(&self.store_series);
+        if let Some(series) = made.iter().find_map(|s| s.downcast_ref::<S>()) {
+            return series.clone();
+        }
+        let series = S::register(&mut lock(&self.registry));
+        made.push(Box::new(series.clone()));
+        series
+    }
+
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.registry));
         out
     }
 }

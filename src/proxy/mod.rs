@@ -75,7 +75,7 @@ use tokio_util::task::TaskTracker;
 use crate::body::{self, Body};
 use crate::config::{Config, Limits};
 use crate::key;
-use crate::metrics::{Metrics, Outcome, StoreKind};
+use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::store::StoreHandle;
 
@@ -194,18 +194,8 @@ impl Proxy {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// The Prometheus text, with the gauges read at scrape time brought up to date.
+    /// The Prometheus text the admin listener serves at `/metrics`.
     pub fn encode_metrics(&self) -> String {
-        if let Some((held, max)) = self.store().fill() {
-            let series = &self.metrics.stores;
-            series.in_use(StoreKind::Memory);
-            series
-                .memory_records
-                .set(i64::try_from(held).unwrap_or(i64::MAX));
-            series
-                .memory_max_entries
-                .set(i64::try_from(max).unwrap_or(i64::MAX));
-        }
         self.metrics.encode()
     }
 

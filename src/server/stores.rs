@@ -54,7 +54,9 @@ pub(super) async fn open(
     let check_timeout = s.timeout.max(Duration::from_secs(2));
     let first = worker == 0;
     let store: Arc<dyn Store> = match &s.backend {
-        BackendSettings::Memory { max_entries } => Arc::new(MemoryStore::new(*max_entries)),
+        BackendSettings::Memory { max_entries } => {
+            Arc::new(MemoryStore::open(*max_entries, &metrics))
+        }
         BackendSettings::Sqlite {
             path,
             sync,
@@ -79,7 +81,7 @@ pub(super) async fn open(
             redis
         }
         BackendSettings::RedisCluster { nodes, access } => {
-            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout)?);
+            let redis = Arc::new(RedisStore::cluster(nodes, access, s.timeout, &metrics)?);
             if first {
                 let check = redis.clone();
                 tokio::spawn(async move { check.check_server(check_timeout).await });

@@ -30,6 +30,9 @@
 //! [`StoreHandle`] wraps a backend and puts every call under `store.timeout`: a hung Redis
 //! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request. It
 //! decodes what the backends return; what they write was encoded by [`crate::record`].
+//!
+//! Each backend defines its own metric series and registers them when it is opened (see
+//! [`crate::metrics::StoreSeries`]); [`SweptSeries`] is the one the two that sweep share.
 
 pub mod memory;
 pub mod postgres;
@@ -44,9 +47,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 
 pub use crate::key::StoreKey;
-use crate::metrics::{Metrics, StoreOp};
+use crate::metrics::{Metrics, StoreOp, StoreSeries, encode_one};
 pub use crate::record::Held;
 use crate::record::{DecodeError, Encoded, Record};
 
@@ -234,10 +241,6 @@ pub trait Store: Send + Sync + 'static {
     /// claim is never forgotten: its holder may be alive, and a dead holder's lease expires
     /// within `lock_ttl` by itself.
     async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError>;
-    /// Records held and the bound, for a store that keeps them itself (the memory store).
-    fn fill(&self) -> Option<(u64, u64)> {
-        None
-    }
 }
 
 /// What [`Store::forget`] found.
@@ -469,13 +472,39 @@ impl StoreHandle {
         }
     }
 
-    /// See [`Store::fill`].
-    pub(crate) fn fill(&self) -> Option<(u64, u64)> {
-        self.inner.fill()
-    }
-
     /// See [`Store::forget`].
     pub(crate) async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
         self.timed(StoreOp::Forget, self.inner.forget(key)).await
+    }
+}
+
+/// Expired records deleted by the background sweep: the series of the stores that sweep
+/// (SQLite, PostgreSQL).
+#[derive(Clone, Debug, Default)]
+pub struct SweptSeries(Counter);
+
+impl SweptSeries {
+    /// Counts `n` expired records deleted.
+    pub(crate) fn swept(&self, n: u64) {
+        self.0.inc_by(n);
+    }
+}
+
+impl StoreSeries for SweptSeries {
+    fn register(registry: &mut Registry) -> Self {
+        let series = SweptSeries::default();
+        registry.register_collector(Box::new(series.clone()));
+        series
+    }
+}
+
+impl Collector for SweptSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        encode_one(
+            &mut encoder,
+            "idemproxy_store_swept",
+            "Expired records deleted by the background sweep (sqlite, postgres)",
+            &self.0,
+        )
     }
 }

@@ -4,8 +4,9 @@
 //! - Every YAML file under `deploy/` parses (multi-document files included), and the Grafana
 //!   dashboard is JSON with a query in every panel.
 //! - Every `idemproxy_*` series a dashboard query or an alert expression names exists in the
-//!   exposition of [`Metrics`] (counters as `_total`, histograms as `_bucket`, `_sum`, `_count`),
-//!   with the labels it has and, for `outcome` and `op`, values the proxy uses.
+//!   exposition of [`Metrics`] with every store's series registered (counters as `_total`,
+//!   histograms as `_bucket`, `_sum`, `_count`), with the labels it has and, for `outcome` and
+//!   `op`, values the proxy uses.
 //! - The compose configuration (`deploy/idemproxy.yaml`) and the Kubernetes ConfigMap's pass
 //!   [`Config::from_yaml`]. Their secret files (`/run/secrets/…`) exist only in a container,
 //!   so each such path is replaced by a temporary file holding a test secret first.
@@ -25,6 +26,11 @@ use std::time::Duration;
 
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome, StoreOp, Unclaimed, Would};
+use idemproxy::store::SweptSeries;
+use idemproxy::store::memory::MemorySeries;
+use idemproxy::store::postgres::PostgresSeries;
+use idemproxy::store::redis::RedisSeries;
+use idemproxy::store::sqlite::SqliteSeries;
 use serde::Deserialize;
 use yaml_serde::Value;
 
@@ -200,6 +206,13 @@ struct Exposition {
 
 fn exposition() -> Exposition {
     let metrics = Metrics::new();
+    // Each store registers its own series when it is opened: register every store's here, as
+    // each would, so that the exposition holds them all.
+    let _ = metrics.store_series::<MemorySeries>();
+    let _ = metrics.store_series::<SqliteSeries>();
+    let _ = metrics.store_series::<PostgresSeries>();
+    let _ = metrics.store_series::<RedisSeries>();
+    let _ = metrics.store_series::<SweptSeries>();
     // Register one of each labelled series, so that their label names show.
     let route = metrics.route("create-booking");
     route.request(Outcome::Forwarded, Duration::from_millis(1));

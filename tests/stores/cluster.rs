@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use harness::cluster::{NodeLine, RedisCluster};
 use harness::{
     Backend, Env, ProxyProcess, Reply, TestProxy, book_with, booking_store_key, client, eventually,
-    send, spawn_booking,
+    metric_value, send, spawn_booking,
 };
 use idemproxy::config::RedisAccess;
 use idemproxy::metrics::{Metrics, Outcome};
@@ -209,9 +209,15 @@ async fn lease_renewal_keeps_a_slow_claim() {
 async fn stale_holder_cannot_overwrite_a_newer_holder() {
     let w = World::new(0).await;
     let timeout = Duration::from_secs(2);
-    let inner = RedisStore::cluster(&w.cluster.seeds(), &RedisAccess::default(), timeout)
-        .expect("cluster store");
-    let store = StoreHandle::new(Arc::new(inner), timeout, Arc::new(Metrics::new()));
+    let metrics = Arc::new(Metrics::new());
+    let inner = RedisStore::cluster(
+        &w.cluster.seeds(),
+        &RedisAccess::default(),
+        timeout,
+        &metrics,
+    )
+    .expect("cluster store");
+    let store = StoreHandle::new(Arc::new(inner), timeout, metrics);
     harness::store_checks::stale_holder_cannot_overwrite_a_newer_holder(&store).await;
 }
 
@@ -476,6 +482,47 @@ async fn eviction_policy_is_checked_on_every_node() {
     assert_eq!(fine, 2, "the two other nodes are checked too; log:\n{log}");
 }
 
+/// `/metrics` of a proxy on a cluster exports the Redis store's series (the short replica
+/// acknowledgements, at 0: a cluster waits for no replica) and no other store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_export_the_redis_series_and_no_other_stores() {
+    let w = World::new(0).await;
+    let admin = harness::free_port();
+    let p = ProxyProcess::spawn(&format!(
+        "admin_listen: 127.0.0.1:{admin}\n{}",
+        w.config("", "")
+    ));
+    assert_forwarded(&book_with(&p.url(""), "m-1", BODY, &[]).await);
+    let text = client()
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+        .expect("scrape /metrics")
+        .text()
+        .await
+        .expect("the metrics text");
+    let forwarded = [("route", "create-booking"), ("outcome", "forwarded")];
+    assert_eq!(
+        metric_value(&text, "idemproxy_requests_total", &forwarded),
+        1.0
+    );
+    for op in ["claim", "complete"] {
+        assert_eq!(
+            metric_value(&text, "idemproxy_replica_acks_missing_total", &[("op", op)]),
+            0.0,
+            "{op}"
+        );
+    }
+    for other in [
+        "idemproxy_memory_store_records",
+        "idemproxy_store_swept",
+        "idemproxy_sqlite_commit_duration_seconds",
+        "idemproxy_postgres_pool_connections",
+    ] {
+        assert!(!text.contains(other), "{other} on a cluster:\n{text}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Topology changes under traffic.
 
@@ -662,9 +709,15 @@ async fn slot_migration_during_traffic() {
 async fn large_completion_while_its_slot_moves() {
     let w = Arc::new(World::new(0).await);
     let timeout = Duration::from_secs(3);
-    let inner = RedisStore::cluster(&w.cluster.seeds(), &RedisAccess::default(), timeout)
-        .expect("cluster store");
-    let store = StoreHandle::new(Arc::new(inner), timeout, Arc::new(Metrics::new()));
+    let metrics = Arc::new(Metrics::new());
+    let inner = RedisStore::cluster(
+        &w.cluster.seeds(),
+        &RedisAccess::default(),
+        timeout,
+        &metrics,
+    )
+    .expect("cluster store");
+    let store = StoreHandle::new(Arc::new(inner), timeout, metrics);
     let key = StoreKey::new(
         idemproxy::key::namespace("idemproxy:", "create-booking"),
         0,

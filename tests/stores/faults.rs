@@ -222,7 +222,8 @@ async fn cluster_release_answers() {
         .await
         .expect("start the cluster");
     let timeout = Duration::from_secs(2);
-    let store = RedisStore::cluster(&cluster.seeds(), &RedisAccess::default(), timeout)
+    let metrics = Metrics::new();
+    let store = RedisStore::cluster(&cluster.seeds(), &RedisAccess::default(), timeout, &metrics)
         .expect("cluster store");
     release_answers(&handle(store, timeout)).await;
 }

@@ -52,8 +52,10 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+pub use self::gauges::MemorySeries;
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::key::KeyId;
+use crate::metrics::Metrics;
 use crate::record::{self, resolvable};
 
 /// How many independently locked maps the records are spread over.
@@ -346,7 +348,15 @@ impl MemoryStore {
         MemoryStore { inner }
     }
 
+    /// [`MemoryStore::new`], its records and bound exported by `metrics` (the proxy's store).
+    pub fn open(max_entries: u64, metrics: &Metrics) -> MemoryStore {
+        let store = MemoryStore::new(max_entries);
+        metrics.store_series::<MemorySeries>().watch(&store.inner);
+        store
+    }
+
     /// How many records are held now, expired ones not yet swept included.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         usize::try_from(self.inner.held.load(Ordering::Acquire)).unwrap_or(usize::MAX)
     }
@@ -547,10 +557,6 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    fn fill(&self) -> Option<(u64, u64)> {
-        Some((self.len() as u64, self.inner.max_entries))
-    }
-
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let key = MapKey::of(key);
         let shard = self.inner.shard(&key);
@@ -577,6 +583,7 @@ impl Store for MemoryStore {
     }
 }
 
+mod gauges;
 mod resolving;
 
 #[cfg(test)]

@@ -40,15 +40,15 @@
 //!   long still serves requests after every pooled connection was lost.
 //! - **Sweep** (`postgres/sweep.rs`): expired rows deleted in small batches every `sweep_interval`,
 //!   by every instance, skipping rows that claims hold locked.
-//! - **TLS** (`postgres/tls.rs`): rustls, the roots of `store.ca_file` or the Mozilla set, when the
-//!   URL's `sslmode` asks for it.
+//! - **TLS** (`postgres/secured.rs`): rustls, the roots of `store.ca_file` or the Mozilla set,
+//!   when the URL's `sslmode` asks for it.
 
 mod error;
 mod pool;
 mod schema;
+mod secured;
 mod sql;
 mod sweep;
-mod tls;
 mod warm;
 
 use std::sync::Arc;
@@ -61,9 +61,12 @@ use tokio::sync::OnceCell;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
+pub use self::pool::PostgresSeries;
+use super::{
+    Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey, SweptSeries,
+};
 use crate::config::PostgresSettings;
-use crate::metrics::{Metrics, StoreKind};
+use crate::metrics::Metrics;
 use crate::record::{FINISHED_PREFIX, FINISHED_PREFIX_2, resolvable};
 use error::{backend, pg};
 use pool::Connections;
@@ -97,7 +100,7 @@ struct Inner {
     /// leaves it unset, for the next operation to try again.
     ready: OnceCell<schema::Outcome>,
     timeout: Duration,
-    metrics: Arc<Metrics>,
+    swept: SweptSeries,
 }
 
 impl PostgresStore {
@@ -124,7 +127,6 @@ impl PostgresStore {
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
         let (pool, tls) = pool::build(settings, timeout)?;
-        metrics.stores.in_use(StoreKind::Postgres);
         let sql = Statements::new(&settings.schema);
         let statements = sql.all().into_iter().map(str::to_owned).collect();
         let inner = Arc::new(Inner {
@@ -133,7 +135,7 @@ impl PostgresStore {
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
             timeout,
-            metrics,
+            swept: metrics.store_series(),
         });
         let bound = timeout.max(START_SETUP);
         match tokio::time::timeout(bound, inner.ready("open")).await {

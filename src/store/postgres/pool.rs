@@ -24,11 +24,15 @@
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::error;
 use crate::config::PostgresSettings;
-use crate::metrics::{GaugePart, Metrics};
+use crate::metrics::{GaugePart, Metrics, StoreSeries, encode_one};
 use crate::store::StoreError;
 
 /// How long a socket's sent data may go unacknowledged before the kernel closes it
@@ -70,7 +74,7 @@ pub(super) fn build(
     settings: &PostgresSettings,
     timeout: Duration,
 ) -> Result<(Pool, MakeRustlsConnect), StoreError> {
-    let tls = super::tls::connector(settings.ca_pem.as_deref())
+    let tls = super::secured::connector(settings.ca_pem.as_deref())
         .map_err(|why| error::backend("connect", why))?;
     let manager = Manager::from_config(
         pg_config(settings, timeout),
@@ -106,12 +110,66 @@ pub(super) struct Connections {
     gauges: PoolGauges,
 }
 
+/// The PostgreSQL store's series: its pools' gauges, every worker's together (each worker sets
+/// its part through a [`GaugePart`]).
+#[derive(Clone, Debug, Default)]
+pub struct PostgresSeries {
+    /// Connections the pools hold open.
+    pub(super) connections: Gauge,
+    /// Connections lent out to an operation.
+    pub(super) in_use: Gauge,
+    /// Operations waiting for a connection.
+    pub(super) waiting: Gauge,
+}
+
+impl StoreSeries for PostgresSeries {
+    fn register(registry: &mut Registry) -> Self {
+        let series = PostgresSeries::default();
+        registry.register_collector(Box::new(series.clone()));
+        series
+    }
+}
+
+impl Collector for PostgresSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let e = &mut encoder;
+        encode_one(
+            e,
+            "idemproxy_postgres_pool_connections",
+            "PostgreSQL connections the pools hold open, every worker's together (at most store.pool_size, or workers when that is larger)",
+            &self.connections,
+        )?;
+        encode_one(
+            e,
+            "idemproxy_postgres_pool_in_use",
+            "PostgreSQL connections lent out to a store operation, every worker's together",
+            &self.in_use,
+        )?;
+        encode_one(
+            e,
+            "idemproxy_postgres_pool_waiting",
+            "Store operations waiting for a PostgreSQL connection, every worker's together",
+            &self.waiting,
+        )
+    }
+}
+
 /// This pool's parts of the pool gauges: every worker has a pool of its own, and the series
 /// show the sum of them all.
 struct PoolGauges {
     connections: GaugePart,
     in_use: GaugePart,
     waiting: GaugePart,
+}
+
+impl PoolGauges {
+    fn of(series: &PostgresSeries) -> PoolGauges {
+        PoolGauges {
+            connections: GaugePart::of(&series.connections),
+            in_use: GaugePart::of(&series.in_use),
+            waiting: GaugePart::of(&series.waiting),
+        }
+    }
 }
 
 impl Connections {
@@ -127,11 +185,7 @@ impl Connections {
             timeout,
             tls,
             statements,
-            gauges: PoolGauges {
-                connections: GaugePart::of(&metrics.stores.postgres_pool_connections),
-                in_use: GaugePart::of(&metrics.stores.postgres_pool_in_use),
-                waiting: GaugePart::of(&metrics.stores.postgres_pool_waiting),
-            },
+            gauges: PoolGauges::of(&metrics.store_series()),
         };
         connections.show();
         connections

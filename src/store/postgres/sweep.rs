@@ -32,7 +32,7 @@ pub(super) fn spawn(store: Weak<Inner>, every: Duration) {
                 let batch = tokio::time::timeout(inner.timeout, inner.sweep_batch()).await;
                 match batch {
                     Ok(Ok(deleted)) => {
-                        inner.metrics.stores.swept.inc_by(deleted);
+                        inner.swept.swept(deleted);
                         if deleted < BATCH.unsigned_abs() {
                             break;
                         }

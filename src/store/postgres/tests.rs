@@ -99,6 +99,7 @@ async fn a_database_that_is_down_at_start_is_a_store_error_not_a_failed_start() 
         "{:?}",
         start.elapsed()
     );
-    assert_eq!(metrics.stores.postgres_pool_in_use.get(), 0);
-    assert_eq!(metrics.stores.postgres_pool_connections.get(), 0);
+    let series = metrics.store_series::<PostgresSeries>();
+    assert_eq!(series.in_use.get(), 0);
+    assert_eq!(series.connections.get(), 0);
 }

@@ -52,12 +52,13 @@ use redis::{AsyncCommands, RedisResult, Script};
 
 pub(crate) use self::connect::{client, cluster_client};
 pub use self::connection::RedisConnection;
+pub use self::replicas::RedisSeries;
 use self::replicas::Replicas;
 use self::resolving::{ResolvableScripts, resolvable_token};
 use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
-use crate::metrics::{Metrics, StoreKind, StoreOp};
+use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, FINISHED_PREFIX, FINISHED_PREFIX_2};
 
 /// The Redis store, on one Redis (the default) or a Redis Cluster.
@@ -132,10 +133,10 @@ impl RedisStore<ConnectionManager> {
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
         let client = client(url, access).map_err(backend("connect"))?;
-        metrics.stores.in_use(StoreKind::Redis);
+        let series = metrics.store_series::<RedisSeries>();
         let mut store = Self::with_client(client.clone(), timeout)?;
         if wait_replicas > 0 {
-            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, metrics));
+            store.replicas = Some(Replicas::new(client, wait_replicas, timeout, series));
         }
         Ok(store)
     }
@@ -159,12 +160,15 @@ impl RedisStore<ConnectionManager> {
 impl RedisStore<ClusterConnection> {
     /// Prepares a store for the Redis Cluster reached through `nodes`, with the password and
     /// CA of `access`. Connects in the background: the proxy starts while the cluster is down.
+    /// Its series are exported by `metrics` from now on, as one Redis's are.
     pub fn cluster(
         nodes: &[String],
         access: &RedisAccess,
         timeout: Duration,
+        metrics: &Metrics,
     ) -> Result<Self, StoreError> {
         let client = cluster_client(nodes, access, timeout).map_err(backend("connect"))?;
+        let _ = metrics.store_series::<RedisSeries>();
         let conn = connect::cluster_connection(&client, timeout);
         Ok(RedisStore::on(conn, String::new(), timeout))
     }

@@ -21,12 +21,17 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, RedisResult};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{backend, bounded, millis, resend};
-use crate::metrics::{Metrics, StoreOp};
+use crate::metrics::{OpLabel, StoreOp, StoreSeries, encode_one};
 use crate::store::StoreError;
 
 /// Dedicated connections open at most. Each is busy for one write and its `WAIT` (a round trip
@@ -43,7 +48,38 @@ pub(crate) struct Replicas {
     client: redis::Client,
     idle: Mutex<Vec<MultiplexedConnection>>,
     slots: Arc<Semaphore>,
-    metrics: Arc<Metrics>,
+    series: RedisSeries,
+}
+
+/// The Redis store's series: the writes (claim, complete) fewer replicas acknowledged than
+/// `store.wait_replicas` asks. Exported by a store on one Redis or on a cluster (where it stays
+/// at 0: a cluster waits for no replica).
+#[derive(Clone, Debug)]
+pub struct RedisSeries {
+    acks_missing: Family<OpLabel, Counter>,
+}
+
+impl StoreSeries for RedisSeries {
+    fn register(registry: &mut Registry) -> Self {
+        let acks_missing = Family::<OpLabel, Counter>::default();
+        for op in [StoreOp::Claim, StoreOp::Complete] {
+            let _ = acks_missing.get_or_create(&OpLabel { op: op.as_str() });
+        }
+        let series = RedisSeries { acks_missing };
+        registry.register_collector(Box::new(series.clone()));
+        series
+    }
+}
+
+impl Collector for RedisSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        encode_one(
+            &mut encoder,
+            "idemproxy_replica_acks_missing",
+            "Claims and saves fewer replicas acknowledged in time than store.wait_replicas asks (a claim is then refused with 503; a save stands)",
+            &self.acks_missing,
+        )
+    }
 }
 
 /// A connection used by one write and its `WAIT`, and by nothing else meanwhile.
@@ -86,7 +122,7 @@ impl Replicas {
         client: redis::Client,
         wanted: u32,
         timeout: Duration,
-        metrics: Arc<Metrics>,
+        series: RedisSeries,
     ) -> Replicas {
         Replicas {
             wanted,
@@ -94,7 +130,7 @@ impl Replicas {
             client,
             idle: Mutex::new(Vec::new()),
             slots: Arc::new(Semaphore::new(MAX_DEDICATED)),
-            metrics,
+            series,
         }
     }
 
@@ -234,7 +270,10 @@ impl Replicas {
     }
 
     fn short(&self, op: StoreOp, acked: u32, why: String) -> Short {
-        self.metrics.stores.replica_acks_missing(op);
+        self.series
+            .acks_missing
+            .get_or_create(&OpLabel { op: op.as_str() })
+            .inc();
         Short { acked, why }
     }
 }

@@ -44,10 +44,12 @@ use self::checkpoint::Checkpointer;
 use self::clock::{Clock, deadline, remaining};
 use self::readers::{Readers, Row};
 use self::waiters::Waiters;
+pub use self::writer::SqliteSeries;
 use self::writer::{Shared, Writer};
+use super::SweptSeries;
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::SqliteSync;
-use crate::metrics::{Metrics, StoreKind};
+use crate::metrics::Metrics;
 use crate::record::{self, Token};
 
 /// Records in an SQLite file.
@@ -65,7 +67,7 @@ struct Inner {
     _checkpointer: Checkpointer,
     waiters: Arc<Waiters>,
     clock: Arc<Clock>,
-    metrics: Arc<Metrics>,
+    swept: SweptSeries,
     /// The `flock` that keeps the file to this process, released when this closes.
     _lock: File,
 }
@@ -93,11 +95,10 @@ impl SqliteStore {
         let clock = Arc::new(Clock::default());
         let waiters = Arc::new(Waiters::default());
         let readers = Readers::start(path, clock.clone()).map_err(open_error)?;
-        metrics.stores.in_use(StoreKind::Sqlite);
         let shared = Shared {
             clock: clock.clone(),
             waiters: waiters.clone(),
-            metrics: metrics.clone(),
+            series: metrics.store_series(),
         };
         let writer = Writer::start(conn, shared).map_err(|source| {
             open_error(file::OpenError::Io {
@@ -123,7 +124,7 @@ impl SqliteStore {
             _checkpointer: checkpointer,
             waiters,
             clock,
-            metrics,
+            swept: metrics.store_series(),
             _lock: lock,
         });
         sweep::start(&runtime, Arc::downgrade(&inner), sweep_interval);
@@ -148,7 +149,7 @@ impl Inner {
                 ops.sweep(now, sweep::SWEEP_BATCH)
             })
             .await?;
-        self.metrics.stores.swept.inc_by(swept);
+        self.swept.swept(swept);
         Ok(swept)
     }
 }

@@ -41,7 +41,12 @@ use super::clock::Clock;
 use super::ops::Ops;
 use super::waiters::Waiters;
 use super::{sql_error, unavailable};
-use crate::metrics::Metrics;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::metrics::{StoreSeries, encode_one, latency};
 use crate::store::StoreError;
 
 /// The most operations one transaction applies.
@@ -61,7 +66,44 @@ pub(super) struct Writer {
 pub(super) struct Shared {
     pub(super) clock: Arc<Clock>,
     pub(super) waiters: Arc<Waiters>,
-    pub(super) metrics: Arc<Metrics>,
+    pub(super) series: SqliteSeries,
+}
+
+/// The SQLite store's series: the writer's commits.
+#[derive(Clone, Debug)]
+pub struct SqliteSeries {
+    /// Operations committed per transaction (group commit).
+    batch_size: Histogram,
+    /// How long each commit took.
+    commit_duration: Histogram,
+}
+
+impl StoreSeries for SqliteSeries {
+    fn register(registry: &mut Registry) -> Self {
+        let series = SqliteSeries {
+            batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+            commit_duration: latency(),
+        };
+        registry.register_collector(Box::new(series.clone()));
+        series
+    }
+}
+
+impl Collector for SqliteSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        encode_one(
+            &mut encoder,
+            "idemproxy_sqlite_batch_size",
+            "Store operations committed together in one SQLite transaction (group commit)",
+            &self.batch_size,
+        )?;
+        encode_one(
+            &mut encoder,
+            "idemproxy_sqlite_commit_duration_seconds",
+            "Duration of each SQLite commit of the writer thread",
+            &self.commit_duration,
+        )
+    }
 }
 
 impl Writer {
@@ -314,11 +356,11 @@ impl<'c> WriterThread<'c> {
         let started = Instant::now();
         match self.commit.execute([]) {
             Ok(_) => {
-                let series = &self.shared.metrics.stores;
+                let series = &self.shared.series;
                 series
-                    .sqlite_commit_duration
+                    .commit_duration
                     .observe(started.elapsed().as_secs_f64());
-                series.sqlite_batch_size.observe(size as f64);
+                series.batch_size.observe(size as f64);
                 for a in applied {
                     a.settle(Ok(()), &self.shared.waiters);
                 }
