@@ -96,6 +96,10 @@ store:
 upstreams:
   booking:
     url: http://{upstream}
+  booking-fast:
+    url: http://{upstream}
+    connect_timeout: 500ms
+    timeout: 2s
 routes:
   - name: create-booking
     methods: [POST]
@@ -103,6 +107,17 @@ routes:
     upstream: booking
     idempotency:
       lock_ttl: 10s
+  - name: reserve
+    methods: [POST]
+    path: /reservations
+    upstream: booking-fast
+    idempotency:
+      on_unknown_outcome: resolve
+      resolve:
+        request: GET /bookings/by-reference/{{json:/reference}}
+        settle_after: 5s
+        interval: 500ms
+        give_up_after: 1m
   - name: everything-else
     path: /*
     upstream: booking
@@ -163,6 +178,13 @@ curl -s {a}/healthz
 curl -s {a}/metrics | grep '^idemproxy_requests_total{{route="create-booking"' | grep -v ' 0$'
 {exe} health --admin {a} && echo healthy
 IDEMPROXY_ADMIN_TOKEN={DEMO_TOKEN} {exe} keys show --admin {a} --route create-booking --key demo-1
+
+# 6. Resolve: a reservation whose response is lost after the booking was made (the mock drops the connection).
+#    The client gets 502 at once; the proxy asks the booking service by reference, and the retry gets the real
+#    booking (200, Idempotent-Resolved: true). The stats show one booking for trip-42.
+curl -i -X POST {p}/reservations -H 'Idempotency-Key: demo-3' -H 'Content-Type: application/json' -H 'X-Mock-Lose-Response: after' -d '{{"seat":"15D","reference":"trip-42"}}'
+sleep 1; curl -i -X POST {p}/reservations -H 'Idempotency-Key: demo-3' -H 'Content-Type: application/json' -d '{{"seat":"15D","reference":"trip-42"}}'
+curl -s {p}/_mock/stats; echo
 
 Ctrl-C stops both.
 "#

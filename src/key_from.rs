@@ -19,7 +19,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
-use crate::route::{KeyPart, PathPattern};
+use crate::route::{KeyPart, LookupTemplate, PathPattern, Piece};
 
 /// A part that could not be read: the 400's detail names it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -118,6 +118,55 @@ pub fn read(
             }
         })
         .collect()
+}
+
+/// The path and query of a route's lookup (`resolve.request`, SPEC §4.8), its parts read from
+/// the request by [`read`] and percent-encoded into it; `key` is the key as the upstream gets
+/// it (as the client sent it, or the derived key). The first unreadable part is the error:
+/// the request is refused (`400 unreadable-key-part`) before anything is claimed.
+pub fn render_lookup(
+    template: &LookupTemplate,
+    pattern: &PathPattern,
+    head: &Parts,
+    body: &[u8],
+    key: &str,
+) -> Result<String, Unreadable> {
+    let values = read(&template.parts, pattern, head, body)?;
+    let mut out = String::with_capacity(64);
+    for piece in &template.pieces {
+        match piece {
+            Piece::Text(text) => out.push_str(text),
+            Piece::Key => percent_encode(key.as_bytes(), &mut out),
+            Piece::Part(i) => match values.get(*i) {
+                Some(Value::Text(bytes)) => percent_encode(bytes, &mut out),
+                Some(Value::Number(n)) => percent_encode(n.as_bytes(), &mut out),
+                Some(Value::Bool(b)) => out.push_str(if *b { "true" } else { "false" }),
+                // `read` gives one value a part, in order.
+                None => {
+                    return Err(Unreadable {
+                        part: format!("#{i}"),
+                        why: "the template names a part it does not list".into(),
+                    });
+                }
+            },
+        }
+    }
+    Ok(out)
+}
+
+/// Percent-encodes every byte but RFC 3986's unreserved ones, so a value is one path segment
+/// or one query value whatever it holds (`/`, `?`, `&`, `%`, bytes that are not UTF-8).
+fn percent_encode(bytes: &[u8], out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xF)]));
+        }
+    }
 }
 
 fn one_header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a [u8], String> {
@@ -382,6 +431,33 @@ mod tests {
         assert_eq!(values("r%65f=1&ref=2"), vec![b"1".to_vec(), b"2".to_vec()]);
         assert_eq!(values("ref"), vec![Vec::<u8>::new()]);
         assert!(values("refx=1&&=2").is_empty());
+    }
+
+    #[test]
+    fn a_lookup_is_rendered_from_the_request_with_every_value_encoded() {
+        let pattern = PathPattern::parse("/t/{tenant}/bookings").expect("pattern");
+        let template = LookupTemplate::parse(
+            "GET /by-ref/{json:/reference}?k={key}&t={path:tenant}&n={json:/n}&q={query:x}&h={header:x-h}&b={json:/b}",
+            Some(&pattern),
+        )
+        .expect("template");
+        let req = http::Request::post("/t/a%2Fb/bookings?x=%FF+1")
+            .header("x-h", "v w")
+            .body(())
+            .expect("request");
+        let (head, ()) = req.into_parts();
+        let body = br#"{"reference":"R/1 ?&%","n":1.50,"b":true}"#;
+        let rendered = render_lookup(&template, &pattern, &head, body, "k 1");
+        assert_eq!(
+            rendered.as_deref(),
+            Ok("/by-ref/R%2F1%20%3F%26%25?k=k%201&t=a%2Fb&n=15e-1&q=%FF%201&h=v%20w&b=true")
+        );
+        let missing = render_lookup(&template, &pattern, &head, b"{}", "k");
+        assert_eq!(
+            missing.map_err(|e| e.part),
+            Err("json:/reference".to_owned()),
+            "a part that can't be read is named"
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! | route | answer | counted |
 //! | --- | --- | --- |
 //! | `POST /bookings` | `201 Created`, a new booking `bk_N` (`N` = 1, 2, … never reused), with `Location: /bookings/bk_N`, `ETag`, `X-Booking-Id: bk_N` and the body `{"id":"bk_N","seq":N,"request":…}` (the request body, embedded as JSON if it is JSON, else as a string) | yes |
+//! | `POST /reservations` | the same as `POST /bookings` (one store of bookings): a second path, for a proxy route of its own in front of it | yes |
 //! | `GET /bookings/{id}` | `200` with the stored booking, or `404` | yes |
 //! | `GET /bookings/by-reference/{reference}` | `200` with the first booking whose request body's `reference` (a JSON string) is `{reference}` (percent-decoded), as `GET /bookings/{id}` answers it; `404` `{"error":"no booking with this reference","reference":…}` when there is none (yet: see `X-Mock-Commit-After`) | yes |
 //! | `POST /webhooks/{provider}` | `200` `{"received":true,"provider":…,"event_id":…,"deliveries":N}`: a webhook handler that counts deliveries per event id (`N`: this id's count so far; `event_id` `null` when the delivery has none), read where the provider puts it (`standard`: `webhook-id`; `github`: `X-GitHub-Delivery`; `shopify`: `X-Shopify-Webhook-Id`; `stripe`: the body's `id`; `slack`: the body's `event_id`; another name: `webhook-id`, else the body's `id`, else its `event_id`). It verifies no signature: the proxy does | yes |
@@ -228,7 +229,9 @@ fn route(state: &MockUpstream, parts: &Parts, body: &Bytes, directives: &Directi
         path.strip_prefix(prefix)
             .filter(|rest| !rest.is_empty() && !rest.contains('/'))
     };
-    if parts.method == Method::POST && path == "/bookings" {
+    // `/reservations` books as `/bookings` does: a second path, so that a proxy can put a route
+    // of its own (another policy) in front of the same bookings.
+    if parts.method == Method::POST && (path == "/bookings" || path == "/reservations") {
         return state.create_booking(body, directives.commit_after);
     }
     if parts.method == Method::GET {

@@ -280,3 +280,17 @@ async fn bad_control_values_are_a_400() {
     }
     assert_eq!(mock.bookings(), 0);
 }
+
+#[tokio::test]
+async fn reservations_book_as_bookings_do_into_the_same_store() {
+    let mock = MockUpstream::new();
+    let body = r#"{"reference":"R-9","seat":"15D"}"#;
+    let (status, made) = send(&mock, Method::POST, "/reservations", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, found) = lookup(&mock, "R-9").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(found["id"], made["id"]);
+    assert_eq!(mock.stats().by_reference.get("R-9"), Some(&1));
+}

@@ -5,7 +5,8 @@
 //! route's counters and histograms, [`Metrics::upstream`] an upstream's histogram, and the store
 //! operations have theirs in an array. The hot path then only increments: no label strings,
 //! no lookup in a family's map. An observed route (`mode: observe`) also gets its series of
-//! what enforce would have answered ([`Would`], from [`Metrics::observed`]).
+//! what enforce would have answered ([`Would`], from [`Metrics::observed`]), and a route under
+//! `on_unknown_outcome: resolve` its resolutions and lookups ([`Metrics::resolved`]).
 //!
 //! One registry serves every worker (`workers:`): counters and histograms sum across them by
 //! themselves, and so do gauges that only go up and down. A gauge a worker *sets* from its own
@@ -18,10 +19,12 @@
 //! uses and no other's, and a bare [`Metrics::new`] exports none.
 
 mod observed;
+mod resolved;
 mod routes;
 mod summed;
 
 pub use observed::{ObservedMetrics, Unclaimed, Would};
+pub use resolved::{LookupAnswer, Resolution, ResolvedMetrics};
 pub use routes::{RouteKind, RouteMetrics};
 pub use summed::GaugePart;
 
@@ -271,6 +274,7 @@ pub struct Metrics {
     store_series: Mutex<Vec<Box<dyn Any + Send + Sync>>>,
     routes: routes::RouteFamilies,
     observed: observed::ObservedFamilies,
+    resolved: resolved::ResolvedFamilies,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
     /// Per store operation: its duration histogram and its error counter.
     store_ops: Vec<(Histogram, Counter)>,
@@ -338,7 +342,6 @@ impl Metrics {
         let mut registry = Registry::default();
         let r = &mut registry;
         let routes = routes::RouteFamilies::register(r);
-        let observed = observed::ObservedFamilies::register(r);
         let upstream_duration = register(
             r,
             "idemproxy_upstream_duration_seconds",
@@ -406,7 +409,8 @@ impl Metrics {
                 Gauge::default(),
             ),
             routes,
-            observed,
+            observed: observed::ObservedFamilies::register(r),
+            resolved: resolved::ResolvedFamilies::register(r),
             upstream_duration,
             store_ops,
             config_reloads,
@@ -420,6 +424,12 @@ impl Metrics {
     /// out.
     pub fn observed(&self, route: &str) -> ObservedMetrics {
         self.observed.route(route)
+    }
+
+    /// Registers the series of a route under `on_unknown_outcome: resolve` (how its
+    /// resolutions ended, what its lookups answered) and hands them out.
+    pub fn resolved(&self, route: &str) -> ResolvedMetrics {
+        self.resolved.route(route)
     }
 
     /// Registers an upstream's call duration histogram and hands it out.

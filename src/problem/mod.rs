@@ -100,6 +100,25 @@ pub enum Problem {
         /// The limit it is over.
         limit: HeadLimit,
     },
+    /// A part of a `resolve` route's lookup (`resolve.request`) could not be read from the
+    /// request (400, the type of [`Problem::UnreadableKeyPart`]); nothing claimed: a request whose
+    /// outcome could not be asked about is never sent (SPEC §4.8).
+    UnreadableLookupPart {
+        /// Which part, and why.
+        detail: String,
+    },
+    /// An unknown outcome on a route under `on_unknown_outcome: resolve`, as its first client
+    /// gets it: the upstream failure (its kind, status and title), and a detail that says the
+    /// proxy is asking the upstream (SPEC §4.8).
+    BeingResolved(Box<Problem>),
+    /// An unknown outcome that asking the upstream did not settle by `give_up_after`: saved as
+    /// the key's result in place of `keep`'s, with the status `keep` saves (504 or 502).
+    OutcomeUnknown {
+        /// The upstream's name.
+        upstream: String,
+        /// 504 after a timeout, 502 after a failed connection.
+        status: StatusCode,
+    },
 }
 
 /// A limit on a request head.
@@ -224,7 +243,7 @@ impl Problem {
                 S::INTERNAL_SERVER_ERROR,
                 "Internal proxy error",
             ),
-            Problem::UnreadableKeyPart { .. } => (
+            Problem::UnreadableKeyPart { .. } | Problem::UnreadableLookupPart { .. } => (
                 "unreadable-key-part",
                 S::BAD_REQUEST,
                 "Idempotency key cannot be derived",
@@ -233,6 +252,12 @@ impl Problem {
                 "headers-too-large",
                 S::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "Request head too large",
+            ),
+            Problem::BeingResolved(cause) => return cause.kind(),
+            Problem::OutcomeUnknown { status, .. } => (
+                "outcome-unknown",
+                *status,
+                "Outcome of the operation unknown",
             ),
         };
         Kind {
@@ -300,6 +325,9 @@ impl Problem {
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
             ),
+            Problem::UnreadableLookupPart { detail } => format!(
+                "This route asks the upstream about a request whose outcome is unknown with a lookup made of parts of the request, and one could not be read: {detail}. Send that part. Nothing was done."
+            ),
             Problem::HeadersTooLarge {
                 limit: HeadLimit::Count(limit),
             } => format!(
@@ -309,6 +337,14 @@ impl Problem {
                 limit: HeadLimit::Bytes(limit),
             } => format!(
                 "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
+            ),
+            Problem::BeingResolved(cause) => format!(
+                "{} The proxy is asking the upstream whether it did; until it knows, a retry with the same key gets 409 (Retry-After), then the operation's result, or, if it did not happen, runs it once.",
+                cause.detail()
+            ),
+            Problem::OutcomeUnknown { upstream, status } => format!(
+                "No complete response came from upstream {upstream} (the first request got status {}), and asking it whether it performed the operation gave no answer in time; it may have. The operation will not be run again with this key: check with the upstream before retrying with a new one.",
+                status.as_u16()
             ),
         }
     }

@@ -51,7 +51,43 @@ fn all() -> Vec<Problem> {
         Problem::HeadersTooLarge {
             limit: HeadLimit::Count(97),
         },
+        Problem::OutcomeUnknown {
+            upstream: "booking".into(),
+            status: StatusCode::GATEWAY_TIMEOUT,
+        },
     ]
+}
+
+#[test]
+fn an_unreadable_lookup_part_is_an_unreadable_key_part_that_names_the_lookup() {
+    let p = Problem::UnreadableLookupPart {
+        detail: "resolve.request part json:/reference cannot be read: absent".into(),
+    };
+    assert_eq!(
+        (p.slug(), p.status()),
+        ("unreadable-key-part", StatusCode::BAD_REQUEST)
+    );
+    assert!(p.detail().contains("lookup") && p.detail().contains("json:/reference"));
+}
+
+#[test]
+fn an_outcome_being_resolved_is_its_failure_with_a_detail_that_says_so() {
+    let cause = Problem::UpstreamTimeout {
+        upstream: "booking".into(),
+    };
+    let resolving = Problem::BeingResolved(Box::new(cause.clone()));
+    assert_eq!(
+        (resolving.slug(), resolving.status()),
+        (cause.slug(), cause.status())
+    );
+    assert!(resolving.detail().starts_with(&cause.detail()));
+    assert!(resolving.detail().contains("asking the upstream"));
+    let failed = Problem::OutcomeUnknown {
+        upstream: "booking".into(),
+        status: StatusCode::BAD_GATEWAY,
+    };
+    assert_eq!(failed.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(failed.slug(), "outcome-unknown");
 }
 
 #[test]

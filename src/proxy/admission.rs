@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use super::context::Context;
+use super::resolve::{Lookup, render_lookup};
 use crate::fingerprint::{self, Fingerprint};
 use crate::key::{self, KeyError, StoreKey};
 use crate::key_from;
@@ -25,6 +26,9 @@ pub(crate) struct Admitted {
     pub fingerprint: Fingerprint,
     /// The key was derived from the request's parts (`key_from`), not sent.
     pub derived: bool,
+    /// On a route under `on_unknown_outcome: resolve`, its lookup for this request, rendered
+    /// before the claim so that the claim can carry it.
+    pub lookup: Option<Lookup>,
 }
 
 /// Where a request's key comes from, as far as its head tells.
@@ -97,8 +101,9 @@ pub(super) fn with_body(
 ) -> Result<Admitted, Box<Underived>> {
     let (route, idem) = (&context.route, &*context.policy);
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
-    let (id, derived) = match source {
-        KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, &raw_key), false),
+    let mut derived_key: Option<String> = None;
+    let (id, derived) = match &source {
+        KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, raw_key), false),
         KeySource::Derive | KeySource::None => {
             let values = match key_from::read(&idem.key_from, &route.settings.path, &parts, &body) {
                 Ok(v) => v,
@@ -122,10 +127,45 @@ pub(super) fn with_body(
             {
                 parts.headers.insert(idem.header.clone(), v);
             }
-            (key_from::derived_id(&derived), true)
+            let id = key_from::derived_id(&derived);
+            derived_key = Some(derived);
+            (id, true)
+        }
+    };
+    let lookup = match &idem.resolve {
+        None => None,
+        Some(resolve) => {
+            // The key as the upstream gets it: the header as the client sent it, or the
+            // derived key.
+            let key = match &source {
+                KeySource::Header(parsed) => parts
+                    .headers
+                    .get(&idem.header)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or(parsed),
+                KeySource::Derive | KeySource::None => derived_key.as_deref().unwrap_or(""),
+            };
+            let upstream = route.upstream.name();
+            match render_lookup(resolve, upstream, &route.settings.path, &parts, &body, key) {
+                Ok(lookup) => Some(lookup),
+                Err(e) => {
+                    let problem = Problem::UnreadableLookupPart {
+                        detail: format!(
+                            "resolve.request part {} cannot be read: {}",
+                            e.part, e.why
+                        ),
+                    };
+                    return Err(Box::new(Underived {
+                        problem,
+                        parts,
+                        body,
+                    }));
+                }
+            }
         }
     };
     Ok(Admitted {
+        lookup,
         key: route.store_key(id),
         parts,
         body,

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -18,11 +19,13 @@ use crate::route::IdempotencySettings;
 use crate::store::{Held, StoreHandle};
 
 /// What every exchange shares with the proxy: the store, the tracker of the background tasks
-/// (detached exchanges, completions) that shutdown waits for, and the saves being retried.
+/// (detached exchanges, completions) that shutdown waits for, the saves being retried, and
+/// the count of work running after its client was answered (`idemproxy_detached_exchanges`).
 pub(super) struct Shared {
     pub store: StoreHandle,
     pub tasks: TaskTracker,
     pub pending: Arc<PendingSaves>,
+    pub detached: Gauge,
 }
 
 /// One request on an idempotent route, from its match to its answer (and past it, for the

@@ -15,14 +15,15 @@ use super::detach::Attachment;
 use super::lease::Lease;
 use super::matched::{Answer, forward_plain, refuse};
 use super::replay::replay;
+use super::resolve::{Lookup, StoreClock, take_over};
 use super::settle::Settlement;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Record, new_token};
+use crate::record::{Record, Resolvable, new_token};
 use crate::route::{OnConflict, OnStoreError, OnUnknownOutcome};
-use crate::store::{Claim, Held, StoreError};
+use crate::store::{Claim, Held, ResolvableClaim, ResolvableTimes, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
 
 /// How long a 409 asks the client to wait (`Retry-After`).
@@ -40,6 +41,9 @@ pub(super) struct Exchange {
     held: Held,
     /// Whether the client still waits: a waiter whose client left stops polling.
     attachment: Arc<Attachment>,
+    /// A resolvable claim's reading of the store's clock, once the claim is ours: its record's
+    /// times are on that clock.
+    clock: Option<StoreClock>,
 }
 
 impl Exchange {
@@ -48,21 +52,19 @@ impl Exchange {
         request: Admitted,
         attachment: Arc<Attachment>,
     ) -> Exchange {
-        let held = Held::new(Record::InFlight {
-            token: new_token(),
-            fingerprint: request.fingerprint,
-        });
+        let held = claim_of(&context, &request);
         Exchange {
             context,
             request,
             held,
             attachment,
+            clock: None,
         }
     }
 
     /// Claims the key — or replays, refuses, or waits, per what the claim finds — and runs the
     /// exchange when the claim is ours.
-    pub(crate) async fn claim_and_run(self) -> Answer {
+    pub(crate) async fn claim_and_run(mut self) -> Answer {
         let context = self.context.clone();
         let (idem, store) = (&context.policy, &context.shared.store);
         let wait_until = Instant::now() + idem.wait_timeout;
@@ -72,10 +74,7 @@ impl Exchange {
         let mut seen_held = false;
         loop {
             let sent = Instant::now();
-            let existing = match store
-                .claim(&self.request.key, &self.held, idem.lock_ttl)
-                .await
-            {
+            let existing = match self.claim(sent).await {
                 // The lease runs from the send time: an answer later than lock_ttl may come
                 // after it expired, and another request may hold the key and be running the
                 // operation already (SPEC §4.5).
@@ -119,6 +118,44 @@ impl Exchange {
                     poll = (poll * 2).min(MAX_WAIT_POLL);
                 }
             }
+        }
+    }
+
+    /// One claim of the key: on a `resolve` route the resolvable claim, which takes over a
+    /// claim whose holder's lease lapsed. A takeover starts its resolution and is answered as
+    /// the claim it took over (in flight: 409, or wait); this request forwards nothing.
+    async fn claim(&mut self, sent: Instant) -> Result<Claim, StoreError> {
+        let context = self.context.clone();
+        let (idem, store) = (&context.policy, &context.shared.store);
+        let Some(resolve) = self.held.resolvable().and(idem.resolve.as_ref()) else {
+            return store
+                .claim(&self.request.key, &self.held, idem.lock_ttl)
+                .await;
+        };
+        let times = ResolvableTimes {
+            lease: idem.lock_ttl,
+            send_margin: context.route.upstream.connect_timeout(),
+            lifetime: resolve.give_up_after + idem.ttl,
+        };
+        let claimed = store
+            .claim_resolvable(&self.request.key, &self.held, times)
+            .await?;
+        match claimed {
+            ResolvableClaim::Claimed { held, now } => {
+                self.held = held;
+                self.clock = Some(StoreClock::read(now));
+                Ok(Claim::Claimed)
+            }
+            ResolvableClaim::TakenOver { held, now, gave_up } => {
+                let record = held.record.clone();
+                let key = self.request.key.clone();
+                take_over(&context, key, held, StoreClock::read(now), gave_up, sent);
+                // Claims from here on are this request's own, as a repeat's: never this
+                // token, which the resolution holds now.
+                self.held = claim_of(&context, &self.request);
+                Ok(Claim::Existing(record))
+            }
+            ResolvableClaim::Existing(record) => Ok(Claim::Existing(record)),
         }
     }
 
@@ -211,6 +248,7 @@ impl Exchange {
             request,
             held,
             attachment: _,
+            clock,
         } = self;
         let Admitted {
             parts,
@@ -218,6 +256,7 @@ impl Exchange {
             key,
             fingerprint,
             derived: _,
+            lookup,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
         let mut lease = context.lease(key, held, claimed_at);
@@ -225,6 +264,13 @@ impl Exchange {
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+        // The latest moment the request can be written: the resolvable record's, on the
+        // store's clock (what any instance that takes it over counts from), or the call's start
+        // plus the longest its connection can take.
+        let sent = match (clock, lease.held().resolvable()) {
+            (Some(clock), Some(r)) => clock.local(r.sent_at),
+            _ => Instant::now() + up.connect_timeout(),
+        };
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => {
                 lease
@@ -237,6 +283,8 @@ impl Exchange {
             context,
             fingerprint,
             lease,
+            lookup,
+            sent,
         };
         match result {
             Ok((parts, Bounded::Complete(bytes))) => decision.whole(parts, bytes).await,
@@ -246,12 +294,40 @@ impl Exchange {
     }
 }
 
+/// The claim a request makes: on an enforced `resolve` route a resolvable record carrying its
+/// lookup and the route's times (SPEC §4.8), so that whoever finds its lease lapsed resolves
+/// it instead of forwarding it; otherwise a plain claim in flight.
+fn claim_of(context: &Context, request: &Admitted) -> Held {
+    let token = new_token();
+    let resolve = context.policy.resolve.as_ref();
+    match (resolve, &request.lookup) {
+        (Some(resolve), Some(lookup)) => {
+            Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+                token,
+                request.fingerprint,
+                lookup.clone(),
+                resolve.settle_after,
+                resolve.interval,
+                resolve.give_up_after,
+            ))))
+        }
+        _ => Held::new(Record::InFlight {
+            token,
+            fingerprint: request.fingerprint,
+        }),
+    }
+}
+
 /// A claimed exchange whose upstream call has ended: what its answer means for the key (the
 /// [`Settlement`]), then the answer.
 struct Decision {
     context: Arc<Context>,
     fingerprint: Fingerprint,
     lease: Lease,
+    /// On a `resolve` route, the request's lookup: asked if its outcome is unknown.
+    lookup: Option<Lookup>,
+    /// The latest moment the request could have been written upstream.
+    sent: Instant,
 }
 
 impl Decision {
@@ -275,8 +351,9 @@ impl Decision {
 
     /// No response: the key is freed when the operation surely did not run, otherwise kept
     /// or freed as `on_unknown_outcome` says.
-    async fn failed(self, e: UpstreamError) -> Answer {
-        let (settlement, problem, outcome) = Settlement::of_failure(&self.context, &e);
+    async fn failed(mut self, e: UpstreamError) -> Answer {
+        let (settlement, problem, outcome) =
+            Settlement::of_failure(&self.context, &e, self.lookup.take(), self.sent);
         self.settle(settlement).await;
         refuse(problem, outcome)
     }

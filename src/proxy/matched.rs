@@ -12,9 +12,9 @@ use http::request::Parts;
 use crate::body::Body;
 use crate::config::Config;
 use crate::key::{self, KeyId, StoreKey};
-use crate::metrics::{Metrics, ObservedMetrics, Outcome, RouteKind, RouteMetrics};
+use crate::metrics::{Metrics, ObservedMetrics, Outcome, ResolvedMetrics, RouteKind, RouteMetrics};
 use crate::problem::Problem;
-use crate::route::{IdempotencySettings, Mode, RouteSettings};
+use crate::route::{IdempotencySettings, Mode, OnUnknownOutcome, RouteSettings};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// A route built once per configuration (at start, at each reload): everything a request on
@@ -33,6 +33,12 @@ pub(super) struct Route {
     /// series registered when the route is built (at start, or at the reload that makes it
     /// observed) and kept by the registry across later reloads.
     pub observed: Option<ObservedMetrics>,
+    /// `Some` on a route under `on_unknown_outcome: resolve`: how its resolutions ended and
+    /// what its lookups answered, registered when the route is built.
+    pub resolved: Option<ResolvedMetrics>,
+    /// On a route under `on_unknown_outcome: resolve`, the upstream its lookups go to
+    /// (`resolve.upstream`, or the route's).
+    pub resolve_upstream: Option<Arc<Upstream>>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
     /// The number its name was given when the process first saw it, which namespaces its keys
@@ -71,6 +77,17 @@ impl Route {
                         .as_ref()
                         .filter(|i| i.mode == Mode::Observe)
                         .map(|_| metrics.observed(&r.name)),
+                    resolved: r
+                        .idempotency
+                        .as_ref()
+                        .filter(|i| i.on_unknown_outcome == OnUnknownOutcome::Resolve)
+                        .map(|_| metrics.resolved(&r.name)),
+                    resolve_upstream: r
+                        .idempotency
+                        .as_ref()
+                        .and_then(|i| i.resolve.as_ref())
+                        .map(|res| res.upstream.as_deref().unwrap_or(r.upstream.as_str()))
+                        .and_then(|name| upstreams.get(name).cloned()),
                     namespace: key::namespace(&config.store.key_prefix, &r.name),
                     number: numbers.of(&r.name),
                 }))

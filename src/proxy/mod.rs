@@ -17,6 +17,8 @@
 //! - [`replay`]: a saved response, as the repeat gets it.
 //! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
 //!   the `result-not-kept` record a completion past those bounds writes instead of its response.
+//! - [`resolve`]: a route under `on_unknown_outcome: resolve` — its lookup, rendered before
+//!   the claim, and asked of the upstream when the outcome is unknown.
 //! - [`observe`]: a route in `mode: observe` — every request forwarded, the claim and the save
 //!   run beside it and after its answer, what enforce would have answered counted.
 //!
@@ -55,6 +57,7 @@ mod observe;
 mod pending;
 mod reload;
 mod replay;
+mod resolve;
 mod settle;
 
 use std::net::SocketAddr;
@@ -156,6 +159,7 @@ impl Proxy {
                     store,
                     tasks: tasks.clone(),
                     pending: pending.clone(),
+                    detached: metrics.detached_exchanges.clone(),
                 })
             })
             .collect();

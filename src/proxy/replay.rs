@@ -56,7 +56,7 @@ fn response_of(saved: SavedResponse) -> Response<Body> {
 /// The headers saved for replay: everything end-to-end except `Content-Length` (it follows the
 /// replayed body) and, unless `replay_set_cookie`, `Set-Cookie`. Hop-by-hop headers were
 /// already removed.
-pub(super) fn saved_headers(
+pub(in crate::proxy) fn saved_headers(
     headers: &HeaderMap,
     idem: &IdempotencySettings,
 ) -> Vec<(HeaderName, HeaderValue)> {

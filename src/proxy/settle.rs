@@ -8,18 +8,22 @@
 //! set of rules for both modes: an observed route saves exactly what an enforced one would, so
 //! switching it to `enforce` keeps its records (SPEC §4.7).
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::StatusCode;
+use tokio::time::Instant;
 
 use super::context::Context;
 use super::lease::Lease;
 use super::matched::Route;
 use super::replay::saved_headers;
+use super::resolve::{Lookup, Unknown};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Finished, Saved, SavedResponse};
-use crate::route::{IdempotencySettings, OnUnknownOutcome};
+use crate::route::{IdempotencySettings, Mode, OnUnknownOutcome};
 use crate::upstream::{self, UpstreamError};
 
 /// What becomes of a claimed key once its upstream call has ended.
@@ -36,6 +40,14 @@ enum Action {
     /// Free the key: the answer is not the operation's result, or the operation surely did
     /// not run.
     Release,
+    /// Hold the key and ask the upstream (`on_unknown_outcome: resolve`): `failure` is what
+    /// `keep` would have saved, `lookup` the request's rendered lookup, `sent` the latest
+    /// moment the request could have been written.
+    Resolve {
+        failure: Problem,
+        lookup: Option<Lookup>,
+        sent: Instant,
+    },
 }
 
 /// The settlements worth a log line, logged when they are carried out: only a request that
@@ -52,6 +64,8 @@ enum Why {
     /// No complete response: the upstream may have acted. `kept`: the status of the problem
     /// saved as the result (`on_unknown_outcome: keep`); `None`: released.
     Unknown { error: String, kept: Option<u16> },
+    /// No complete response on a `resolve` route: the key is held while the upstream is asked.
+    Resolving { error: String },
 }
 
 impl Settlement {
@@ -90,11 +104,15 @@ impl Settlement {
         )
     }
 
-    /// No response: the key is freed when the operation surely did not run, otherwise kept or
-    /// freed as `on_unknown_outcome` says. Also the problem the client gets, and its outcome.
+    /// No response: the key is freed when the operation surely did not run, otherwise kept,
+    /// freed or resolved as `on_unknown_outcome` says. Also the problem the client gets, and
+    /// its outcome. `lookup` is the request's rendered lookup (a `resolve` route's), and
+    /// `sent` the latest moment the request could have been written upstream.
     pub(super) fn of_failure(
         context: &Context,
         e: &UpstreamError,
+        lookup: Option<Lookup>,
+        sent: Instant,
     ) -> (Settlement, Problem, Outcome) {
         let problem = Problem::of_upstream(context.route.upstream.name(), e);
         let settlement = match e {
@@ -114,6 +132,26 @@ impl Settlement {
                 Settlement::new(Action::Release, Some(Why::Connect(e.to_string())))
             }
             _ => match context.policy.on_unknown_outcome {
+                OnUnknownOutcome::Resolve => {
+                    let why = Why::Resolving {
+                        error: e.to_string(),
+                    };
+                    let client = match context.policy.mode {
+                        Mode::Enforce => Problem::BeingResolved(Box::new(problem.clone())),
+                        // Repeats are forwarded there: the answer says nothing of them.
+                        Mode::Observe => problem.clone(),
+                    };
+                    let action = Action::Resolve {
+                        failure: problem,
+                        lookup,
+                        sent,
+                    };
+                    return (
+                        Settlement::new(action, Some(why)),
+                        client,
+                        Outcome::UpstreamError,
+                    );
+                }
                 OnUnknownOutcome::Keep => Settlement::new(
                     Action::Complete(Saved::Response(problem.saved())),
                     Some(Why::Unknown {
@@ -136,7 +174,12 @@ impl Settlement {
     /// Carries it out on the held claim: completes it with the result under `fingerprint`
     /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
     /// it.
-    pub(super) async fn apply(self, lease: Lease, fingerprint: Fingerprint, context: &Context) {
+    pub(super) async fn apply(
+        self,
+        lease: Lease,
+        fingerprint: Fingerprint,
+        context: &Arc<Context>,
+    ) {
         if let Some(why) = &self.why {
             why.log(&context.route);
         }
@@ -149,6 +192,30 @@ impl Settlement {
                     .await;
             }
             Action::Release => lease.release().await,
+            Action::Resolve {
+                failure,
+                lookup: Some(lookup),
+                sent,
+            } if within_observe_bound(context) => Unknown {
+                context: context.clone(),
+                lease,
+                fingerprint,
+                lookup,
+                sent,
+                failure,
+                gave_up: false,
+            }
+            .spawn(),
+            // A resolve route always renders its lookup before the claim; without one there is
+            // nothing to ask, and keep's result is the safe one. So it is on an observed route
+            // whose background work is at its bound.
+            Action::Resolve { failure, .. } => {
+                let done = Finished::new(fingerprint, Saved::Response(failure.saved()));
+                let shared = &context.shared;
+                lease
+                    .complete(done, context.policy.ttl, &shared.tasks, &shared.pending)
+                    .await;
+            }
         }
     }
 }
@@ -190,6 +257,12 @@ impl Why {
                 %error,
                 "outcome unknown; saving {status} as the key's result (on_unknown_outcome: keep)"
             ),
+            Why::Resolving { error } => tracing::warn!(
+                %route,
+                upstream = up,
+                %error,
+                "outcome unknown; key held while the upstream is asked (on_unknown_outcome: resolve)"
+            ),
             Why::Unknown { error, kept: None } => tracing::warn!(
                 %route,
                 upstream = up,
@@ -198,6 +271,25 @@ impl Why {
             ),
         }
     }
+}
+
+/// Whether a resolution may start: always on an enforced route (its key is held, and its
+/// record taken over if this proxy stops); on an observed route only while the work observe
+/// runs after its clients were answered is under `limits.max_detached_exchanges` (SPEC §4.7),
+/// past which the key is saved as `keep` would save it, and the line logged.
+fn within_observe_bound(context: &Context) -> bool {
+    if context.policy.mode == Mode::Enforce {
+        return true;
+    }
+    let bound = i64::from(context.limits.max_detached_exchanges);
+    let within = context.shared.detached.get() < bound;
+    if !within {
+        tracing::warn!(
+            route = %context.route.name,
+            "observe: at limits.max_detached_exchanges, the unknown outcome is not resolved; saved as keep saves it"
+        );
+    }
+    within
 }
 
 /// The release of an upstream answer that is not the operation's result — the upstream's

@@ -10,8 +10,10 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 
+mod lookup;
 mod webhook;
 
+pub use lookup::{LookupTemplate, Piece, ResolveSettings};
 pub(crate) use webhook::BASE64;
 pub use webhook::{
     Encoding, HmacScheme, MAX_SECRETS, Provider, Secrets, SecretsError, WebhookSettings,
@@ -268,6 +270,8 @@ pub struct IdempotencySettings {
     pub retry_statuses: Vec<u16>,
     /// Unknown outcome.
     pub on_unknown_outcome: OnUnknownOutcome,
+    /// With `on_unknown_outcome: resolve`, how to ask (always `Some` then, `None` otherwise).
+    pub resolve: Option<ResolveSettings>,
     /// Request body bound.
     pub max_request_body: u64,
     /// Saved response body bound.
@@ -325,6 +329,9 @@ pub enum OnUnknownOutcome {
     Keep,
     /// Free the key so that a retry runs again.
     Release,
+    /// Hold the key and ask the upstream (`resolve:`) whether the operation happened; act
+    /// only on its answer (SPEC §4.8).
+    Resolve,
 }
 
 #[cfg(test)]

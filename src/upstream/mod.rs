@@ -91,6 +91,9 @@ pub(crate) struct Upstream {
     /// This upstream's connections (on the worker that owns this value).
     pool: Pool,
     timeout: Duration,
+    /// The longest making a connection takes: a request is written within it of its call's
+    /// start, or not at all.
+    connect_timeout: Duration,
     /// `idemproxy_upstream_duration_seconds` of this upstream.
     duration: Histogram,
     /// The `X-Forwarded-Proto` value: the listener's scheme, fixed at start.
@@ -230,6 +233,7 @@ impl Upstream {
             host: host_header(&scheme, &authority),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: settings.timeout,
+            connect_timeout: settings.connect_timeout,
             duration,
             forwarded_proto: HeaderValue::from_str(settings.forwarded_proto.as_str())
                 .unwrap_or(HeaderValue::from_static("http")),
@@ -238,6 +242,11 @@ impl Upstream {
 
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its `connect_timeout`: a request is written within it of its call's start, or never.
+    pub(crate) fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
     }
 
     /// Builds the upstream request from the client's: the URL rebased on the upstream,
@@ -297,6 +306,31 @@ impl Upstream {
         *req.uri_mut() = uri;
         *req.headers_mut() = headers;
         Ok(req)
+    }
+
+    /// Sends a request the proxy makes itself — a lookup of `resolve:` (SPEC §4.8): `method`
+    /// on `path_and_query` (rebased on the upstream URL) with `headers` and no body — and reads
+    /// its response up to `limit` bytes, bounded like any call (`connect_timeout`, `timeout`).
+    /// Never sent twice: a lookup that fails is simply asked again later.
+    pub(crate) async fn ask(
+        &self,
+        method: http::Method,
+        path_and_query: &str,
+        headers: &[(HeaderName, HeaderValue)],
+        limit: u64,
+    ) -> Result<(http::response::Parts, Bounded), UpstreamError> {
+        let pq = PathAndQuery::try_from(path_and_query)
+            .map_err(|e| UpstreamError::Connect(format!("invalid lookup path: {e}")))?;
+        let mut req = Request::new(Bytes::new());
+        *req.method_mut() = method;
+        *req.uri_mut() = self.rebase(&Uri::from(pq))?;
+        let map = req.headers_mut();
+        for (name, value) in headers {
+            map.append(name.clone(), value.clone());
+        }
+        strip_hop_by_hop(map);
+        map.insert(header::HOST, self.host.clone());
+        self.call_bounded(req, limit, false).await
     }
 
     /// The request's path and query on the upstream: appended to the upstream URL's own path.

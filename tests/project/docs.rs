@@ -104,6 +104,15 @@ routes:
     upstream: booking
     idempotency:
       mode: observe
+  - name: resolved
+    methods: [POST]
+    path: /resolved
+    upstream: booking
+    idempotency:
+      on_unknown_outcome: resolve
+      resolve:
+        request: GET /resolved/{{key}}
+        settle_after: 10s
   - name: rest
     path: /*
     upstream: booking

@@ -6,6 +6,7 @@ use std::time::Duration;
 use http::HeaderName;
 use serde::Deserialize;
 
+use super::resolve::{self, RawResolve};
 use crate::config::limits::RawLimits;
 use crate::config::store::RawStore;
 use crate::config::units::{at_most, bounds, byte_size, duration, show_size, size_at_most};
@@ -52,9 +53,12 @@ pub(crate) struct RawIdempotency {
     /// Upstream statuses that are not saved. Default `[429, 503]`.
     #[serde(default = "defaults::retry_statuses")]
     pub retry_statuses: Vec<u16>,
-    /// `keep` (default) or `release`.
+    /// `keep` (default), `release` or `resolve`.
     #[serde(default)]
     pub on_unknown_outcome: OnUnknownOutcome,
+    /// With `on_unknown_outcome: resolve`, how to ask the upstream (and only then).
+    #[serde(default)]
+    pub resolve: Option<RawResolve>,
     /// Larger request bodies get 413. Default 1MiB.
     #[serde(default = "defaults::max_request_body", with = "byte_size")]
     pub max_request_body: u64,
@@ -87,6 +91,7 @@ impl Default for RawIdempotency {
             on_store_error: OnStoreError::default(),
             retry_statuses: defaults::retry_statuses(),
             on_unknown_outcome: OnUnknownOutcome::default(),
+            resolve: None,
             max_request_body: defaults::max_request_body(),
             max_response_body: defaults::max_response_body(),
             replay_set_cookie: false,
@@ -156,8 +161,16 @@ impl RawIdempotency {
         let key_from = self.key_from(path, pattern, err);
         let statuses = self.check_retry_statuses(path, err);
         let bodies = self.check_bodies(path, err);
-        match (header, scope, fingerprint, key_from) {
-            (Some(header), Some(scope), Some(fingerprint), Some(key_from))
+        let resolve = resolve::validate(
+            self.on_unknown_outcome,
+            self.resolve.as_ref(),
+            path,
+            pattern,
+            scope.as_deref(),
+            err,
+        );
+        match (header, scope, fingerprint, key_from, resolve) {
+            (Some(header), Some(scope), Some(fingerprint), Some(key_from), Some(resolve))
                 if durations && statuses && bodies =>
             {
                 Some(IdempotencySettings {
@@ -172,6 +185,7 @@ impl RawIdempotency {
                     on_store_error: self.on_store_error,
                     retry_statuses: self.retry_statuses.clone(),
                     on_unknown_outcome: self.on_unknown_outcome,
+                    resolve,
                     max_request_body: self.max_request_body,
                     max_response_body: self.max_response_body,
                     replay_set_cookie: self.replay_set_cookie,

@@ -2,6 +2,7 @@
 //! [`RouteSettings`] the proxy matches against.
 
 mod idempotency;
+mod resolve;
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -78,6 +79,9 @@ pub(super) fn validate(
         }
         if let Some(i) = &r.idempotency {
             i.across_sections(&format!("{path}.idempotency"), limits, store, err);
+            if let Some(resolve) = &i.resolve {
+                resolve.check_upstream(&format!("{path}.idempotency.resolve"), upstreams, err);
+            }
         }
     }
     compiled

@@ -152,6 +152,16 @@ impl Lease {
         }
     }
 
+    /// The key it holds.
+    pub(crate) fn key(&self) -> &StoreKey {
+        &self.key
+    }
+
+    /// The claim it holds.
+    pub(crate) fn held(&self) -> &Held {
+        &self.held
+    }
+
     /// Frees the key (holder only).
     pub(crate) async fn release(mut self) {
         match self.store.release(&self.key, &self.held).await {

@@ -42,6 +42,7 @@ use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use self::shadow::{HeldRepeats, Shadow};
 use super::admission::{self, Admitted, KeySource, Underived};
@@ -206,6 +207,7 @@ impl Observation {
             key,
             fingerprint,
             derived,
+            lookup,
         } = request;
         let (settled, settlement) = oneshot::channel();
         let shadow = Shadow {
@@ -223,6 +225,9 @@ impl Observation {
         // The request goes out as `enforce` would send it, resent after the keep-alive race
         // only where `enforce` would (SPEC §4.3).
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+        // The latest moment the request can be written: the call's start plus the longest its
+        // connection can take.
+        let sent = Instant::now() + up.connect_timeout();
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(req) => up.call_bounded(req, idem.max_response_body, resend).await,
             Err(e) => Err(e),
@@ -241,7 +246,8 @@ impl Observation {
             ),
             Err(e) => {
                 tracing::warn!(route = %route.name, upstream = up.name(), error = %e, "upstream call failed");
-                let (settlement, problem, outcome) = Settlement::of_failure(&context, &e);
+                let (settlement, problem, outcome) =
+                    Settlement::of_failure(&context, &e, lookup, sent.min(Instant::now()));
                 (settlement, refuse(problem, outcome))
             }
         };
@@ -329,7 +335,9 @@ fn too_large(
 fn reason(problem: &Problem) -> String {
     match problem {
         Problem::MissingKey { header } => format!("no {header} header"),
-        Problem::InvalidKey { detail } | Problem::UnreadableKeyPart { detail } => detail.clone(),
+        Problem::InvalidKey { detail }
+        | Problem::UnreadableKeyPart { detail }
+        | Problem::UnreadableLookupPart { detail } => detail.clone(),
         Problem::HopByHopConflict { header } => format!("Connection names {header}"),
         other => other.slug().to_owned(),
     }

@@ -1,0 +1,349 @@
+//! The resolver: one task a key whose outcome is unknown, holding its claim (the lease renewed
+//! while it asks and while it waits), asking the upstream at once and then every `interval`,
+//! and acting only on the answer (SPEC §4.8):
+//! - a `found` status: its response is the key's result, replayed with
+//!   `Idempotent-Resolved: true`;
+//! - an `absent` status to a lookup sent `settle_after` or more after the request: the
+//!   operation did not happen and will not, so the key is released and the next retry runs it;
+//!   an earlier `absent` only means "not yet";
+//! - anything else, until `give_up_after`: then `outcome-unknown` is saved, so the operation
+//!   never runs twice.
+//!
+//! Its times count from when the request was sent, never from earlier: the latest moment it
+//! could have been written (the claim, or the call's start, plus the upstream's
+//! `connect_timeout`). On an enforced route the claim is a resolvable record, which carries
+//! those times on the store's clock with the lookup and the route's `settle_after`, `interval`
+//! and `give_up_after` as they were at the claim: a resolution runs to its end under what its
+//! record carries, whichever instance holds it (the one that sent the request, or one that took
+//! it over after that one's lease lapsed), whatever a reload changed meanwhile.
+//!
+//! It runs on the proxy's task tracker, so a drain waits for it up to `shutdown_timeout`; one
+//! still running then stops with the process, and its record is taken over after the restart.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::time::Instant;
+
+use super::ask::{self, Answer, Lookup, Statuses};
+use super::clock::StoreClock;
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+use crate::metrics::Resolution;
+use crate::problem::Problem;
+use crate::proxy::context::Context;
+use crate::proxy::lease::Lease;
+use crate::record::{Finished, Saved};
+use crate::route::Mode;
+use crate::store::Held;
+
+/// A key to resolve: its held claim, and what asking about it takes.
+pub(in crate::proxy) struct Unknown {
+    pub context: Arc<Context>,
+    pub lease: Lease,
+    pub fingerprint: Fingerprint,
+    pub lookup: Lookup,
+    /// The latest moment the request could have been written upstream.
+    pub sent: Instant,
+    /// What `keep` would have saved: the result if nothing settles it (as `outcome-unknown`).
+    pub failure: Problem,
+    /// Past `give_up_after` already (a takeover of an old record): give up without asking.
+    pub gave_up: bool,
+}
+
+/// How one resolution ended, and after how many lookups; `None`: its lease was lost to
+/// another instance, which goes on with it.
+struct Ended {
+    result: Option<Resolution>,
+    lookups: u32,
+}
+
+/// The times one resolution runs under.
+struct Times {
+    settle_after: Duration,
+    interval: Duration,
+    give_up_after: Duration,
+}
+
+/// Takes over the resolution of a record whose holder's lease lapsed (`held`, as the store
+/// stamped it, claimed at `claimed_at` and read with `clock`): never forwarded, only asked
+/// about — or, `gave_up`, saved as `outcome-unknown` at once.
+pub(in crate::proxy) fn take_over(
+    context: &Arc<Context>,
+    key: StoreKey,
+    held: Held,
+    clock: StoreClock,
+    gave_up: bool,
+    claimed_at: Instant,
+) {
+    let Some(record) = held.resolvable().cloned() else {
+        return;
+    };
+    tracing::warn!(
+        route = %context.route.name,
+        key = %key.id_hex(),
+        "a claim whose holder's lease lapsed is taken over: resolving it, never forwarding it"
+    );
+    // Its holder died before knowing the outcome: no complete response came, as after a
+    // timeout.
+    let failure = Problem::UpstreamTimeout {
+        upstream: record.lookup.upstream.clone(),
+    };
+    Unknown {
+        context: context.clone(),
+        lease: context.lease(key, held, claimed_at),
+        fingerprint: record.fingerprint,
+        sent: clock.local(record.sent_at),
+        lookup: record.lookup,
+        failure,
+        gave_up,
+    }
+    .spawn();
+}
+
+impl Unknown {
+    /// Starts its resolution in a task of its own, tracked so that a drain waits for it.
+    /// On an observed route it counts as work after its client was answered
+    /// (`idemproxy_detached_exchanges`), which observe's bound limits (SPEC §4.7).
+    pub(in crate::proxy) fn spawn(self) {
+        let tasks = self.context.shared.tasks.clone();
+        let counted = (self.context.policy.mode == Mode::Observe)
+            .then(|| Counted::new(self.context.shared.detached.clone()));
+        tasks.spawn(async move {
+            let _counted = counted;
+            self.run().await;
+        });
+    }
+
+    async fn run(self) {
+        let started = Instant::now();
+        let context = self.context.clone();
+        let key = self.lease.key().id_hex();
+        let ended = self.resolve().await;
+        let route = &context.route;
+        match ended.result {
+            Some(result) => {
+                if let Some(metrics) = &route.resolved {
+                    metrics.resolution(result);
+                }
+                tracing::info!(
+                    route = %route.name,
+                    key = %key,
+                    result = result.as_str(),
+                    lookups = ended.lookups,
+                    took_ms = started.elapsed().as_millis(),
+                    "unknown outcome resolved"
+                );
+            }
+            None => tracing::warn!(
+                route = %route.name,
+                key = %key,
+                lookups = ended.lookups,
+                took_ms = started.elapsed().as_millis(),
+                "resolution stopped: its lease was lost, another instance resolves the key"
+            ),
+        }
+    }
+
+    /// The times: the record's, as the route had them when the key was claimed; the route's
+    /// for a claim that is not a resolvable record (an observed route's).
+    fn times(&self) -> Option<Times> {
+        if let Some(r) = self.lease.held().resolvable() {
+            return Some(Times {
+                settle_after: r.settle_after,
+                interval: r.interval,
+                give_up_after: r.give_up_after,
+            });
+        }
+        let resolve = self.context.policy.resolve.as_ref()?;
+        Some(Times {
+            settle_after: resolve.settle_after,
+            interval: resolve.interval,
+            give_up_after: resolve.give_up_after,
+        })
+    }
+
+    /// Asks until an answer settles it, or `give_up_after`.
+    async fn resolve(mut self) -> Ended {
+        let (Some(times), Some(resolve)) = (self.times(), self.context.policy.resolve.clone())
+        else {
+            // Only a route under `resolve` starts one; without its block the safe end is keep's.
+            self.give_up().await;
+            return Ended {
+                result: Some(Resolution::GaveUp),
+                lookups: 0,
+            };
+        };
+        let settles_at = self.sent + times.settle_after;
+        let gives_up_at = self.sent + times.give_up_after;
+        let upstream = self.context.route.resolve_upstream.clone();
+        let statuses = Statuses {
+            found: &resolve.found,
+            absent: &resolve.absent,
+        };
+        let mut lookups = 0;
+        loop {
+            let asked = Instant::now();
+            if self.gave_up || asked >= gives_up_at {
+                break;
+            }
+            let answer = match &upstream {
+                Some(up) if up.name() == self.lookup.upstream => {
+                    let policy = self.context.policy.clone();
+                    let asking = ask::ask(up, &self.lookup, &statuses, &policy);
+                    let answer = self
+                        .lease
+                        .renewing(tokio::time::timeout_at(gives_up_at, asking))
+                        .await;
+                    match answer {
+                        Ok(answer) => answer,
+                        Err(_) => break,
+                    }
+                }
+                // The lookup's upstream is not configured (any more): nobody can be asked.
+                _ => Answer::Failed(format!("no upstream {:?} to ask", self.lookup.upstream)),
+            };
+            lookups += 1;
+            if let Some(metrics) = &self.context.route.resolved {
+                metrics.lookup(answer.counted());
+            }
+            match answer {
+                Answer::Found(saved) => {
+                    self.found(saved).await;
+                    return Ended {
+                        result: Some(Resolution::Found),
+                        lookups,
+                    };
+                }
+                Answer::Absent if asked >= settles_at => {
+                    self.lease.release().await;
+                    return Ended {
+                        result: Some(Resolution::Absent),
+                        lookups,
+                    };
+                }
+                other => self.log_unsettled(&other),
+            }
+            let next = (asked + times.interval).min(gives_up_at);
+            if !self.resolving(next).await {
+                return Ended {
+                    result: None,
+                    lookups,
+                };
+            }
+            self.lease.renewing(tokio::time::sleep_until(next)).await;
+        }
+        self.give_up().await;
+        Ended {
+            result: Some(Resolution::GaveUp),
+            lookups,
+        }
+    }
+
+    /// Writes the next lookup's time into a resolvable record (`keys show` reads it), which
+    /// also marks it resolving. False: the lease was lost, and the key is another's now.
+    async fn resolving(&self, next: Instant) -> bool {
+        let held = self.lease.held();
+        if held.resolvable().is_none() {
+            return true;
+        }
+        let store = &self.context.shared.store;
+        let next_in = next.saturating_duration_since(Instant::now());
+        match store
+            .resolving(
+                self.lease.key(),
+                held,
+                next_in,
+                self.context.policy.lock_ttl,
+            )
+            .await
+        {
+            Ok(Some(_)) => true,
+            Ok(None) => false,
+            // The lease is renewed meanwhile; the next lookup writes its time again.
+            Err(e) => {
+                tracing::debug!(
+                    route = %self.context.route.name,
+                    key = %self.lease.key().id_hex(),
+                    error = %e,
+                    "recording the next lookup's time failed"
+                );
+                true
+            }
+        }
+    }
+
+    fn log_unsettled(&self, answer: &Answer) {
+        let (route, key) = (&self.context.route.name, self.lease.key().id_hex());
+        match answer {
+            Answer::Other(status) => tracing::debug!(
+                %route,
+                %key,
+                status = status.as_u16(),
+                "lookup answered neither found nor absent; asking again"
+            ),
+            Answer::Failed(error) => tracing::debug!(
+                %route,
+                %key,
+                %error,
+                "lookup failed; asking again"
+            ),
+            Answer::Absent | Answer::Found(_) => {}
+        }
+    }
+
+    /// Saves the found response as the key's result: its replays say
+    /// `Idempotent-Resolved: true`.
+    async fn found(self, saved: Saved) {
+        let saved = match saved {
+            Saved::Response(response) => Saved::Resolved(response),
+            other => other,
+        };
+        self.complete(saved).await;
+    }
+
+    /// Saves what `keep` would have, as `outcome-unknown`.
+    async fn give_up(self) {
+        let upstream = self.context.route.upstream.name().to_owned();
+        let problem = Problem::OutcomeUnknown {
+            upstream,
+            status: self.failure.status(),
+        };
+        self.complete(Saved::Response(problem.saved())).await;
+    }
+
+    async fn complete(self, saved: Saved) {
+        let Unknown {
+            context,
+            lease,
+            fingerprint,
+            ..
+        } = self;
+        let shared = &context.shared;
+        lease
+            .complete(
+                Finished::new(fingerprint, saved),
+                context.policy.ttl,
+                &shared.tasks,
+                &shared.pending,
+            )
+            .await;
+    }
+}
+
+/// One unit of a gauge for as long as it lives: dropped at the task's end, or its panic.
+struct Counted(Gauge);
+
+impl Counted {
+    fn new(gauge: Gauge) -> Counted {
+        gauge.inc();
+        Counted(gauge)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -1,0 +1,652 @@
+//! SPEC §4.8, `on_unknown_outcome: resolve`: a request whose response is lost after the
+//! upstream may have acted is answered its 502/504 at once, its key held (repeats 409, nothing
+//! forwarded) while the proxy asks the upstream's lookup — the mock's
+//! `GET /bookings/by-reference/{reference}` — and the answer decides: `found` becomes the key's
+//! result (replayed with `Idempotent-Resolved: true`), a final `absent` releases the key so the
+//! retry runs once, and lookups that never settle it end as `outcome-unknown`, never forwarded
+//! again. Each rule is written once and run on every store (`every_store!`).
+
+use std::time::{Duration, Instant};
+
+use idemproxy::config::Config;
+use idemproxy::proxy::Reloaded;
+
+use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
+
+every_store!(
+    a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
+    a_final_absent_releases_the_key_and_the_retry_books_once,
+    an_early_absent_is_not_final_and_a_late_booking_is_found,
+    lookups_that_never_answer_end_as_outcome_unknown_and_never_forward,
+    a_repeat_during_the_resolution_is_409_and_not_forwarded,
+    with_on_conflict_wait_a_repeat_waits_for_the_resolution,
+    a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
+    a_reload_during_a_resolution_leaves_it_under_what_it_started_with,
+    an_observed_route_resolves_in_the_background_and_forwards_repeats,
+    a_running_resolution_counts_against_the_observed_bound,
+);
+
+const ROUTE: &str = "create-booking";
+
+/// How long a resolution may take to land in these tests' short settings.
+const LANDS_WITHIN: Duration = Duration::from_secs(15);
+
+/// The booking body with this reference.
+fn booking(reference: &str) -> String {
+    format!(r#"{{"seat":"12A","reference":"{reference}"}}"#)
+}
+
+/// The harness configuration with `create-booking` resolving by reference, and `lines` added
+/// to its idempotency section.
+fn resolving(env: &Env, resolve: &str, lines: &str) -> String {
+    let yaml = env.config(&format!("on_unknown_outcome: resolve\nresolve:\n{lines}"));
+    // The block's own fields, indented under `resolve:` (the harness indents each line of the
+    // idempotency section alike).
+    let mut block = String::from("        request: GET /bookings/by-reference/{json:/reference}\n");
+    for line in resolve.lines().filter(|l| !l.trim().is_empty()) {
+        block.push_str("        ");
+        block.push_str(line.trim());
+        block.push('\n');
+    }
+    yaml.replacen("      resolve:\n", &format!("      resolve:\n{block}"), 1)
+}
+
+/// The bookings the mock made for `reference`, visible to a lookup or not.
+fn bookings_for(env: &Env, reference: &str) -> u64 {
+    env.mock
+        .stats()
+        .by_reference
+        .get(reference)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Sends the same booking until the answer is not a 409 (the key being resolved), within
+/// [`LANDS_WITHIN`].
+async fn retry_until_settled(proxy: &TestProxy, key: &str, body: &str) -> Reply {
+    let until = Instant::now() + LANDS_WITHIN;
+    loop {
+        let reply = book_with(&proxy.url(""), key, body, &[]).await;
+        if reply.status != 409 || Instant::now() >= until {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `idemproxy_resolutions_total{result}` of the route.
+fn resolutions(proxy: &TestProxy, result: &str) -> u64 {
+    proxy.metric(
+        "idemproxy_resolutions_total",
+        &[("route", ROUTE), ("result", result)],
+    ) as u64
+}
+
+/// `idemproxy_resolve_lookups_total{answer}` of the route.
+fn lookups(proxy: &TestProxy, answer: &str) -> u64 {
+    proxy.metric(
+        "idemproxy_resolve_lookups_total",
+        &[("route", ROUTE), ("answer", answer)],
+    ) as u64
+}
+
+async fn a_lost_response_is_resolved_to_the_booking_the_lookup_finds(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 5s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-found");
+    let first = book_with(
+        &proxy.url(""),
+        "k-found",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    let doc = first.assert_problem(502, "upstream-failed");
+    assert!(
+        doc["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("asking the upstream")),
+        "the detail says the outcome is being resolved: {doc}"
+    );
+    let retry = retry_until_settled(&proxy, "k-found", &body).await;
+    assert_eq!(retry.status, 200, "the lookup's answer: {:?}", retry.body);
+    assert_eq!(retry.header("idempotent-replayed"), "true");
+    assert_eq!(retry.header("idempotent-resolved"), "true");
+    assert_eq!(retry.json()["request"]["reference"], "R-found");
+    assert_eq!(
+        bookings_for(&env, "R-found"),
+        1,
+        "booked once, never forwarded again"
+    );
+    assert_eq!(resolutions(&proxy, "found"), 1);
+    assert!(lookups(&proxy, "found") >= 1);
+    // The replay of a resolved key stays the same.
+    let again = book_with(&proxy.url(""), "k-found", &body, &[]).await;
+    assert_eq!(
+        (again.status, again.body.clone()),
+        (200, retry.body.clone())
+    );
+    proxy.stop().await;
+}
+
+async fn a_final_absent_releases_the_key_and_the_retry_books_once(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 1s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-absent");
+    let first = book_with(
+        &proxy.url(""),
+        "k-absent",
+        &body,
+        &[("X-Mock-Lose-Response", "before")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    assert_eq!(bookings_for(&env, "R-absent"), 0, "lost before the booking");
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "absent") == 1).await,
+        "the resolution ends absent once settle_after has passed"
+    );
+    assert!(
+        lookups(&proxy, "absent") >= 2,
+        "an early absent, then the final one"
+    );
+    let retry = book_with(&proxy.url(""), "k-absent", &body, &[]).await;
+    assert_eq!(retry.status, 201, "the released key runs: {:?}", retry.body);
+    assert_eq!(bookings_for(&env, "R-absent"), 1, "one booking in all");
+    let replay = book_with(&proxy.url(""), "k-absent", &body, &[]).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+    assert!(replay.headers.get("idempotent-resolved").is_none());
+    assert_eq!(bookings_for(&env, "R-absent"), 1);
+    proxy.stop().await;
+}
+
+async fn an_early_absent_is_not_final_and_a_late_booking_is_found(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 5s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-late");
+    // The booking is made, its response lost, and a lookup sees it only 1.5s later: the
+    // lookups before answer 404, which must not release the key.
+    let first = book_with(
+        &proxy.url(""),
+        "k-late",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-late", &body).await;
+    assert_eq!(retry.status, 200, "found once visible: {:?}", retry.body);
+    assert_eq!(retry.header("idempotent-resolved"), "true");
+    assert!(lookups(&proxy, "absent") >= 1, "it was asked while absent");
+    assert_eq!(resolutions(&proxy, "absent"), 0, "never released");
+    assert_eq!(bookings_for(&env, "R-late"), 1, "never booked twice");
+    proxy.stop().await;
+}
+
+async fn lookups_that_never_answer_end_as_outcome_unknown_and_never_forward(backend: Backend) {
+    let env = Env::new(backend).await;
+    // Lookups go to an upstream nobody listens on: each fails.
+    let nowhere = harness::free_port();
+    let yaml = resolving(
+        &env,
+        "upstream: lookups\nsettle_after: 500ms\ninterval: 100ms\ngive_up_after: 1s",
+        "",
+    )
+    .replacen(
+        "upstreams:\n",
+        &format!(
+            "upstreams:\n  lookups:\n    url: http://127.0.0.1:{nowhere}\n    connect_timeout: 100ms\n    timeout: 200ms\n"
+        ),
+        1,
+    );
+    let proxy = env.proxy(&yaml).await;
+    let body = booking("R-unknown");
+    let first = book_with(
+        &proxy.url(""),
+        "k-unknown",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-unknown", &body).await;
+    retry.assert_problem(502, "outcome-unknown");
+    assert_eq!(retry.header("idempotent-replayed"), "true");
+    assert!(retry.headers.get("idempotent-resolved").is_none());
+    assert_eq!(resolutions(&proxy, "gave_up"), 1);
+    assert!(lookups(&proxy, "failed") >= 1);
+    assert_eq!(bookings_for(&env, "R-unknown"), 1, "never forwarded again");
+    proxy.stop().await;
+}
+
+async fn a_repeat_during_the_resolution_is_409_and_not_forwarded(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 10s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-held");
+    let first = book_with(
+        &proxy.url(""),
+        "k-held",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "3s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let posts = env.mock.calls("k-held");
+    let repeat = book_with(&proxy.url(""), "k-held", &body, &[]).await;
+    repeat.assert_problem(409, "request-in-progress");
+    assert!(
+        !repeat.header("retry-after").is_empty(),
+        "409 with Retry-After"
+    );
+    assert_eq!(
+        env.mock.calls("k-held"),
+        posts,
+        "the repeat was not forwarded"
+    );
+    let settled = retry_until_settled(&proxy, "k-held", &body).await;
+    assert_eq!(settled.status, 200);
+    assert_eq!(bookings_for(&env, "R-held"), 1);
+    proxy.stop().await;
+}
+
+async fn with_on_conflict_wait_a_repeat_waits_for_the_resolution(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "settle_after: 5s\ninterval: 200ms",
+            "on_conflict: wait\nwait_timeout: 10s\n",
+        ))
+        .await;
+    let body = booking("R-wait");
+    let first = book_with(
+        &proxy.url(""),
+        "k-wait",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let waited = book_with(&proxy.url(""), "k-wait", &body, &[]).await;
+    assert_eq!(
+        waited.status, 200,
+        "the repeat waited for the answer: {:?}",
+        waited.body
+    );
+    assert_eq!(waited.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, "R-wait"), 1);
+    proxy.stop().await;
+}
+
+async fn a_lookup_part_that_cannot_be_read_is_refused_before_the_claim(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&resolving(&env, "settle_after: 5s", "")).await;
+    // No `reference` in the body: the lookup could never be sent, so nothing is claimed.
+    let refused = book_with(&proxy.url(""), "k-noref", r#"{"seat":"12A"}"#, &[]).await;
+    let doc = refused.assert_problem(400, "unreadable-key-part");
+    assert!(
+        doc["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("json:/reference")),
+        "the detail names the part: {doc}"
+    );
+    assert_eq!(env.mock.calls("k-noref"), 0, "nothing forwarded");
+    // Nothing claimed: the same key with a readable body runs.
+    let body = booking("R-noref");
+    let ran = book_with(&proxy.url(""), "k-noref", &body, &[]).await;
+    assert_eq!(ran.status, 201, "{:?}", ran.body);
+    proxy.stop().await;
+}
+
+async fn a_reload_during_a_resolution_leaves_it_under_what_it_started_with(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(&env, "settle_after: 10s\ninterval: 200ms", ""))
+        .await;
+    let body = booking("R-reload");
+    let first = book_with(
+        &proxy.url(""),
+        "k-reload",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    // A reload that would end a resolution at once (absent final at once, giving up at once)
+    // applies only to resolutions that start after it.
+    let changed = resolving(
+        &env,
+        "settle_after: 200ms\ninterval: 200ms\ngive_up_after: 200ms",
+        "",
+    );
+    let config = Config::from_yaml(&changed).expect("valid");
+    let reloaded = proxy.proxy.reload(config);
+    assert!(matches!(reloaded, Reloaded::Applied(_)), "{reloaded:?}");
+    let settled = retry_until_settled(&proxy, "k-reload", &body).await;
+    assert_eq!(
+        settled.status, 200,
+        "found under the first times: {:?}",
+        settled.body
+    );
+    assert_eq!(settled.header("idempotent-resolved"), "true");
+    assert_eq!(resolutions(&proxy, "gave_up"), 0);
+    assert_eq!(bookings_for(&env, "R-reload"), 1);
+    proxy.stop().await;
+}
+
+async fn an_observed_route_resolves_in_the_background_and_forwards_repeats(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "settle_after: 10s\ninterval: 200ms",
+            "mode: observe\n",
+        ))
+        .await;
+    let body = booking("R-observed");
+    let first = book_with(
+        &proxy.url(""),
+        "k-observed",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    assert_eq!(first.status, 502, "{:?}", first.body);
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "found") == 1).await,
+        "the observed route resolved the key in the background"
+    );
+    // Observe forwards every request: the repeat runs, and is counted as a replay of the
+    // resolved result.
+    let repeat = book_with(&proxy.url(""), "k-observed", &body, &[]).await;
+    assert_eq!(repeat.status, 201, "forwarded: {:?}", repeat.body);
+    assert!(repeat.headers.get("idempotent-replayed").is_none());
+    assert_eq!(
+        bookings_for(&env, "R-observed"),
+        2,
+        "observe forwards every request"
+    );
+    proxy.stop().await;
+}
+
+async fn a_running_resolution_counts_against_the_observed_bound(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 10s\ninterval: 200ms",
+        "mode: observe\n",
+    )
+    .replacen(
+        "upstreams:\n",
+        "limits:\n  max_detached_exchanges: 1\nupstreams:\n",
+        1,
+    );
+    let proxy = env.proxy(&yaml).await;
+    // The first resolution runs until its booking becomes visible, 2s on: it fills the bound.
+    let slow = booking("R-bound-1");
+    let first = book_with(
+        &proxy.url(""),
+        "k-bound-1",
+        &slow,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "2s"),
+        ],
+    )
+    .await;
+    assert_eq!(first.status, 502);
+    assert!(
+        eventually(LANDS_WITHIN, || lookups(&proxy, "absent") >= 1).await,
+        "the first resolution is running"
+    );
+    // The second, past the bound, is forwarded without a claim (as observe does at its
+    // bound): never asked about.
+    let second = book_with(
+        &proxy.url(""),
+        "k-bound-2",
+        &booking("R-bound-2"),
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    assert_eq!(second.status, 502);
+    assert!(
+        eventually(LANDS_WITHIN, || resolutions(&proxy, "found") == 1).await,
+        "the first resolution ends found"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        resolutions(&proxy, "found"),
+        1,
+        "the second was not resolved"
+    );
+    assert_eq!(lookups(&proxy, "found"), 1);
+    proxy.stop().await;
+}
+
+/// The stores whose records outlive the proxy (SPEC §4.6): a proxy SIGKILLed mid-request or
+/// mid-resolution, started again on the same store, resolves the key and never forwards it
+/// twice.
+macro_rules! across_restarts {
+    ($($module:ident: $backend:ident),* $(,)?) => {
+        $(
+            mod $module {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_proxy_killed_mid_request_is_resolved_after_its_restart() {
+                    super::killed(harness::Backend::$backend, super::Killed::MidRequest).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_proxy_killed_mid_resolution_is_resolved_after_its_restart() {
+                    super::killed(harness::Backend::$backend, super::Killed::MidResolution).await
+                }
+            }
+        )*
+    };
+}
+
+across_restarts!(restart_sqlite: Sqlite, restart_postgres: Postgres, restart_redis: Redis);
+
+/// Two instances on one store: after the holder dies, repeats to both race to take the claim
+/// over, and exactly one resolves it (the takeover is the claim's atomic step).
+async fn two_instances_never_both_resolve_one_key(backend: Backend) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 30s\ninterval: 200ms\ngive_up_after: 1m",
+        "lock_ttl: 2s\n",
+    );
+    let mut victim = ProxyProcess::spawn(&yaml);
+    let (key, reference) = ("k-two", "R-two");
+    let body = booking(reference);
+    let first = book_with(
+        &victim.url(""),
+        key,
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "3s"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    kill(&mut victim);
+    let (b, c) = (env.proxy(&yaml).await, env.proxy(&yaml).await);
+    let (on_b, on_c) = tokio::join!(
+        retry_until_settled(&b, key, &body),
+        retry_until_settled(&c, key, &body)
+    );
+    for reply in [&on_b, &on_c] {
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.header("idempotent-resolved"), "true");
+    }
+    assert_eq!(on_b.body, on_c.body, "one result");
+    let resolved = resolutions(&b, "found") + resolutions(&c, "found");
+    assert_eq!(resolved, 1, "exactly one instance resolved the key");
+    assert_eq!(bookings_for(&env, reference), 1, "never forwarded twice");
+    b.stop().await;
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_redis_never_both_resolve_one_key() {
+    two_instances_never_both_resolve_one_key(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_postgres_never_both_resolve_one_key() {
+    two_instances_never_both_resolve_one_key(Backend::Postgres).await
+}
+
+/// A drain (SIGTERM) waits for a running resolution, within `shutdown_timeout`: the proxy
+/// exits once the lookup has found the booking, and the proxy started again on the file
+/// replays it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_running_resolution() {
+    let env = Env::new(Backend::Sqlite).await;
+    let yaml = resolving(&env, "settle_after: 30s\ninterval: 200ms", "");
+    let port = harness::free_port();
+    let mut proxy = ProxyProcess::spawn_on(&yaml, port);
+    let body = booking("R-drain");
+    let first = book_with(
+        &proxy.url(""),
+        "k-drain",
+        &body,
+        &[
+            ("X-Mock-Lose-Response", "after"),
+            ("X-Mock-Commit-After", "1500ms"),
+        ],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let draining = Instant::now();
+    proxy.signal("-TERM");
+    let code = proxy.wait(Duration::from_secs(10));
+    assert_eq!(code, Some(0), "a clean exit:\n{}", proxy.log());
+    assert!(
+        draining.elapsed() >= Duration::from_millis(800),
+        "the drain waited for the lookup to find the booking"
+    );
+    assert!(
+        proxy.log().contains("result=\"found\""),
+        "resolved before the exit:\n{}",
+        proxy.log()
+    );
+    let again = ProxyProcess::spawn_on(&yaml, port);
+    let replay = book_with(&again.url(""), "k-drain", &body, &[]).await;
+    assert_eq!(replay.status, 200, "{:?}", replay.body);
+    assert_eq!(replay.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, "R-drain"), 1);
+}
+
+/// When the proxy dies.
+enum Killed {
+    /// While the upstream call is running (the booking made, the response not yet sent).
+    MidRequest,
+    /// After the first client got its 502, while the lookups still answer 404.
+    MidResolution,
+}
+
+/// SIGKILL, and wait for the process to be gone.
+fn kill(proxy: &mut ProxyProcess) {
+    proxy.signal("-KILL");
+    // A process killed by a signal has no exit code: `wait` reaps it and answers `None`.
+    let _ = proxy.wait(Duration::from_secs(5));
+}
+
+async fn killed(backend: Backend, when: Killed) {
+    let env = Env::new(backend).await;
+    let yaml = resolving(
+        &env,
+        "settle_after: 30s\ninterval: 200ms\ngive_up_after: 1m",
+        "lock_ttl: 2s\n",
+    );
+    let port = harness::free_port();
+    let mut victim = ProxyProcess::spawn_on(&yaml, port);
+    let (key, reference) = ("k-killed", "R-killed");
+    let body = booking(reference);
+    match when {
+        Killed::MidRequest => {
+            let url = victim.url("");
+            let body = body.clone();
+            // Fails when the process dies; only the side effect matters.
+            tokio::spawn(async move {
+                let _ = harness::send(
+                    harness::client()
+                        .post(format!("{url}/bookings"))
+                        .header("Idempotency-Key", key)
+                        .header("Content-Type", "application/json")
+                        .header("X-Mock-Hang", "30s")
+                        .body(body),
+                )
+                .await;
+            });
+            assert!(
+                eventually(Duration::from_secs(5), || bookings_for(&env, reference)
+                    == 1)
+                .await,
+                "the booking was made"
+            );
+        }
+        Killed::MidResolution => {
+            let first = book_with(
+                &victim.url(""),
+                key,
+                &body,
+                &[
+                    ("X-Mock-Lose-Response", "after"),
+                    ("X-Mock-Commit-After", "6s"),
+                ],
+            )
+            .await;
+            first.assert_problem(502, "upstream-failed");
+            // A lookup or two answered 404.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    kill(&mut victim);
+
+    let proxy = ProxyProcess::spawn_on(&yaml, port);
+    let until = Instant::now() + Duration::from_secs(30);
+    let settled = loop {
+        let reply = book_with(&proxy.url(""), key, &body, &[]).await;
+        if reply.status != 409 || Instant::now() >= until {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        settled.status,
+        200,
+        "the restarted proxy resolved the key to the booking: {:?}\n{}",
+        settled.body,
+        proxy.log()
+    );
+    assert_eq!(settled.header("idempotent-resolved"), "true");
+    assert_eq!(bookings_for(&env, reference), 1, "never forwarded twice");
+    assert!(
+        proxy.log().contains("taken over"),
+        "the restarted proxy took the claim over:\n{}",
+        proxy.log()
+    );
+}
