@@ -51,6 +51,9 @@ fn all() -> Vec<Problem> {
         Problem::HeadersTooLarge {
             limit: HeadLimit::Count(97),
         },
+        Problem::WebhookSignatureInvalid {
+            detail: "bad signature: no configured secret makes the signature of this body".into(),
+        },
     ]
 }
 

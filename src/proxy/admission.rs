@@ -16,6 +16,7 @@ use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::route::{FingerprintPart, IdempotencySettings, KeyPart};
 use crate::upstream;
+use crate::webhook::EventId;
 
 /// A request that may be claimed.
 pub(crate) struct Admitted {
@@ -75,6 +76,63 @@ pub(super) async fn admit(context: &Context, parts: Parts, incoming: Incoming) -
     match with_body(context, source, parts, body) {
         Ok(admitted) => Admission::Admitted(admitted),
         Err(underived) => Admission::Refused(underived.problem, Outcome::InvalidKey),
+    }
+}
+
+/// A webhook delivery's body, read before anything else (SPEC §4.9): a declared or actual
+/// length over `max_request_body` is a 413, a body that does not arrive in time a 408.
+pub(super) async fn read_delivery(
+    context: &Context,
+    parts: &Parts,
+    incoming: Incoming,
+) -> Result<Bytes, (Problem, Outcome)> {
+    let (idem, limits) = (&*context.policy, &context.limits);
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = Problem::BodyTooLarge {
+        limit: idem.max_request_body,
+    };
+    if declared.is_some_and(|n| n > idem.max_request_body) {
+        return Err((too_large, Outcome::TooLarge));
+    }
+    let read = read_body(incoming, idem.max_request_body);
+    tokio::time::timeout(limits.body_read_timeout, read)
+        .await
+        .unwrap_or(Err(Problem::BodyTimeout {
+            after: limits.body_read_timeout,
+        }))
+        .map_err(|p| {
+            let outcome = if matches!(p, Problem::BodyTooLarge { .. }) {
+                Outcome::TooLarge
+            } else {
+                Outcome::BadRequest
+            };
+            (p, outcome)
+        })
+}
+
+/// A verified webhook delivery, admitted under its event id: the id is the only key (a
+/// delivery's own key header plays no part), namespaced by the route's `scope` like any key.
+pub(super) fn webhook_delivery(
+    context: &Context,
+    parts: Parts,
+    body: Bytes,
+    event: &EventId,
+) -> Admitted {
+    let (route, idem) = (&context.route, &*context.policy);
+    let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
+    // Hex: an id is bytes (a header's value may not be UTF-8), and the encoding is one to one.
+    let raw = format!("webhook:{}", hex::encode(event.as_bytes()));
+    let id = key::key_id(&idem.scope, &parts.headers, &raw);
+    Admitted {
+        key: route.store_key(id),
+        parts,
+        body,
+        fingerprint,
+        derived: false,
     }
 }
 
