@@ -122,6 +122,7 @@ async fn every_bad_signature_is_a_401_that_claims_nothing(backend: Backend) {
     assert_eq!(webhooks(&proxy, "stale"), 1);
     assert_eq!(webhooks(&proxy, "missing_signature"), 1);
     assert_eq!(webhooks(&proxy, "bad_signature"), 3);
+    assert_eq!(webhooks(&proxy, "verified"), 0, "served at 0 from the start");
     // Nothing claimed: the genuine delivery is run, neither a 409 nor a replay.
     let genuine = deliver(&proxy, &secret, "msg_1", now(), BODY, &[]).await;
     assert_eq!(genuine.status, 200, "{:?}", genuine.body);
