@@ -18,6 +18,8 @@ every_store!(
     a_handler_failure_releases_the_event_for_its_redelivery,
     a_redelivery_while_the_first_runs_is_a_409_with_retry_after,
     a_burst_of_duplicates_runs_each_event_once,
+    signatures_are_checked_in_observe_mode_too,
+    a_verified_delivery_without_an_id_is_forwarded_unprotected,
 );
 
 const BODY: &str = r#"{"type":"invoice.paid","data":{"amount":2400}}"#;
@@ -122,7 +124,11 @@ async fn every_bad_signature_is_a_401_that_claims_nothing(backend: Backend) {
     assert_eq!(webhooks(&proxy, "stale"), 1);
     assert_eq!(webhooks(&proxy, "missing_signature"), 1);
     assert_eq!(webhooks(&proxy, "bad_signature"), 3);
-    assert_eq!(webhooks(&proxy, "verified"), 0, "served at 0 from the start");
+    assert_eq!(
+        webhooks(&proxy, "verified"),
+        0,
+        "served at 0 from the start"
+    );
     // Nothing claimed: the genuine delivery is run, neither a 409 nor a replay.
     let genuine = deliver(&proxy, &secret, "msg_1", now(), BODY, &[]).await;
     assert_eq!(genuine.status, 200, "{:?}", genuine.body);
@@ -256,4 +262,84 @@ async fn a_burst_of_duplicates_runs_each_event_once(backend: Backend) {
         "each event once: {:?}",
         stats.events
     );
+}
+
+async fn signatures_are_checked_in_observe_mode_too(backend: Backend) {
+    let env = Env::new(backend).await;
+    let secret = Secret::new(b"the route's secret");
+    let file = SecretsFile::new(&[&secret]);
+    let observed = "    idempotency:\n      mode: observe\n";
+    let proxy = env.proxy(&yaml(&env, &file, observed)).await;
+    let forger = Secret::new(b"a guess");
+    let forged = deliver(&proxy, &forger, "msg_1", now(), BODY, &[]).await;
+    forged.assert_problem(401, "webhook-signature-invalid");
+    assert_eq!(
+        env.mock.stats().webhooks,
+        0,
+        "a forgery never reaches the handler"
+    );
+    let genuine = deliver(&proxy, &secret, "msg_1", now(), BODY, &[]).await;
+    assert_eq!(genuine.status, 200, "{:?}", genuine.body);
+    assert_eq!(handled(&env, "msg_1"), 1);
+    assert_eq!(webhooks(&proxy, "bad_signature"), 1);
+    assert_eq!(webhooks(&proxy, "verified"), 1);
+}
+
+/// GitHub signs the body only; a delivery without `X-GitHub-Delivery` has no event id.
+async fn a_verified_delivery_without_an_id_is_forwarded_unprotected(backend: Backend) {
+    let env = Env::new(backend).await;
+    let secret = "It's a Secret to Everybody";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("github-secret");
+    std::fs::write(&file, format!("{secret}\n")).expect("write the secret");
+    let config = format!(
+        "listen: 127.0.0.1:0
+{store}upstreams:
+  mock:
+    url: {up}
+routes:
+  - name: events
+    path: /webhooks/github
+    upstream: mock
+    webhook:
+      provider: github
+      secrets_file: {file}
+",
+        store = env.store_yaml(""),
+        up = env.mock.url(),
+        file = file.display(),
+    );
+    let proxy = env.proxy(&config).await;
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
+    let signature = format!(
+        "sha256={}",
+        hex::encode(ring::hmac::sign(&key, BODY.as_bytes()))
+    );
+    for _ in 0..2 {
+        let r = harness::send(
+            harness::client()
+                .post(proxy.url("/webhooks/github"))
+                .header("x-hub-signature-256", &signature)
+                .body(BODY),
+        )
+        .await;
+        assert_eq!(r.status, 200, "never a 400: {:?}", r.body);
+        assert_eq!(r.header("idempotent-replayed"), "");
+    }
+    assert_eq!(env.mock.stats().webhooks, 2, "both forwarded, unprotected");
+    assert_eq!(
+        proxy.requests("events", idemproxy::metrics::Outcome::MissingKey),
+        2,
+        "counted as missing_key"
+    );
+    // A forged one without an id is still refused.
+    let r = harness::send(
+        harness::client()
+            .post(proxy.url("/webhooks/github"))
+            .header("x-hub-signature-256", format!("sha256={}", "0".repeat(64)))
+            .body(BODY),
+    )
+    .await;
+    r.assert_problem(401, "webhook-signature-invalid");
+    assert_eq!(env.mock.stats().webhooks, 2);
 }
