@@ -14,6 +14,11 @@ use idemproxy_mock::MockUpstream;
 /// addresses by default and keeps nothing worth protecting.
 const DEMO_TOKEN: &str = "demo-token";
 
+/// The demo webhook route's Standard Webhooks secret, printed with the lines to try, and the
+/// key it stands for in hex (what `openssl dgst -mac HMAC -macopt hexkey:` takes).
+const DEMO_WEBHOOK_SECRET: &str = "whsec_aWRlbXByb3h5IGRlbW8gd2ViaG9vayBrZXkh";
+const DEMO_WEBHOOK_KEY_HEX: &str = "6964656d70726f78792064656d6f20776562686f6f6b206b657921";
+
 /// The `mock-upstream` binary's serving code, the one place that puts the mock on a socket.
 #[path = "bin/mock-upstream/serve.rs"]
 mod mock_upstream;
@@ -51,8 +56,20 @@ pub(crate) async fn run(
     let (Ok(up_addr), Ok(addr)) = (up.local_addr(), proxy.local_addr()) else {
         return ExitCode::FAILURE;
     };
-    let yaml = demo_config(addr, up_addr, admin);
-    let mut config = match Config::from_yaml(&yaml) {
+    // The webhook route reads its secret from a file when the configuration is read, once:
+    // the demo rereads no configuration, so the file goes as soon as it is read.
+    let secret_file = std::env::temp_dir().join(format!(
+        "idemproxy-demo-{}.webhook-secret",
+        std::process::id()
+    ));
+    if let Err(e) = std::fs::write(&secret_file, DEMO_WEBHOOK_SECRET) {
+        tracing::error!(error = %e, file = %secret_file.display(), "cannot write the demo's webhook secret");
+        return ExitCode::FAILURE;
+    }
+    let yaml = demo_config(addr, up_addr, admin, &secret_file.display().to_string());
+    let parsed = Config::from_yaml(&yaml);
+    let _ = std::fs::remove_file(&secret_file);
+    let mut config = match parsed {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "the demo configuration is invalid");
@@ -85,9 +102,15 @@ pub(crate) async fn run(
     }
 }
 
-/// The demo's configuration: the embedded store, `POST /bookings` idempotent, everything else
-/// passed through to the mock booking service, and the admin listener.
-fn demo_config(listen: SocketAddr, upstream: SocketAddr, admin: SocketAddr) -> String {
+/// The demo's configuration: the embedded store, `POST /bookings` idempotent, a Standard
+/// Webhooks route (its secret in `webhook_secrets`), everything else passed through to the mock
+/// booking service, and the admin listener.
+fn demo_config(
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    admin: SocketAddr,
+    webhook_secrets: &str,
+) -> String {
     format!(
         r#"listen: {listen}
 admin_listen: {admin}
@@ -118,6 +141,13 @@ routes:
         settle_after: 5s
         interval: 500ms
         give_up_after: 1m
+  - name: webhook-events
+    methods: [POST]
+    path: /webhooks/standard
+    upstream: booking
+    webhook:
+      provider: standard
+      secrets_file: {webhook_secrets}
   - name: everything-else
     path: /*
     upstream: booking
@@ -185,6 +215,11 @@ IDEMPROXY_ADMIN_TOKEN={DEMO_TOKEN} {exe} keys show --admin {a} --route create-bo
 curl -i -X POST {p}/reservations -H 'Idempotency-Key: demo-3' -H 'Content-Type: application/json' -H 'X-Mock-Lose-Response: after' -d '{{"seat":"15D","reference":"trip-42"}}'
 sleep 1; curl -i -X POST {p}/reservations -H 'Idempotency-Key: demo-3' -H 'Content-Type: application/json' -d '{{"seat":"15D","reference":"trip-42"}}'
 curl -s {p}/_mock/stats; echo
+
+# 7. A webhook: a Standard Webhooks delivery signed now with the demo's secret ({DEMO_WEBHOOK_SECRET}), sent twice.
+#    The handler runs once ("deliveries":1); the second gets its answer replayed (Idempotent-Replayed: true).
+ts=$(date +%s); body='{{"type":"booking.paid","booking":"bk_1"}}'; sig=$(printf '%s' "evt_demo_1.$ts.$body" | openssl dgst -sha256 -mac HMAC -macopt hexkey:{DEMO_WEBHOOK_KEY_HEX} -binary | base64)
+for i in 1 2; do curl -i -X POST {p}/webhooks/standard -H 'webhook-id: evt_demo_1' -H "webhook-timestamp: $ts" -H "webhook-signature: v1,$sig" -H 'Content-Type: application/json' -d "$body"; echo; done
 
 Ctrl-C stops both.
 "#

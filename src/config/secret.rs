@@ -39,21 +39,27 @@ impl Secret {
     /// Reads a secret file (UTF-8, at most 64 KiB), trimmed as [`Secret::from_text`] trims.
     /// Errors name the file.
     pub fn read_file(path: &Path) -> Result<Secret, String> {
-        use std::io::Read;
-        let shown = path.display();
-        let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-        let mut bytes = Vec::new();
-        file.take(MAX_SECRET_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        if bytes.len() as u64 > MAX_SECRET_BYTES {
-            return Err(format!(
-                "{shown} is longer than {MAX_SECRET_BYTES} bytes: not a secret file"
-            ));
-        }
-        let text = String::from_utf8(bytes).map_err(|_| format!("{shown} is not UTF-8 text"))?;
-        Secret::from_text(&text).map_err(|e| format!("{e} ({shown})"))
+        let text = read_text(path)?;
+        Secret::from_text(&text).map_err(|e| format!("{e} ({})", path.display()))
     }
+}
+
+/// A secret file's text as it is (UTF-8, at most 64 KiB): errors name the file, never show its
+/// content. Webhook secrets, one a line, are read through it.
+pub(crate) fn read_text(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let shown = path.display();
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_SECRET_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {shown}: {e}"))?;
+    if bytes.len() as u64 > MAX_SECRET_BYTES {
+        return Err(format!(
+            "{shown} is longer than {MAX_SECRET_BYTES} bytes: not a secret file"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| format!("{shown} is not UTF-8 text"))
 }
 
 impl fmt::Debug for Secret {

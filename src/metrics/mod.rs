@@ -460,6 +460,17 @@ impl Metrics {
         }
     }
 
+    /// Registers a webhook route's `idemproxy_webhooks_total` series, each result at 0.
+    pub(crate) fn webhook_route(&self, route: &str) {
+        self.routes.webhook_series(route);
+    }
+
+    /// Counts a webhook delivery on `route` by the result of its signature check (`verified`,
+    /// `bad_signature`, `stale`, `missing_signature`).
+    pub(crate) fn webhook(&self, route: &str, result: &'static str) {
+        self.routes.webhook(route, result);
+    }
+
     /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).
     pub(crate) fn reload_key_changed(&self, route: &str, field: &'static str) {
         self.reload_key_changes

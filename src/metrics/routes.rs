@@ -45,6 +45,12 @@ struct RouteOutcome {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteResult {
+    route: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
     route: String,
 }
@@ -61,9 +67,32 @@ pub(super) struct RouteFamilies {
     lease_renewals: Family<RouteLabel, Counter>,
     lease_renewals_late: Family<RouteLabel, Counter>,
     derived_keys: Family<RouteLabel, Counter>,
+    /// `idemproxy_webhooks_total{route,result}`: a series made at a route's first delivery
+    /// of each result.
+    webhooks: Family<RouteResult, Counter>,
 }
 
 impl RouteFamilies {
+    /// Makes a webhook route's series, at 0, so that each result is served from the start.
+    pub(super) fn webhook_series(&self, route: &str) {
+        for result in ["verified", "bad_signature", "stale", "missing_signature"] {
+            let labels = RouteResult {
+                route: route.to_owned(),
+                result,
+            };
+            drop(self.webhooks.get_or_create(&labels));
+        }
+    }
+
+    /// Counts a webhook delivery on `route` by the result of its signature check.
+    pub(super) fn webhook(&self, route: &str, result: &'static str) {
+        let labels = RouteResult {
+            route: route.to_owned(),
+            result,
+        };
+        self.webhooks.get_or_create(&labels).inc();
+    }
+
     pub(super) fn register(r: &mut Registry) -> RouteFamilies {
         RouteFamilies {
             requests: register(
@@ -118,6 +147,12 @@ impl RouteFamilies {
                 r,
                 "idemproxy_derived_keys",
                 "Requests whose key was derived from the request (key_from), not sent",
+                Family::default(),
+            ),
+            webhooks: register(
+                r,
+                "idemproxy_webhooks",
+                "Webhook deliveries by route and the result of their signature check: verified, bad_signature, stale, missing_signature",
                 Family::default(),
             ),
         }

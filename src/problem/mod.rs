@@ -119,6 +119,12 @@ pub enum Problem {
         /// 504 after a timeout, 502 after a failed connection.
         status: StatusCode,
     },
+    /// A delivery on a webhook route whose signature is missing, malformed, made by no
+    /// configured secret, or outside the window (401); nothing claimed, nothing forwarded.
+    WebhookSignatureInvalid {
+        /// Which check failed (`webhook::Rejection::detail`): never a secret or a signature.
+        detail: String,
+    },
 }
 
 /// A limit on a request head.
@@ -259,6 +265,11 @@ impl Problem {
                 *status,
                 "Outcome of the operation unknown",
             ),
+            Problem::WebhookSignatureInvalid { .. } => (
+                "webhook-signature-invalid",
+                S::UNAUTHORIZED,
+                "Webhook signature invalid",
+            ),
         };
         Kind {
             slug,
@@ -322,6 +333,9 @@ impl Problem {
             ),
             Problem::Overloaded => "The proxy holds too much unfinished work (requests whose clients left, or results the idempotency store has not taken yet); nothing was done. Retry later with the same key.".into(),
             Problem::Internal => "The proxy failed while handling this request; the upstream may or may not have performed the operation. Retry with the same key: a finished operation is replayed.".into(),
+            Problem::WebhookSignatureInvalid { detail } => format!(
+                "The delivery's signature was refused ({detail}); nothing was done."
+            ),
             Problem::UnreadableKeyPart { detail } => format!(
                 "The request has no idempotency key header, and the key this route derives from the request could not be made: {detail}. Send the key header, or the parts the key is made of. Nothing was done."
             ),

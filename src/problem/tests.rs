@@ -55,6 +55,9 @@ fn all() -> Vec<Problem> {
             upstream: "booking".into(),
             status: StatusCode::GATEWAY_TIMEOUT,
         },
+        Problem::WebhookSignatureInvalid {
+            detail: "bad signature: no configured secret makes the signature of this body".into(),
+        },
     ]
 }
 

@@ -17,6 +17,7 @@ use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::route::{FingerprintPart, IdempotencySettings, KeyPart};
 use crate::upstream;
+use crate::webhook::EventId;
 
 /// A request that may be claimed.
 pub(crate) struct Admitted {
@@ -82,6 +83,92 @@ pub(super) async fn admit(context: &Context, parts: Parts, incoming: Incoming) -
     }
 }
 
+/// A webhook delivery's body, read before anything else (SPEC §4.9): a declared or actual
+/// length over `max_request_body` is a 413, a body that does not arrive in time a 408.
+pub(super) async fn read_delivery(
+    context: &Context,
+    parts: &Parts,
+    incoming: Incoming,
+) -> Result<Bytes, (Problem, Outcome)> {
+    let (idem, limits) = (&*context.policy, &context.limits);
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = Problem::BodyTooLarge {
+        limit: idem.max_request_body,
+    };
+    if declared.is_some_and(|n| n > idem.max_request_body) {
+        return Err((too_large, Outcome::TooLarge));
+    }
+    let read = read_body(incoming, idem.max_request_body);
+    tokio::time::timeout(limits.body_read_timeout, read)
+        .await
+        .unwrap_or(Err(Problem::BodyTimeout {
+            after: limits.body_read_timeout,
+        }))
+        .map_err(|p| {
+            let outcome = if matches!(p, Problem::BodyTooLarge { .. }) {
+                Outcome::TooLarge
+            } else {
+                Outcome::BadRequest
+            };
+            (p, outcome)
+        })
+}
+
+/// A verified webhook delivery, admitted under its event id: the id is the only key (a
+/// delivery's own key header plays no part), namespaced by the route's `scope` like any key.
+pub(super) fn webhook_delivery(
+    context: &Context,
+    parts: Parts,
+    body: Bytes,
+    event: &EventId,
+) -> Result<Admitted, Problem> {
+    let (route, idem) = (&context.route, &*context.policy);
+    let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
+    // Hex: an id is bytes (a header's value may not be UTF-8), and the encoding is one to one.
+    let raw = format!("webhook:{}", hex::encode(event.as_bytes()));
+    let id = key::key_id(&idem.scope, &parts.headers, &raw);
+    // Under `resolve`, `{key}` is the event id as the handler receives it.
+    let lookup = lookup_for(
+        context,
+        &parts,
+        &body,
+        &String::from_utf8_lossy(event.as_bytes()),
+    )?;
+    Ok(Admitted {
+        key: route.store_key(id),
+        parts,
+        body,
+        fingerprint,
+        derived: false,
+        lookup,
+    })
+}
+
+/// On a route under `on_unknown_outcome: resolve`, its lookup for this request, rendered before
+/// the claim so that the claim can carry it; `key` is the key as the upstream gets it. A part
+/// that can't be read is `400 unreadable-key-part`: nothing is claimed (SPEC §4.8).
+fn lookup_for(
+    context: &Context,
+    parts: &Parts,
+    body: &Bytes,
+    key: &str,
+) -> Result<Option<Lookup>, Problem> {
+    let (route, idem) = (&context.route, &*context.policy);
+    let Some(resolve) = &idem.resolve else {
+        return Ok(None);
+    };
+    let upstream = route.upstream.name();
+    render_lookup(resolve, upstream, &route.settings.path, parts, body, key)
+        .map(Some)
+        .map_err(|e| Problem::UnreadableLookupPart {
+            detail: format!("resolve.request part {} cannot be read: {}", e.part, e.why),
+        })
+}
+
 /// A request whose key a `key_from` part could not be derived from, handed back whole (an
 /// observed route forwards it all the same). Boxed: it is the rare path, and as large as the
 /// request head.
@@ -132,36 +219,23 @@ pub(super) fn with_body(
             (id, true)
         }
     };
-    let lookup = match &idem.resolve {
-        None => None,
-        Some(resolve) => {
-            // The key as the upstream gets it: the header as the client sent it, or the
-            // derived key.
-            let key = match &source {
-                KeySource::Header(parsed) => parts
-                    .headers
-                    .get(&idem.header)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or(parsed),
-                KeySource::Derive | KeySource::None => derived_key.as_deref().unwrap_or(""),
-            };
-            let upstream = route.upstream.name();
-            match render_lookup(resolve, upstream, &route.settings.path, &parts, &body, key) {
-                Ok(lookup) => Some(lookup),
-                Err(e) => {
-                    let problem = Problem::UnreadableLookupPart {
-                        detail: format!(
-                            "resolve.request part {} cannot be read: {}",
-                            e.part, e.why
-                        ),
-                    };
-                    return Err(Box::new(Underived {
-                        problem,
-                        parts,
-                        body,
-                    }));
-                }
-            }
+    // The key as the upstream gets it: the header as the client sent it, or the derived key.
+    let upstream_key = match &source {
+        KeySource::Header(parsed) => parts
+            .headers
+            .get(&idem.header)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(parsed),
+        KeySource::Derive | KeySource::None => derived_key.as_deref().unwrap_or(""),
+    };
+    let lookup = match lookup_for(context, &parts, &body, upstream_key) {
+        Ok(lookup) => lookup,
+        Err(problem) => {
+            return Err(Box::new(Underived {
+                problem,
+                parts,
+                body,
+            }));
         }
     };
     Ok(Admitted {

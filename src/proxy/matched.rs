@@ -61,6 +61,9 @@ impl Route {
             .filter_map(|r| {
                 // Validation guarantees every route's upstream exists.
                 let upstream = upstreams.get(r.upstream.as_str())?.clone();
+                if r.webhook.is_some() {
+                    metrics.webhook_route(&r.name);
+                }
                 let kind = match r.idempotency {
                     Some(_) => RouteKind::Idempotent,
                     None => RouteKind::Passthrough,

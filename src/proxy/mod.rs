@@ -59,6 +59,7 @@ mod reload;
 mod replay;
 mod resolve;
 mod settle;
+mod webhook;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -301,11 +302,13 @@ impl Proxy {
     async fn idempotent(&self, context: Arc<Context>, parts: Parts, incoming: Incoming) -> Answer {
         let Context {
             route,
-            shared,
             client,
             limits,
             ..
         } = &*context;
+        if let Some(settings) = &route.settings.webhook {
+            return self.webhook(&context, settings, parts, incoming).await;
+        }
         if let Some(observed) = &route.observed {
             let req = Request::from_parts(parts, incoming);
             return self.observed(&context, observed, req).await;
@@ -318,6 +321,18 @@ impl Proxy {
             }
             admission::Admission::Refused(problem, outcome) => return refuse(problem, outcome),
         };
+        self.run_admitted(context, admitted).await
+    }
+
+    /// An admitted request on an enforced route: claimed and run to its end whether or not the
+    /// client stays.
+    async fn run_admitted(&self, context: Arc<Context>, admitted: admission::Admitted) -> Answer {
+        let Context {
+            route,
+            shared,
+            limits,
+            ..
+        } = &*context;
         // Exchanges that outlive their clients cost memory and upstream capacity with nobody
         // waiting; past the bound, refuse before anything is claimed.
         if self.metrics.detached_exchanges.get() >= i64::from(limits.max_detached_exchanges) {

@@ -149,6 +149,9 @@ pub struct RouteSettings {
     pub upstream: String,
     /// `None` for pass-through routes.
     pub idempotency: Option<IdempotencySettings>,
+    /// `Some` on a webhook route (SPEC §4.9): deliveries are verified first, and the event id
+    /// is the key (`idempotency` is then always `Some`).
+    pub webhook: Option<WebhookSettings>,
 }
 
 impl RouteSettings {

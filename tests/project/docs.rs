@@ -88,8 +88,21 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// A configuration with an admin listener, one pass-through route to an upstream nobody needs
-/// (nothing is forwarded here), and the fields a reload test changes.
+/// A secrets file for the webhook route of [`config`], written once per test process.
+fn webhook_secrets() -> &'static str {
+    static FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!(
+            "idemproxy-docs-{}.webhook-secret",
+            std::process::id()
+        ));
+        std::fs::write(&path, "a webhook secret\n").expect("write the webhook secret");
+        path.to_str().expect("a UTF-8 temp path").to_owned()
+    })
+}
+
+/// A configuration with an admin listener, an observed route and a webhook route to an
+/// upstream nobody needs (nothing is forwarded here), and the fields a reload test changes.
 fn config(admin: u16, extra: &str) -> String {
     format!(
         "listen: 127.0.0.1:0
@@ -113,11 +126,19 @@ routes:
       resolve:
         request: GET /resolved/{{key}}
         settle_after: 10s
+  - name: events
+    methods: [POST]
+    path: /webhooks/github
+    upstream: booking
+    webhook:
+      provider: github
+      secrets_file: {secrets}
   - name: rest
     path: /*
     upstream: booking
 ",
-        up = free_port()
+        up = free_port(),
+        secrets = webhook_secrets(),
     )
 }
 

@@ -20,24 +20,28 @@ use crate::route::{
 #[serde(deny_unknown_fields)]
 #[serde(expecting = "idempotency settings: a mapping such as {ttl: 24h}")]
 pub(crate) struct RawIdempotency {
-    /// Request header carrying the key. Default `Idempotency-Key`.
-    #[serde(default = "defaults::header")]
-    pub header: String,
-    /// Missing key: 400 when true (default); forwarded without idempotency when false.
-    #[serde(default = "defaults::yes")]
-    pub required: bool,
+    /// Request header carrying the key. Default `Idempotency-Key`. `None`: not written (a
+    /// webhook route refuses it written).
+    #[serde(default)]
+    pub header: Option<String>,
+    /// Missing key: 400 when true (default; `false` on a webhook route); forwarded without
+    /// idempotency when false.
+    #[serde(default)]
+    pub required: Option<bool>,
     /// How long a finished response is replayed. Default 24h.
     #[serde(default = "defaults::ttl", with = "duration")]
     pub ttl: Duration,
     /// In-progress lease, renewed every `lock_ttl/3` while the upstream call runs. Default 10s.
     #[serde(default = "defaults::lock_ttl", with = "duration")]
     pub lock_ttl: Duration,
-    /// Request headers whose values namespace the key. Default `[Authorization]`.
-    #[serde(default = "defaults::scope")]
-    pub scope: Vec<String>,
-    /// What makes two requests "the same". Default `[method, path, query, body]`.
-    #[serde(default = "defaults::fingerprint")]
-    pub fingerprint: Vec<String>,
+    /// Request headers whose values namespace the key. Default `[Authorization]` (`[]` on a
+    /// webhook route).
+    #[serde(default)]
+    pub scope: Option<Vec<String>>,
+    /// What makes two requests "the same". Default `[method, path, query, body]` (`[body]` on
+    /// a webhook route).
+    #[serde(default)]
+    pub fingerprint: Option<Vec<String>>,
     /// Parts to derive the key from when the request has no key header. Default: none.
     #[serde(default)]
     pub key_from: Vec<String>,
@@ -50,9 +54,10 @@ pub(crate) struct RawIdempotency {
     /// `reject` (default) or `forward`.
     #[serde(default)]
     pub on_store_error: OnStoreError,
-    /// Upstream statuses that are not saved. Default `[429, 503]`.
-    #[serde(default = "defaults::retry_statuses")]
-    pub retry_statuses: Vec<u16>,
+    /// Upstream statuses that are not saved. Default `[429, 503]` (`[408, 429, 500, 502, 503,
+    /// 504]` on a webhook route).
+    #[serde(default)]
+    pub retry_statuses: Option<Vec<u16>>,
     /// `keep` (default), `release` or `resolve`.
     #[serde(default)]
     pub on_unknown_outcome: OnUnknownOutcome,
@@ -79,17 +84,17 @@ pub(crate) struct RawIdempotency {
 impl Default for RawIdempotency {
     fn default() -> Self {
         RawIdempotency {
-            header: defaults::header(),
-            required: true,
+            header: None,
+            required: None,
             ttl: defaults::ttl(),
             lock_ttl: defaults::lock_ttl(),
-            scope: defaults::scope(),
-            fingerprint: defaults::fingerprint(),
+            scope: None,
+            fingerprint: None,
             key_from: Vec::new(),
             on_conflict: OnConflict::default(),
             wait_timeout: defaults::wait_timeout(),
             on_store_error: OnStoreError::default(),
-            retry_statuses: defaults::retry_statuses(),
+            retry_statuses: None,
             on_unknown_outcome: OnUnknownOutcome::default(),
             resolve: None,
             max_request_body: defaults::max_request_body(),
@@ -110,6 +115,19 @@ mod defaults {
     }
     pub(super) fn yes() -> bool {
         true
+    }
+    /// On a webhook route (SPEC §4.9): the signature is the caller's identity.
+    pub(super) fn webhook_scope() -> Vec<String> {
+        Vec::new()
+    }
+    /// On a webhook route: the body is what the provider signed.
+    pub(super) fn webhook_fingerprint() -> Vec<String> {
+        vec!["body".to_owned()]
+    }
+    /// On a webhook route: the provider redelivers on a non-2xx, and a failed handling should
+    /// run again.
+    pub(super) fn webhook_retry_statuses() -> Vec<u16> {
+        vec![408, 429, 500, 502, 503, 504]
     }
     pub(super) fn ttl() -> Duration {
         Duration::from_secs(24 * 3600)
@@ -146,20 +164,32 @@ const MIN_LOCK_TTL: Duration = Duration::from_millis(30);
 
 impl RawIdempotency {
     /// Checks the policy and compiles it. `pattern` is the route's path, when it parsed, for
-    /// `key_from` parts that name a segment of it. `None`: an error was reported.
+    /// `key_from` parts that name a segment of it; `webhook`: the route has a `webhook:` block,
+    /// whose defaults (SPEC §4.9) apply to the fields not written. `None`: an error was
+    /// reported.
     pub(super) fn validate(
         &self,
         path: &str,
         pattern: Option<&PathPattern>,
+        webhook: bool,
         err: &mut impl FnMut(String, String),
     ) -> Option<IdempotencySettings> {
         self.check_bounds(path, err);
-        let header = header_name(&self.header, format!("{path}.header"), err);
+        let header_text = self.header.clone().unwrap_or_else(defaults::header);
+        let header = header_name(&header_text, format!("{path}.header"), err);
+        let required = self.required.unwrap_or(!webhook);
+        let retry_statuses = self.retry_statuses.clone().unwrap_or_else(|| {
+            if webhook {
+                defaults::webhook_retry_statuses()
+            } else {
+                defaults::retry_statuses()
+            }
+        });
         let durations = self.check_durations(path, err);
-        let scope = self.scope(path, err);
-        let fingerprint = self.fingerprint(path, err);
+        let scope = self.scope(path, webhook, err);
+        let fingerprint = self.fingerprint(path, webhook, err);
         let key_from = self.key_from(path, pattern, err);
-        let statuses = self.check_retry_statuses(path, err);
+        let statuses = check_retry_statuses(&retry_statuses, path, err);
         let bodies = self.check_bodies(path, err);
         let resolve = resolve::validate(
             self.on_unknown_outcome,
@@ -175,7 +205,7 @@ impl RawIdempotency {
             {
                 Some(IdempotencySettings {
                     header,
-                    required: self.required,
+                    required,
                     ttl: self.ttl,
                     lock_ttl: self.lock_ttl,
                     scope,
@@ -183,7 +213,7 @@ impl RawIdempotency {
                     on_conflict: self.on_conflict,
                     wait_timeout: self.wait_timeout,
                     on_store_error: self.on_store_error,
-                    retry_statuses: self.retry_statuses.clone(),
+                    retry_statuses,
                     on_unknown_outcome: self.on_unknown_outcome,
                     resolve,
                     max_request_body: self.max_request_body,
@@ -255,10 +285,22 @@ impl RawIdempotency {
     }
 
     /// `None`: an error was reported.
-    fn scope(&self, path: &str, err: &mut impl FnMut(String, String)) -> Option<Vec<HeaderName>> {
+    fn scope(
+        &self,
+        path: &str,
+        webhook: bool,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<Vec<HeaderName>> {
+        let written = self.scope.clone().unwrap_or_else(|| {
+            if webhook {
+                defaults::webhook_scope()
+            } else {
+                defaults::scope()
+            }
+        });
         let mut ok = true;
         let mut scope = Vec::new();
-        for (j, s) in self.scope.iter().enumerate() {
+        for (j, s) in written.iter().enumerate() {
             match header_name(s, format!("{path}.scope[{j}]"), err) {
                 Some(h) => scope.push(h),
                 None => ok = false,
@@ -271,11 +313,19 @@ impl RawIdempotency {
     fn fingerprint(
         &self,
         path: &str,
+        webhook: bool,
         err: &mut impl FnMut(String, String),
     ) -> Option<Vec<FingerprintPart>> {
+        let written = self.fingerprint.clone().unwrap_or_else(|| {
+            if webhook {
+                defaults::webhook_fingerprint()
+            } else {
+                defaults::fingerprint()
+            }
+        });
         let mut ok = true;
         let mut parts = Vec::new();
-        for (j, f) in self.fingerprint.iter().enumerate() {
+        for (j, f) in written.iter().enumerate() {
             match fingerprint_part(f, format!("{path}.fingerprint[{j}]"), err) {
                 Some(p) => parts.push(p),
                 None => ok = false,
@@ -316,19 +366,10 @@ impl RawIdempotency {
         ok.then_some(parts)
     }
 
-    /// False: an error was reported.
-    fn check_retry_statuses(&self, path: &str, err: &mut impl FnMut(String, String)) -> bool {
-        let mut ok = true;
-        for (j, s) in self.retry_statuses.iter().enumerate() {
-            if !(100..=599).contains(s) {
-                err(
-                    format!("{path}.retry_statuses[{j}]"),
-                    format!("invalid HTTP status {s}; expected 100 to 599"),
-                );
-                ok = false;
-            }
-        }
-        ok
+    /// Whether `header:` or `key_from:` is written: a webhook route refuses either, its key
+    /// being the event id (SPEC §4.9).
+    pub(super) fn names_a_key(&self) -> (bool, bool) {
+        (self.header.is_some(), !self.key_from.is_empty())
     }
 
     /// The smallest body sizes. False: an error was reported.
@@ -388,6 +429,25 @@ impl RawIdempotency {
             );
         }
     }
+}
+
+/// False: an error was reported.
+fn check_retry_statuses(
+    statuses: &[u16],
+    path: &str,
+    err: &mut impl FnMut(String, String),
+) -> bool {
+    let mut ok = true;
+    for (j, s) in statuses.iter().enumerate() {
+        if !(100..=599).contains(s) {
+            err(
+                format!("{path}.retry_statuses[{j}]"),
+                format!("invalid HTTP status {s}; expected 100 to 599"),
+            );
+            ok = false;
+        }
+    }
+    ok
 }
 
 /// One part of `fingerprint:`. `None`: an error was reported at `field`.

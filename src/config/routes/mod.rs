@@ -3,6 +3,7 @@
 
 mod idempotency;
 mod resolve;
+mod webhook;
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -15,6 +16,7 @@ use super::store::{RawStore, StoreSettings};
 use super::upstream::RawUpstream;
 use crate::route::{PathPattern, RouteSettings};
 pub(crate) use idempotency::RawIdempotency;
+use webhook::RawWebhook;
 
 /// `routes[i]:` as written.
 #[derive(Debug, Clone, Deserialize)]
@@ -34,6 +36,10 @@ pub(crate) struct RawRoute {
     /// `idempotency: {}`): an idempotent route with the defaults.
     #[serde(default, deserialize_with = "present_means_idempotent")]
     pub idempotency: Option<RawIdempotency>,
+    /// A webhook route (SPEC §4.9): the provider's signature is checked first and its event id
+    /// is the key. Idempotent with or without `idempotency:`.
+    #[serde(default)]
+    pub webhook: Option<RawWebhook>,
 }
 
 /// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
@@ -77,7 +83,7 @@ pub(super) fn validate(
         if let Some(route) = r.validate(&path, upstreams, err) {
             compiled.push(route);
         }
-        if let Some(i) = &r.idempotency {
+        if let Some(i) = r.effective_idempotency() {
             i.across_sections(&format!("{path}.idempotency"), limits, store, err);
             if let Some(resolve) = &i.resolve {
                 resolve.check_upstream(&format!("{path}.idempotency.resolve"), upstreams, err);
@@ -101,10 +107,27 @@ impl RawRoute {
             .map_err(|e| err(format!("{path}.path"), e))
             .ok();
         ok &= self.check_upstream(path, upstreams, err);
-        let idempotency = match &self.idempotency {
+        let is_webhook = self.webhook.is_some();
+        if is_webhook {
+            ok &= self.check_webhook_route(path, methods.as_ref(), err);
+        }
+        let idempotency = match self.effective_idempotency() {
             None => None,
             Some(i) => {
-                let compiled = i.validate(&format!("{path}.idempotency"), pattern.as_ref(), err);
+                let compiled = i.validate(
+                    &format!("{path}.idempotency"),
+                    pattern.as_ref(),
+                    is_webhook,
+                    err,
+                );
+                ok &= compiled.is_some();
+                compiled
+            }
+        };
+        let webhook = match &self.webhook {
+            None => None,
+            Some(w) => {
+                let compiled = w.validate(&format!("{path}.webhook"), pattern.as_ref(), err);
                 ok &= compiled.is_some();
                 compiled
             }
@@ -116,9 +139,60 @@ impl RawRoute {
                 path: p,
                 upstream: self.upstream.clone(),
                 idempotency,
+                webhook,
             }),
             _ => None,
         }
+    }
+
+    /// The idempotency policy as written, or, on a webhook route without `idempotency:`, every
+    /// default (a webhook route is idempotent all the same).
+    fn effective_idempotency(&self) -> Option<std::borrow::Cow<'_, RawIdempotency>> {
+        match (&self.idempotency, &self.webhook) {
+            (Some(i), _) => Some(std::borrow::Cow::Borrowed(i)),
+            (None, Some(_)) => Some(std::borrow::Cow::Owned(RawIdempotency::default())),
+            (None, None) => None,
+        }
+    }
+
+    /// What a webhook route refuses around its `webhook:` block: `methods` without `POST`
+    /// (providers deliver with POST), and a key of its own (`idempotency.header`, `key_from`):
+    /// the event id is the only key. False: an error was reported.
+    fn check_webhook_route(
+        &self,
+        path: &str,
+        methods: Option<&Option<Vec<Method>>>,
+        err: &mut impl FnMut(String, String),
+    ) -> bool {
+        let mut ok = true;
+        if let Some(Some(list)) = methods
+            && !list.contains(&Method::POST)
+        {
+            err(
+                format!("{path}.methods"),
+                "a webhook route takes POST (providers deliver with POST): add POST or omit methods"
+                    .into(),
+            );
+            ok = false;
+        }
+        if let Some(i) = &self.idempotency {
+            let (header, key_from) = i.names_a_key();
+            if header {
+                err(
+                    format!("{path}.idempotency.header"),
+                    "is not used on a webhook route: the provider's event id is the key".into(),
+                );
+                ok = false;
+            }
+            if key_from {
+                err(
+                    format!("{path}.idempotency.key_from"),
+                    "is not used on a webhook route: the provider's event id is the key (for provider hmac, webhook.id says where it is)".into(),
+                );
+                ok = false;
+            }
+        }
+        ok
     }
 
     /// False: an error was reported.

@@ -71,6 +71,16 @@ impl Proxy {
             Ok(admitted) => admitted,
             Err(answer) => return answer,
         };
+        self.observe_admitted(context, observed, admitted).await
+    }
+
+    /// An admitted request on an observed route: claimed beside its forwarding, counted.
+    pub(in crate::proxy) async fn observe_admitted(
+        &self,
+        context: &Arc<Context>,
+        observed: &ObservedMetrics,
+        admitted: Admitted,
+    ) -> Answer {
         let Context {
             route,
             shared,
