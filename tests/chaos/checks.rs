@@ -14,6 +14,8 @@ pub(crate) struct RunData<'a> {
     pub(crate) execs: Vec<Exec>,
     pub(crate) tap_errors: Vec<String>,
     pub(crate) ledger: BTreeMap<String, u64>,
+    /// The bookings the mock made per `reference` (the resolve lane's operations).
+    pub(crate) bookings: BTreeMap<String, u64>,
     pub(crate) windows: Vec<Window>,
     pub(crate) last_fault: Duration,
     pub(crate) in_progress: Vec<String>,
@@ -86,7 +88,7 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
 
     // Every answer is one the contract allows.
     for a in &d.attempts {
-        if let Verdict::Unexpected(why) = verdict(&a.result) {
+        if let Verdict::Unexpected(why) = verdict(&a.result, d.ops[a.op].reference.is_some()) {
             failures.push(format!(
                 "op {} got an answer the contract does not allow ({why}): {}",
                 a.op,
@@ -99,11 +101,17 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut booking_owner: HashMap<String, usize> = HashMap::new();
     let mut bookings_of: HashMap<usize, HashSet<String>> = HashMap::new();
     for a in &d.attempts {
-        let AttemptResult::Answer {
-            status: 201, body, ..
-        } = &a.result
-        else {
-            continue;
+        let body = match &a.result {
+            AttemptResult::Answer {
+                status: 201, body, ..
+            }
+            | AttemptResult::Answer {
+                status: 200,
+                resolved: true,
+                body,
+                ..
+            } => body,
+            _ => continue,
         };
         let op = &d.ops[a.op];
         let doc: serde_json::Value = match serde_json::from_slice(body) {
@@ -151,11 +159,17 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut explained_by: BTreeMap<String, usize> = BTreeMap::new();
     for op in d.ops {
         let execs = execs_of.get(&op.idx).cloned().unwrap_or_default();
-        let succeeded = attempts_of
-            .get(&op.idx)
-            .into_iter()
-            .flatten()
-            .any(|a| matches!(a.result, AttemptResult::Answer { status: 201, .. }));
+        let succeeded = attempts_of.get(&op.idx).into_iter().flatten().any(|a| {
+            matches!(
+                a.result,
+                AttemptResult::Answer { status: 201, .. }
+                    | AttemptResult::Answer {
+                        status: 200,
+                        resolved: true,
+                        ..
+                    }
+            )
+        });
         if succeeded && execs.is_empty() {
             failures.push(format!(
                 "op {} got a 201 but the upstream never received it{}",
@@ -170,6 +184,58 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
                 op.idx,
                 execs.len()
             ));
+        }
+        // The resolve lane: an unknown outcome is never forwarded again without the upstream's
+        // word, proxy kills and lapsed leases included (the claim carries its lookup, and is
+        // taken over as a resolution); only a store that lost the record itself (Redis without
+        // persistence, restarted) excuses a second booking. Counted by the bookings the mock
+        // made for the reference: the tap also sees requests dropped before the booking
+        // (`X-Mock-Lose-Response: before`), which a final `absent` rightly lets run again.
+        if let Some(reference) = &op.reference {
+            let booked = d.bookings.get(reference).copied().unwrap_or(0);
+            if succeeded && booked == 0 {
+                failures.push(format!(
+                    "op {} ({}/{}, resolve route) was answered a booking the mock never made{}",
+                    op.idx,
+                    op.tenant,
+                    op.key,
+                    history(op.idx)
+                ));
+            }
+            if booked < 2 {
+                continue;
+            }
+            twice += 1;
+            let (Some(first), Some(last)) = (
+                attempts_of.get(&op.idx).and_then(|v| v.first()),
+                attempts_of
+                    .get(&op.idx)
+                    .and_then(|v| v.iter().map(|a| a.ended).max()),
+            ) else {
+                continue;
+            };
+            let records_lost = losses.iter().find(|w| {
+                w.loss == Loss::RecordsLost && w.end + slack >= first.sent && w.start <= last
+            });
+            match records_lost {
+                Some(w) => *explained_by.entry(w.kind()).or_default() += 1,
+                None => failures.push(format!(
+                    "op {} ({}/{}, resolve route) was booked {booked} times and no store lost \
+                     its record in its lifetime (+{}..+{}): executions {}{}",
+                    op.idx,
+                    op.tenant,
+                    op.key,
+                    secs(first.sent),
+                    secs(last),
+                    execs
+                        .iter()
+                        .map(|e| format!("+{} via {} (attempt {})", secs(e.at), e.via, e.attempt))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    history(op.idx)
+                )),
+            }
+            continue;
         }
         if execs.len() < 2 {
             continue;
@@ -229,13 +295,26 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     }
 
     // Results: one body per operation, unless a claim-losing fault touched its lifetime.
+    // On the resolve route a fresh 502/504 is no result (the key is being resolved); a found
+    // booking, replayed, and a saved `outcome-unknown` are.
     let is_result = |a: &Attempt| match &a.result {
         AttemptResult::Answer {
-            status, problem, ..
+            status,
+            problem,
+            replayed,
+            resolved,
+            ..
         } => {
+            let resolve = d.ops[a.op].reference.is_some();
             *status == 201
-                || (*status == 502 && problem.as_deref() == Some("upstream-failed"))
-                || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))
+                || (resolve && *status == 200 && *resolved)
+                || ((*replayed || !resolve)
+                    && ((*status == 502 && problem.as_deref() == Some("upstream-failed"))
+                        || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))))
+                || (resolve
+                    && *replayed
+                    && matches!(*status, 502 | 504)
+                    && problem.as_deref() == Some("outcome-unknown"))
         }
         AttemptResult::Error(_) => false,
     };
@@ -306,7 +385,10 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
             continue;
         };
-        if !matches!(verdict(&a.result), Verdict::Settled) {
+        if !matches!(
+            verdict(&a.result, d.ops[*op].reference.is_some()),
+            Verdict::Settled
+        ) {
             failures.push(format!(
                 "op {op}: after the faults, not a result: {}",
                 a.line()
@@ -353,11 +435,13 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             AttemptResult::Answer {
                 status,
                 replayed,
+                resolved,
                 problem,
                 ..
             } => format!(
-                "{status}{}{}",
+                "{status}{}{}{}",
                 if *replayed { " replayed" } else { "" },
+                if *resolved { " resolved" } else { "" },
                 problem
                     .as_ref()
                     .map(|p| format!(" {p}"))
