@@ -468,6 +468,39 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
         d.in_progress.len()
     );
     let _ = writeln!(summary, "answers: {statuses:?}");
+    let resolve_ops: Vec<&Arc<OpSpec>> = d.ops.iter().filter(|o| o.reference.is_some()).collect();
+    let booked = |o: &OpSpec| {
+        o.reference
+            .as_ref()
+            .and_then(|r| d.bookings.get(r))
+            .copied()
+            .unwrap_or(0)
+    };
+    let killed_in_lifetime = resolve_ops
+        .iter()
+        .filter(|o| {
+            let Some(all) = attempts_of.get(&o.idx) else {
+                return false;
+            };
+            let (Some(first), Some(last)) = (all.first(), all.iter().map(|a| a.ended).max()) else {
+                return false;
+            };
+            losses.iter().any(|w| {
+                w.loss == Loss::ClaimsOfB && w.end + slack >= first.sent && w.start <= last
+            })
+        })
+        .count();
+    let _ = writeln!(
+        summary,
+        "resolve lane: {} operations ({} with their first response lost), booked once {}, never {}, \
+         more than once {}; {} with a proxy B kill in their lifetime",
+        resolve_ops.len(),
+        resolve_ops.iter().filter(|o| o.lose.is_some()).count(),
+        resolve_ops.iter().filter(|o| booked(o) == 1).count(),
+        resolve_ops.iter().filter(|o| booked(o) == 0).count(),
+        resolve_ops.iter().filter(|o| booked(o) > 1).count(),
+        killed_in_lifetime
+    );
     let _ = write!(summary, "claim-losing windows (slack {}s):", secs(slack));
     for w in &losses {
         let _ = write!(
