@@ -188,9 +188,10 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
         // The resolve lane: an unknown outcome is never forwarded again without the upstream's
         // word, proxy kills and lapsed leases included (the claim carries its lookup, and is
         // taken over as a resolution); only a store that lost the record itself (Redis without
-        // persistence, restarted) excuses a second booking. Counted by the bookings the mock
-        // made for the reference: the tap also sees requests dropped before the booking
-        // (`X-Mock-Lose-Response: before`), which a final `absent` rightly lets run again.
+        // persistence, restarted) between two of its upstream requests excuses a second booking.
+        // Counted by the bookings the mock made for the reference: the tap also sees requests
+        // dropped before the booking (`X-Mock-Lose-Response: before`), which a final `absent`
+        // rightly lets run again.
         if let Some(reference) = &op.reference {
             let booked = d.bookings.get(reference).copied().unwrap_or(0);
             if succeeded && booked == 0 {
@@ -214,14 +215,19 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ) else {
                 continue;
             };
+            // The restart lies between two of its upstream requests (the tap's), as for any
+            // re-execution.
             let records_lost = losses.iter().find(|w| {
-                w.loss == Loss::RecordsLost && w.end + slack >= first.sent && w.start <= last
+                w.loss == Loss::RecordsLost
+                    && execs
+                        .windows(2)
+                        .any(|pair| explains(w, pair[0], pair[1], slack))
             });
             match records_lost {
                 Some(w) => *explained_by.entry(w.kind()).or_default() += 1,
                 None => failures.push(format!(
                     "op {} ({}/{}, resolve route) was booked {booked} times and no store lost \
-                     its record in its lifetime (+{}..+{}): executions {}{}",
+                     its record between two of its executions (lifetime +{}..+{}): executions {}{}",
                     op.idx,
                     op.tenant,
                     op.key,
