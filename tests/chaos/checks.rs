@@ -14,6 +14,8 @@ pub(crate) struct RunData<'a> {
     pub(crate) execs: Vec<Exec>,
     pub(crate) tap_errors: Vec<String>,
     pub(crate) ledger: BTreeMap<String, u64>,
+    /// The bookings the mock made per `reference` (the resolve lane's operations).
+    pub(crate) bookings: BTreeMap<String, u64>,
     pub(crate) windows: Vec<Window>,
     pub(crate) last_fault: Duration,
     pub(crate) in_progress: Vec<String>,
@@ -86,7 +88,7 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
 
     // Every answer is one the contract allows.
     for a in &d.attempts {
-        if let Verdict::Unexpected(why) = verdict(&a.result) {
+        if let Verdict::Unexpected(why) = verdict(&a.result, d.ops[a.op].reference.is_some()) {
             failures.push(format!(
                 "op {} got an answer the contract does not allow ({why}): {}",
                 a.op,
@@ -99,11 +101,17 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut booking_owner: HashMap<String, usize> = HashMap::new();
     let mut bookings_of: HashMap<usize, HashSet<String>> = HashMap::new();
     for a in &d.attempts {
-        let AttemptResult::Answer {
-            status: 201, body, ..
-        } = &a.result
-        else {
-            continue;
+        let body = match &a.result {
+            AttemptResult::Answer {
+                status: 201, body, ..
+            }
+            | AttemptResult::Answer {
+                status: 200,
+                resolved: true,
+                body,
+                ..
+            } => body,
+            _ => continue,
         };
         let op = &d.ops[a.op];
         let doc: serde_json::Value = match serde_json::from_slice(body) {
@@ -151,11 +159,17 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut explained_by: BTreeMap<String, usize> = BTreeMap::new();
     for op in d.ops {
         let execs = execs_of.get(&op.idx).cloned().unwrap_or_default();
-        let succeeded = attempts_of
-            .get(&op.idx)
-            .into_iter()
-            .flatten()
-            .any(|a| matches!(a.result, AttemptResult::Answer { status: 201, .. }));
+        let succeeded = attempts_of.get(&op.idx).into_iter().flatten().any(|a| {
+            matches!(
+                a.result,
+                AttemptResult::Answer { status: 201, .. }
+                    | AttemptResult::Answer {
+                        status: 200,
+                        resolved: true,
+                        ..
+                    }
+            )
+        });
         if succeeded && execs.is_empty() {
             failures.push(format!(
                 "op {} got a 201 but the upstream never received it{}",
@@ -170,6 +184,64 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
                 op.idx,
                 execs.len()
             ));
+        }
+        // The resolve lane: an unknown outcome is never forwarded again without the upstream's
+        // word, proxy kills and lapsed leases included (the claim carries its lookup, and is
+        // taken over as a resolution); only a store that lost the record itself (Redis without
+        // persistence, restarted) between two of its upstream requests excuses a second booking.
+        // Counted by the bookings the mock made for the reference: the tap also sees requests
+        // dropped before the booking (`X-Mock-Lose-Response: before`), which a final `absent`
+        // rightly lets run again.
+        if let Some(reference) = &op.reference {
+            let booked = d.bookings.get(reference).copied().unwrap_or(0);
+            if succeeded && booked == 0 {
+                failures.push(format!(
+                    "op {} ({}/{}, resolve route) was answered a booking the mock never made{}",
+                    op.idx,
+                    op.tenant,
+                    op.key,
+                    history(op.idx)
+                ));
+            }
+            if booked < 2 {
+                continue;
+            }
+            twice += 1;
+            let (Some(first), Some(last)) = (
+                attempts_of.get(&op.idx).and_then(|v| v.first()),
+                attempts_of
+                    .get(&op.idx)
+                    .and_then(|v| v.iter().map(|a| a.ended).max()),
+            ) else {
+                continue;
+            };
+            // The restart lies between two of its upstream requests (the tap's), as for any
+            // re-execution.
+            let records_lost = losses.iter().find(|w| {
+                w.loss == Loss::RecordsLost
+                    && execs
+                        .windows(2)
+                        .any(|pair| explains(w, pair[0], pair[1], slack))
+            });
+            match records_lost {
+                Some(w) => *explained_by.entry(w.kind()).or_default() += 1,
+                None => failures.push(format!(
+                    "op {} ({}/{}, resolve route) was booked {booked} times and no store lost \
+                     its record between two of its executions (lifetime +{}..+{}): executions {}{}",
+                    op.idx,
+                    op.tenant,
+                    op.key,
+                    secs(first.sent),
+                    secs(last),
+                    execs
+                        .iter()
+                        .map(|e| format!("+{} via {} (attempt {})", secs(e.at), e.via, e.attempt))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    history(op.idx)
+                )),
+            }
+            continue;
         }
         if execs.len() < 2 {
             continue;
@@ -229,13 +301,26 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     }
 
     // Results: one body per operation, unless a claim-losing fault touched its lifetime.
+    // On the resolve route a fresh 502/504 is no result (the key is being resolved); a found
+    // booking, replayed, and a saved `outcome-unknown` are.
     let is_result = |a: &Attempt| match &a.result {
         AttemptResult::Answer {
-            status, problem, ..
+            status,
+            problem,
+            replayed,
+            resolved,
+            ..
         } => {
+            let resolve = d.ops[a.op].reference.is_some();
             *status == 201
-                || (*status == 502 && problem.as_deref() == Some("upstream-failed"))
-                || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))
+                || (resolve && *status == 200 && *resolved)
+                || ((*replayed || !resolve)
+                    && ((*status == 502 && problem.as_deref() == Some("upstream-failed"))
+                        || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))))
+                || (resolve
+                    && *replayed
+                    && matches!(*status, 502 | 504)
+                    && problem.as_deref() == Some("outcome-unknown"))
         }
         AttemptResult::Error(_) => false,
     };
@@ -306,7 +391,10 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
             continue;
         };
-        if !matches!(verdict(&a.result), Verdict::Settled) {
+        if !matches!(
+            verdict(&a.result, d.ops[*op].reference.is_some()),
+            Verdict::Settled
+        ) {
             failures.push(format!(
                 "op {op}: after the faults, not a result: {}",
                 a.line()
@@ -353,11 +441,13 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             AttemptResult::Answer {
                 status,
                 replayed,
+                resolved,
                 problem,
                 ..
             } => format!(
-                "{status}{}{}",
+                "{status}{}{}{}",
                 if *replayed { " replayed" } else { "" },
+                if *resolved { " resolved" } else { "" },
                 problem
                     .as_ref()
                     .map(|p| format!(" {p}"))
@@ -384,6 +474,39 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
         d.in_progress.len()
     );
     let _ = writeln!(summary, "answers: {statuses:?}");
+    let resolve_ops: Vec<&Arc<OpSpec>> = d.ops.iter().filter(|o| o.reference.is_some()).collect();
+    let booked = |o: &OpSpec| {
+        o.reference
+            .as_ref()
+            .and_then(|r| d.bookings.get(r))
+            .copied()
+            .unwrap_or(0)
+    };
+    let killed_in_lifetime = resolve_ops
+        .iter()
+        .filter(|o| {
+            let Some(all) = attempts_of.get(&o.idx) else {
+                return false;
+            };
+            let (Some(first), Some(last)) = (all.first(), all.iter().map(|a| a.ended).max()) else {
+                return false;
+            };
+            losses.iter().any(|w| {
+                w.loss == Loss::ClaimsOfB && w.end + slack >= first.sent && w.start <= last
+            })
+        })
+        .count();
+    let _ = writeln!(
+        summary,
+        "resolve lane: {} operations ({} with their first response lost), booked once {}, never {}, \
+         more than once {}; {} with a proxy B kill in their lifetime",
+        resolve_ops.len(),
+        resolve_ops.iter().filter(|o| o.lose.is_some()).count(),
+        resolve_ops.iter().filter(|o| booked(o) == 1).count(),
+        resolve_ops.iter().filter(|o| booked(o) == 0).count(),
+        resolve_ops.iter().filter(|o| booked(o) > 1).count(),
+        killed_in_lifetime
+    );
     let _ = write!(summary, "claim-losing windows (slack {}s):", secs(slack));
     for w in &losses {
         let _ = write!(

@@ -16,7 +16,25 @@ pub(crate) struct OpSpec {
     pub(crate) start: Duration,
     /// Concurrent clients (a duplicate job sends the same operation twice at once).
     pub(crate) clients: usize,
+    /// On the `resolve` route (`POST /reservations`, [`RESOLVE_ROUTE`]): the booking's
+    /// `reference`, which the route's lookup asks the upstream for.
+    pub(crate) reference: Option<String>,
+    /// The resolve lane's upstream response loss, sent on each client's first attempt only:
+    /// `X-Mock-Lose-Response` (`after` or `before` the booking), and `X-Mock-Commit-After` in
+    /// milliseconds (the booking visible to a lookup only that late).
+    pub(crate) lose: Option<(&'static str, Option<u64>)>,
 }
+
+/// The resolve lane's route: `POST /reservations` books as `POST /bookings` does (the mock),
+/// under `on_unknown_outcome: resolve` with a lookup by the body's `reference`.
+pub(crate) const RESOLVE_ROUTE: &str = "/reservations";
+
+/// The resolve route's `settle_after`: longer than the longest an execution can reach the mock
+/// after the request was sent (the slowest upstream delay, 2.8s, plus the relay's largest
+/// up-direction latency, 0.9s), so that an `absent` then is final.
+pub(crate) const RESOLVE_SETTLE_AFTER: Duration = Duration::from_secs(5);
+/// The resolve route's `give_up_after`: a resolution ends well within [`SETTLE_BOUND`].
+pub(crate) const RESOLVE_GIVE_UP_AFTER: Duration = Duration::from_secs(10);
 
 pub(crate) fn plan_ops(spec: &RunSpec, rng: &mut Rng) -> Vec<OpSpec> {
     let last_start = spec.chaos.saturating_sub(Duration::from_secs(2));
@@ -53,6 +71,47 @@ pub(crate) fn plan_ops(spec: &RunSpec, rng: &mut Rng) -> Vec<OpSpec> {
             delay_ms,
             start: rng.ms(200, u64::try_from(last_start.as_millis()).expect("ms")),
             clients: if rng.percent(30) { 2 } else { 1 },
+            reference: None,
+            lose: None,
+        });
+    }
+    // The resolve lane: a tenth as many operations again on the `resolve` route, each under a
+    // key of its own, most of them with their first response lost (after the booking, before
+    // it, or after a booking that a lookup sees only later) on top of the run's faults.
+    let plain = ops.len();
+    for n in 0..spec.ops / 10 {
+        let idx = plain + n;
+        let tenant = TENANTS[(rng.next() % 3) as usize];
+        let key = format!("chaos-r-{:x}-{n}", spec.seed & 0xffff_ffff);
+        let reference = format!("ref-{:x}-{n}", spec.seed & 0xffff_ffff);
+        let body = serde_json::json!({
+            "op": format!("{tenant}/{key}"),
+            "n": idx,
+            "reference": reference,
+        })
+        .to_string();
+        let lose = match rng.between(0, 99) {
+            0..=39 => Some(("after", None)),
+            40..=59 => Some(("before", None)),
+            60..=74 => Some(("after", Some(rng.between(500, 2000)))),
+            _ => None,
+        };
+        // Some slow enough to time out behind the relay's latency: an unknown outcome too.
+        let delay_ms = if rng.percent(20) {
+            rng.between(2400, 2800)
+        } else {
+            rng.between(0, 150)
+        };
+        ops.push(OpSpec {
+            idx,
+            tenant,
+            key,
+            body,
+            delay_ms,
+            start: rng.ms(200, u64::try_from(last_start.as_millis()).expect("ms")),
+            clients: if rng.percent(30) { 2 } else { 1 },
+            reference: Some(reference),
+            lose,
         });
     }
     ops
@@ -78,6 +137,8 @@ pub(crate) enum AttemptResult {
     Answer {
         status: u16,
         replayed: bool,
+        /// `Idempotent-Resolved: true`: a lookup's answer (the `resolve` route).
+        resolved: bool,
         /// The problem type's slug, for `application/problem+json`.
         problem: Option<String>,
         body: Bytes,
@@ -102,11 +163,13 @@ impl Attempt {
             AttemptResult::Answer {
                 status,
                 replayed,
+                resolved,
                 problem,
                 body,
             } => format!(
-                "{status}{}{} {}",
+                "{status}{}{}{} {}",
                 if *replayed { " replayed" } else { "" },
+                if *resolved { " resolved" } else { "" },
                 problem
                     .as_ref()
                     .map(|p| format!(" {p}"))
@@ -146,18 +209,28 @@ pub(crate) enum Verdict {
     Unexpected(String),
 }
 
-pub(crate) fn verdict(r: &AttemptResult) -> Verdict {
+/// What an answer means for an operation on the `resolve` route (`resolve`) or the other.
+pub(crate) fn verdict(r: &AttemptResult, resolve: bool) -> Verdict {
     let AttemptResult::Answer {
         status,
         replayed,
+        resolved,
         problem,
         ..
     } = r
     else {
         return Verdict::Retry;
     };
+    if *resolved && !(resolve && *status == 200 && *replayed && problem.is_none()) {
+        return Verdict::Unexpected(format!(
+            "Idempotent-Resolved on status {status}, replayed {replayed}, problem {problem:?}"
+        ));
+    }
     match (*status, *replayed, problem.as_deref()) {
         (201, _, None) => Verdict::Settled,
+        // The lookup's found booking, replayed as the key's result.
+        (200, true, None) if resolve && *resolved => Verdict::Settled,
+        (502 | 504, true, Some("outcome-unknown")) if resolve => Verdict::Settled,
         (502, true, Some("upstream-failed")) | (504, true, Some("upstream-timeout")) => {
             Verdict::Settled
         }
@@ -196,7 +269,7 @@ pub(crate) async fn drive(
             Duration::ZERO
         };
     tokio::time::sleep_until(ctx.clock.at(start)).await;
-    for _ in 0..500 {
+    for n in 0..500 {
         let deadline = Duration::from_millis(ctx.deadline_ms.load(Ordering::SeqCst));
         if ctx.clock.now() >= deadline {
             return (op.idx, client, ClientEnd::Unsettled);
@@ -207,8 +280,8 @@ pub(crate) async fn drive(
             20..=49 => rng.ms(1000, 2000),
             _ => Duration::from_secs(5),
         };
-        let a = attempt(&ctx, &op, client, via, timeout, true).await;
-        let backoff = match verdict(&a.result) {
+        let a = attempt(&ctx, &op, client, via, timeout, true, n == 0).await;
+        let backoff = match verdict(&a.result, op.reference.is_some()) {
             Verdict::Settled => {
                 return (op.idx, client, ClientEnd::Settled { at: a.ended });
             }
@@ -228,15 +301,18 @@ pub(crate) async fn drive(
 pub(crate) async fn settle_via(ctx: &Ctx, op: &OpSpec, via: Via) -> Attempt {
     let until = ctx.clock.now() + Duration::from_secs(10);
     loop {
-        let a = attempt(ctx, op, VERIFY, via, Duration::from_secs(5), false).await;
-        if !matches!(verdict(&a.result), Verdict::Retry) || ctx.clock.now() >= until {
+        let a = attempt(ctx, op, VERIFY, via, Duration::from_secs(5), false, false).await;
+        if !matches!(verdict(&a.result, op.reference.is_some()), Verdict::Retry)
+            || ctx.clock.now() >= until
+        {
             return a;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-/// Sends the operation once and logs the attempt.
+/// Sends the operation once and logs the attempt; with `lose`, with the operation's response
+/// loss ([`OpSpec::lose`]).
 pub(crate) async fn attempt(
     ctx: &Ctx,
     op: &OpSpec,
@@ -244,6 +320,7 @@ pub(crate) async fn attempt(
     via: Via,
     timeout: Duration,
     slow_upstream: bool,
+    lose: bool,
 ) -> Attempt {
     let id = ctx.attempt_ids.fetch_add(1, Ordering::Relaxed);
     let base = match via {
@@ -253,7 +330,14 @@ pub(crate) async fn attempt(
     let sent = ctx.clock.now();
     let mut req = ctx
         .http
-        .post(format!("{base}/bookings"))
+        .post(format!(
+            "{base}{}",
+            if op.reference.is_some() {
+                RESOLVE_ROUTE
+            } else {
+                "/bookings"
+            }
+        ))
         .header("Idempotency-Key", &op.key)
         .header("Authorization", format!("Bearer {}", op.tenant))
         .header("Content-Type", "application/json")
@@ -263,6 +347,12 @@ pub(crate) async fn attempt(
         .body(op.body.clone());
     if slow_upstream {
         req = req.header("X-Mock-Delay", format!("{}ms", op.delay_ms));
+    }
+    if let (true, Some((when, commit_after))) = (lose, op.lose) {
+        req = req.header("X-Mock-Lose-Response", when);
+        if let Some(ms) = commit_after {
+            req = req.header("X-Mock-Commit-After", format!("{ms}ms"));
+        }
     }
     let result = match req.send().await {
         Ok(resp) => {
@@ -275,6 +365,7 @@ pub(crate) async fn attempt(
                     .to_owned()
             };
             let replayed = header("idempotent-replayed") == "true";
+            let resolved = header("idempotent-resolved") == "true";
             let is_problem = header("content-type") == "application/problem+json";
             match resp.bytes().await {
                 Ok(body) => {
@@ -292,6 +383,7 @@ pub(crate) async fn attempt(
                     AttemptResult::Answer {
                         status,
                         replayed,
+                        resolved,
                         problem,
                         body,
                     }

@@ -66,6 +66,14 @@
 //!    settled, a scan of the store at `lock_ttl` + the upstream timeout (the longest a live
 //!    holder may legitimately keep a claim) + 1s after the last fault finds none (Redis: a
 //!    value of an in-progress record; PostgreSQL: a live row that still has a token).
+//! 7. The resolve lane: in every run a tenth as many operations again go to `POST /reservations`
+//!    under `on_unknown_outcome: resolve` (SPEC §4.8; lookup `GET /bookings/by-reference/…`),
+//!    most with their first response lost (`X-Mock-Lose-Response: after` or `before`, some with
+//!    `X-Mock-Commit-After`) on top of the run's faults. Each is booked (by the mock's count per
+//!    reference) zero times or once, never twice, proxy kills and lapsed leases included — only
+//!    a Redis restart that lost the records in its lifetime excuses a second booking; a found
+//!    booking replayed (`200`, `Idempotent-Resolved: true`) is the booking the mock made, and a
+//!    saved `outcome-unknown` is a result like any other.
 //!
 //! Between the runs and the closing replays, every operation is also sent once more through
 //! each instance after the faults (the first answer may be a 503 right after a reconnect; it is
@@ -413,6 +421,7 @@ async fn run(spec: RunSpec) {
         execs: tap.events(),
         tap_errors: tap.errors(),
         ledger: env.mock.stats().by_key,
+        bookings: env.mock.stats().by_reference,
         windows: timeline.windows(),
         last_fault,
         in_progress,
@@ -492,8 +501,9 @@ async fn run(spec: RunSpec) {
 }
 
 /// The proxies' configuration: `POST /bookings` idempotent (scope `Authorization`, the
-/// default) with the run's `lock_ttl`, the store and the upstream behind their relays,
-/// [`STORE_TIMEOUT_MS`], [`UPSTREAM_TIMEOUT`].
+/// default) with the run's `lock_ttl`, `POST /reservations` alike under
+/// `on_unknown_outcome: resolve` (the resolve lane), the store and the upstream behind their
+/// relays, [`STORE_TIMEOUT_MS`], [`UPSTREAM_TIMEOUT`].
 fn chaos_config(
     env: &Env,
     spec: &RunSpec,
@@ -504,6 +514,17 @@ fn chaos_config(
     let lock_ttl = format!("lock_ttl: {}ms\nttl: 10m", spec.lock_ttl.as_millis());
     let yaml = env.config_with(&lock_ttl, &format!("timeout: {STORE_TIMEOUT_MS}ms"));
     let upstream_timeout = format!("    timeout: {}ms\n", UPSTREAM_TIMEOUT.as_millis());
+    // The resolve lane's route, before `pay` (and `rest`, which would take the path).
+    let resolve_route = format!(
+        "  - name: reserve\n    methods: [POST]\n    path: {RESOLVE_ROUTE}\n    upstream: booking\n    \
+         idempotency:\n      {lock_ttl_line}\n      ttl: 10m\n      on_unknown_outcome: resolve\n      \
+         resolve:\n        request: GET /bookings/by-reference/{{json:/reference}}\n        \
+         settle_after: {}ms\n        interval: 300ms\n        give_up_after: {}ms\n  - name: pay\n",
+        RESOLVE_SETTLE_AFTER.as_millis(),
+        RESOLVE_GIVE_UP_AFTER.as_millis(),
+        lock_ttl_line = format_args!("lock_ttl: {}ms", spec.lock_ttl.as_millis()),
+    );
+    let yaml = yaml.replacen("  - name: pay\n", &resolve_route, 1);
     let swapped = store
         .configure(&yaml, store_relay)
         .replace(
@@ -514,7 +535,8 @@ fn chaos_config(
     assert!(
         swapped.contains(&store_relay.addr().to_string())
             && swapped.contains(&upstream_relay.addr().to_string())
-            && swapped.contains(&upstream_timeout),
+            && swapped.contains(&upstream_timeout)
+            && swapped.contains("on_unknown_outcome: resolve"),
         "the harness's configuration changed shape:\n{yaml}"
     );
     swapped
