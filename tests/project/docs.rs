@@ -88,11 +88,13 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// A secrets file for the webhook route of [`config`], written once per test process.
+/// A secrets file for the webhook route of [`config`], written once per test process into
+/// cargo's scratch directory for integration tests (under `target/`, not the system's temp
+/// directory, where it would be left behind after every run).
 fn webhook_secrets() -> &'static str {
     static FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     FILE.get_or_init(|| {
-        let path = std::env::temp_dir().join(format!(
+        let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
             "idemproxy-docs-{}.webhook-secret",
             std::process::id()
         ));
