@@ -21,6 +21,7 @@ every_store!(
     a_repeat_during_the_resolution_is_409_and_not_forwarded,
     with_on_conflict_wait_a_repeat_waits_for_the_resolution,
     a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
+    a_request_never_sent_is_released_and_never_resolved,
     a_reload_during_a_resolution_leaves_it_under_what_it_started_with,
     an_observed_route_resolves_in_the_background_and_forwards_repeats,
     a_running_resolution_counts_against_the_observed_bound,
@@ -128,6 +129,30 @@ async fn a_lost_response_is_resolved_to_the_booking_the_lookup_finds(backend: Ba
         (again.status, again.body.clone()),
         (200, retry.body.clone())
     );
+    proxy.stop().await;
+}
+
+async fn a_request_never_sent_is_released_and_never_resolved(backend: Backend) {
+    let env = Env::new(backend).await;
+    // The upstream's address has nobody listening: the connection is refused, so nothing of
+    // the request was written and its outcome is known (SPEC §4.4): the claim is released, no
+    // lookup is sent, and the retry is tried again rather than held as a resolution.
+    let refused = format!("http://127.0.0.1:{}", harness::free_port());
+    let yaml = resolving(&env, "settle_after: 5s\ninterval: 200ms", "").replacen(
+        &env.mock.url(),
+        &refused,
+        1,
+    );
+    let proxy = env.proxy(&yaml).await;
+    let body = booking("R-unsent");
+    let first = book_with(&proxy.url(""), "k-unsent", &body, &[]).await;
+    first.assert_problem(502, "upstream-unavailable");
+    let retry = book_with(&proxy.url(""), "k-unsent", &body, &[]).await;
+    retry.assert_problem(502, "upstream-unavailable");
+    for answer in ["found", "absent", "other", "failed"] {
+        assert_eq!(lookups(&proxy, answer), 0, "no lookup sent ({answer})");
+    }
+    assert_eq!(bookings_for(&env, "R-unsent"), 0);
     proxy.stop().await;
 }
 
