@@ -21,6 +21,7 @@
 //! A call that failed with an error is settled the same way: cheaper than telling which errors
 //! leave a connection fit. A connection already closed is dropped at once.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
@@ -107,7 +108,9 @@ pub(super) struct Connections {
     tls: MakeRustlsConnect,
     /// Every statement the store runs, prepared on a settled connection before it goes back.
     statements: Vec<String>,
-    gauges: PoolGauges,
+    /// Shared with the settling tasks, which show the pool again once their connection is
+    /// back or closed.
+    gauges: Arc<PoolGauges>,
 }
 
 /// The PostgreSQL store's series: its pools' gauges, every worker's together (each worker sets
@@ -160,6 +163,10 @@ struct PoolGauges {
     connections: GaugePart,
     in_use: GaugePart,
     waiting: GaugePart,
+    /// Held from reading the pool's status to setting the parts, so that of two callers racing
+    /// the one that read the later status sets the parts last: a settling task that closes its
+    /// connection while a request returns one never leaves the gauges at the earlier status.
+    showing: Mutex<()>,
 }
 
 impl PoolGauges {
@@ -168,7 +175,23 @@ impl PoolGauges {
             connections: GaugePart::of(&series.connections),
             in_use: GaugePart::of(&series.in_use),
             waiting: GaugePart::of(&series.waiting),
+            showing: Mutex::new(()),
         }
+    }
+
+    /// Copies the pool's status into the gauges: cheap (two uncontended locks), done at every
+    /// checkout and return, and when a settling task is done with its connection.
+    fn show(&self, pool: &Pool) {
+        let _showing = self
+            .showing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let status = pool.status();
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.connections.set(gauge(status.size));
+        self.in_use
+            .set(gauge(status.size.saturating_sub(status.available)));
+        self.waiting.set(gauge(status.waiting));
     }
 }
 
@@ -185,7 +208,7 @@ impl Connections {
             timeout,
             tls,
             statements,
-            gauges: PoolGauges::of(&metrics.store_series()),
+            gauges: Arc::new(PoolGauges::of(&metrics.store_series())),
         };
         connections.show();
         connections
@@ -245,16 +268,8 @@ impl Connections {
         })
     }
 
-    /// Copies the pool's status into the gauges: cheap (one uncontended lock), done at every
-    /// checkout and return.
     fn show(&self) {
-        let status = self.pool.status();
-        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.gauges.connections.set(gauge(status.size));
-        self.gauges
-            .in_use
-            .set(gauge(status.size.saturating_sub(status.available)));
-        self.gauges.waiting.set(gauge(status.waiting));
+        self.gauges.show(&self.pool);
     }
 }
 
@@ -305,12 +320,14 @@ impl Drop for Conn<'_> {
                 drop(Object::take(object));
             } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let c = self.connections;
-                runtime.spawn(settle(
-                    object,
-                    c.tls.clone(),
-                    c.statements.clone(),
-                    c.timeout,
-                ));
+                let settling = settle(object, c.tls.clone(), c.statements.clone(), c.timeout);
+                let (pool, gauges) = (c.pool.clone(), Arc::clone(&c.gauges));
+                runtime.spawn(async move {
+                    settling.await;
+                    // Nothing else may check out or return a connection after this one is
+                    // done with: without this the gauges would show it in use until then.
+                    gauges.show(&pool);
+                });
             } else {
                 drop(Object::take(object));
             }
