@@ -1122,3 +1122,73 @@ async fn tls_is_used_and_verified_when_sslmode_asks_for_it() {
         "f"
     );
 }
+
+/// A claim finds its key's row by the primary key, whatever else the table holds: twenty
+/// thousand lapsed rows the planner does not know of (inserted after the table's statistics, as
+/// rows lapse between two analyses) are never walked, neither by a new key's claim nor by a
+/// repeat's. A claim that reached them through the `expires_at` index, as one did when its
+/// lapse test could be answered by that index, read every one of them, each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_its_row_by_key_whatever_lapsed_rows_the_table_holds() {
+    const LAPSED: u64 = 20_000;
+    const CLAIMS: u32 = 20;
+    let pg = PgServer::shared();
+    let schema = PgServer::fresh_schema();
+    let (_, handle) = open(&pg.url(), &schema, "sweep_interval: 1h").await;
+    let lease = Duration::from_secs(60);
+    let t = format!("{schema}.records");
+    pg.sql(&format!(
+        "ALTER TABLE {t} SET (autovacuum_enabled = false);
+         INSERT INTO {t} SELECT 'live-' || i, NULL, '\\x00', now() + interval '1 day'
+             FROM generate_series(1, 100) i;
+         ANALYZE {t};
+         INSERT INTO {t} SELECT 'lapsed-' || i, NULL, '\\x00', now() - interval '1 hour'
+             FROM generate_series(1, {LAPSED}) i;"
+    ));
+    let read = |index: &str| -> (u64, u64) {
+        let row = pg.sql(&format!(
+            "SELECT idx_scan, idx_tup_read FROM pg_stat_user_indexes
+             WHERE schemaname = '{schema}' AND indexrelname = '{index}'"
+        ));
+        let (scans, tuples) = row.split_once('|').unwrap_or_else(|| panic!("{row:?}"));
+        (
+            scans.parse().unwrap_or_else(|e| panic!("{row:?}: {e}")),
+            tuples.parse().unwrap_or_else(|e| panic!("{row:?}: {e}")),
+        )
+    };
+    let (pkey_before, _) = read("records_pkey");
+    let (_, walked_before) = read("records_expires_at");
+
+    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
+    let (a, b) = (held(1), held(2));
+    for n in 0..CLAIMS {
+        assert_eq!(
+            handle.claim(&key(n), &a, lease).await.ok(),
+            Some(Claim::Claimed)
+        );
+        assert!(
+            handle
+                .complete(&key(n), &a, &done, lease)
+                .await
+                .expect("complete")
+        );
+        match handle.claim(&key(n), &b, lease).await.expect("claim") {
+            Claim::Existing(r) => assert_eq!(r.encode(), done),
+            other => panic!("a finished key replays, got {other:?}"),
+        }
+    }
+
+    // The sessions report their statistics once idle (within a second or so): wait until the
+    // primary key shows this test's claims.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read("records_pkey").0 < pkey_before + u64::from(CLAIMS) * 2 {
+        assert!(Instant::now() < deadline, "no index statistics reported");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, walked) = read("records_expires_at");
+    assert!(
+        walked - walked_before < LAPSED,
+        "the claims walked {} entries of the expires_at index",
+        walked - walked_before
+    );
+}

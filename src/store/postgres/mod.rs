@@ -14,11 +14,12 @@
 //!
 //! # Design
 //! - **One statement per operation, autocommitted** (`postgres/sql.rs` has each one and what it
-//!   does in every interleaving). A claim is one round trip that inserts the key, takes over a
-//!   lapsed row or reads the live one: never a read followed by a write. On the replay path it only
-//!   reads, so it writes no WAL and waits for no flush. A claim that waited on another session's
-//!   uncommitted claim of the key finds no row in its snapshot and runs again, at most
-//!   `CLAIM_ATTEMPTS` times.
+//!   does in every interleaving). A claim is one round trip that reads the key's row by its
+//!   primary key and, in the same statement, inserts the key or takes over a lapsed row: never a
+//!   read and then a write in another statement. On the replay path it only reads (its writers
+//!   are skipped), so it writes no WAL, waits for no flush and costs about one primary-key read.
+//!   A claim that met another session's claim of the key while it was committing finds no row
+//!   and runs again, at most `CLAIM_ATTEMPTS` times.
 //! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
 //! - **Fencing**: renew, complete and release change a row only where `token` is the caller's and
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
@@ -73,9 +74,10 @@ use pool::Connections;
 use sql::Statements;
 
 /// How many times a claim runs its statement when it finds no row: each time, another
-/// session's claim of the key was committing while the statement ran (see `sql.rs`). Once that
-/// claim has committed the next run sees it; several in a row take a storm of claims on one
-/// key that keep releasing and taking it again.
+/// session changed the key's row while the statement ran (see `sql.rs`): its claim was
+/// committing, it took a lapsed row over, or the sweep deleted that row. The next run's
+/// snapshot sees the change; several in a row take a storm of claims on one key that keep
+/// releasing and taking it again.
 const CLAIM_ATTEMPTS: usize = 5;
 
 /// The longest lease or ttl written, in milliseconds (about 100 years): "forever", and far from

@@ -78,47 +78,53 @@ impl Statements {
             // would take a row lock, assign a transaction id and wait for a WAL flush. Here a
             // live key is only read: the replay path writes nothing.
             //
-            // `ins` inserts when no row has the key; `upd` takes over a lapsed row; the last
-            // branch reads a live row. Cases:
-            // - absent: `ins` inserts; `upd` and the read see no row → (true). Ours.
-            // - live: `ins`'s conflict check finds the committed row and does nothing (no
-            //   write, no lock); `upd`'s WHERE is false on it (no lock); the read returns its
-            //   value → (false, value).
-            // - live, with its holder's renew or completion committing: `ins`'s conflict check
-            //   waits for it, then conflicts; the read returns the snapshot's version, the claim
-            //   in flight (as if this claim had come just before that write).
-            // - lapsed: `ins` conflicts and does nothing; `upd` rewrites the row with our
-            //   token, value and lease → (true). Ours. The read filters the lapsed version.
-            // - another session's uncommitted insert of the key: `ins`'s conflict check waits
-            //   for it. It commits: `ins` does nothing, and `upd` and the read cannot see a row
-            //   committed after this statement's snapshot → no row at all: the caller runs the
-            //   claim again (a new snapshot, which sees that row). It rolls back: `ins` inserts
-            //   → ours.
-            // - another session's uncommitted takeover of a lapsed row: `ins` conflicts (after
-            //   waiting for it); `upd` finds the lapsed version in the snapshot, waits for the
-            //   row's lock, and re-checks its WHERE on the newest version: live now, so no
-            //   update; the read sees only the lapsed version → no row: run again. It rolls
-            //   back: `upd` takes the row over → ours.
-            // - a row deleted meanwhile (released, forgotten or swept after the snapshot):
-            //   `ins` finds no conflict and inserts → ours; the read may still return the
-            //   deleted version's value, so a `true` row wins over a value row.
+            // `cur` reads the key's row once, by its primary key; the two writers run only
+            // when that read calls for them, so a repeat costs about one primary-key read
+            // (the writers' one-time filters skip them: no conflict check, no index scan) and
+            // a new key one read and the insert. `ins` inserts when the snapshot has no row;
+            // `upd` takes over a lapsed row; the last branch returns a live row. Cases:
+            // - absent: `ins` inserts; `upd` is skipped → (true). Ours.
+            // - live: both writers are skipped; the read's value → (false, value), the version
+            //   in the snapshot even while its holder's renew or completion commits, or a
+            //   release or `forget` deletes it (as if this claim had come just before that
+            //   write).
+            // - lapsed: `ins` is skipped; `upd` finds the row by its key, locks it and
+            //   re-checks `expires_at <= now()` on its newest version (READ COMMITTED):
+            //   still lapsed → rewritten with our token, value and lease → (true). Ours.
+            //   Taken over or deleted meanwhile → no update, and no row at all: the caller
+            //   runs the claim again (a new snapshot, which sees what happened).
+            // - absent in the snapshot, with another session's insert of the key in flight
+            //   (uncommitted, or committed after the snapshot): `ins`'s conflict check waits
+            //   for it. It commits: `ins` does nothing → no row at all: run again. It rolls
+            //   back: `ins` inserts → ours.
             // Two claims can never both win: both write the one row of the key (an insert
             // under its unique index, or an update that re-checks under the row lock).
+            //
+            // `(expires_at <= now()) IS TRUE` is the lapse test written so that no index can
+            // answer it (the column is NOT NULL: the same test): the row is then found by its
+            // primary key. With the bare comparison a generic plan may walk the `expires_at`
+            // index from its start instead, over every lapsed entry and every dead one a
+            // completion left behind (each moves the row's `expires_at`) until a vacuum: a
+            // scan that grows with the traffic of the last minutes.
             claim: format!(
-                "WITH ins AS (
+                "WITH cur AS (
+                    SELECT value, expires_at > now() AS live FROM {t} WHERE key = $1
+                ), ins AS (
                     INSERT INTO {t} (key, token, value, expires_at)
-                    VALUES ($1, $2, $3, now() + $4::bigint * interval '1 millisecond')
+                    SELECT $1, $2, $3, now() + $4::bigint * interval '1 millisecond'
+                    WHERE NOT EXISTS (SELECT 1 FROM cur)
                     ON CONFLICT (key) DO NOTHING
                     RETURNING 1
                 ), upd AS (
                     UPDATE {t}
                     SET token = $2, value = $3, expires_at = now() + $4::bigint * interval '1 millisecond'
-                    WHERE key = $1 AND expires_at <= now()
+                    WHERE key = $1 AND (expires_at <= now()) IS TRUE
+                      AND EXISTS (SELECT 1 FROM cur WHERE NOT live)
                     RETURNING 1
                 )
                 SELECT true, NULL::bytea FROM ins
                 UNION ALL SELECT true, NULL::bytea FROM upd
-                UNION ALL SELECT false, value FROM {t} WHERE key = $1 AND expires_at > now()"
+                UNION ALL SELECT false, value FROM cur WHERE live"
             ),
             // Fenced: only the holder's token, only while its lease is live. A lapsed lease can
             // never be renewed, even if nobody has taken the key yet.
@@ -241,8 +247,9 @@ impl ResolvableStatements {
              AND substring(r.value FROM 22 FOR 8) > int8send(c.ms)"
         );
         ResolvableStatements {
-            // Like the plain claim (see `Statements::claim` for every interleaving), with a
-            // third writer: `took` takes over a live resolvable claim whose lease has lapsed.
+            // Like the plain claim before its read came first (see `Statements::claim`, the
+            // lapse test written as there so that the row is found by its key), with a third
+            // writer: `took` takes over a live resolvable claim whose lease has lapsed.
             // `upd` (lifetime over) and `took` (lifetime not over) can never both match one
             // version of the row, and two takeovers at once cannot both win: the second
             // waits for the first's row lock, re-checks its WHERE on the new version — whose
@@ -266,7 +273,7 @@ impl ResolvableStatements {
                     UPDATE {t} AS r
                     SET token = $2, value = s.value, expires_at = s.expires_at
                     FROM stamped s
-                    WHERE r.key = $1 AND r.expires_at <= now()
+                    WHERE r.key = $1 AND (r.expires_at <= now()) IS TRUE
                     RETURNING r.value
                 ), took AS (
                     UPDATE {t} AS r
