@@ -72,6 +72,10 @@ pub(crate) struct Args {
     /// conflict-storm: how long the mock holds each first request (X-Mock-Delay).
     #[arg(long, env = "LOAD_STORM_DELAY", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub storm_delay: Duration,
+    /// resolve/*: requests whose answer is lost (each costs one upstream timeout), then
+    /// resolved.
+    #[arg(long, env = "LOAD_LOST", default_value_t = 100)]
+    pub lost: usize,
     /// fill-1m: finished keys to add to the memory store.
     #[arg(long, env = "LOAD_FILL_KEYS", default_value_t = 1_000_000)]
     pub fill_keys: u64,
