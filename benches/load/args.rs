@@ -60,7 +60,8 @@ pub(crate) struct Args {
     /// Keep the temp directory with every config and log (also kept after a failure).
     #[arg(long, env = "LOAD_KEEP_LOGS", value_parser = clap::builder::BoolishValueParser::new())]
     pub keep_logs: bool,
-    /// Do not add the nginx and pass-through baselines to a selection that lacks them.
+    /// Do not add the nginx and pass-through baselines to a selection that lacks them, nor
+    /// the ceilings to new-key/postgres and new-key/sqlite, nor new-key to webhook/*.
     #[arg(long)]
     pub no_baselines: bool,
     /// conflict-storm: keys in flight.
