@@ -10,7 +10,8 @@
 //! repeat is replayed with `Idempotent-Resolved: true` (a `409` until then; nothing forwarded).
 //!
 //! Measured: the keys resolved, the time from each `504` to its first resolved replay
-//! (quantiles), and, from the proxy's `/metrics` on its admin listener, the lookups sent
+//! (quantiles; to within one [`POLL`], the repeats' cadence: polling faster would load the
+//! proxy with `409`s while it resolves), and, from the proxy's `/metrics` on its admin listener, the lookups sent
 //! (`idemproxy_resolve_lookups_total`) per resolution (`idemproxy_resolutions_total{result=
 //! "found"}`). Checked, as conflict-storm checks its invariants: every key resolved to the
 //! booking, and exactly one booking per reference on the mock. `connections` clients share
