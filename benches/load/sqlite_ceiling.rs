@@ -20,7 +20,8 @@
 //! Keys are `StoreKey::text()`'s shape: the bench's `key_prefix`, the route, `:` and 64 hex
 //! characters spread over the index as the proxy's hashes are; tokens are 16 bytes; values
 //! have the sizes of the records the proxy writes for the bench's echo request (the encoding is
-//! the same on every store: see `pgbench`'s constants).
+//! the same on every store: see `pgbench`'s constants; an SQLite row of the echo holds the same
+//! bytes, give or take the client's headers the echo carries).
 //!
 //! # The model of concurrency
 //! The proxy's writer takes everything queued when it starts a batch. Under the bench's closed
@@ -30,8 +31,9 @@
 //! a batch of `connections` claims (one transaction), then the batch of their completions (a
 //! second transaction), again and again. One request = one claim + one completion, as on the
 //! pgbench row; its latency runs from the start of its claims' transaction to the commit of its
-//! completions'. The proxy's first look at a key (a read on a read connection, beside the
-//! writer) is left out: it does not hold the writer up.
+//! completions'. Left out, as they do not hold the writer up: the proxy's first look at a key
+//! (a read on a read connection, beside the writer) and the sweep (nothing expires in a run of
+//! fresh keys with a 24h `ttl`).
 
 use std::path::Path;
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
