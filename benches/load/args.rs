@@ -60,7 +60,8 @@ pub(crate) struct Args {
     /// Keep the temp directory with every config and log (also kept after a failure).
     #[arg(long, env = "LOAD_KEEP_LOGS", value_parser = clap::builder::BoolishValueParser::new())]
     pub keep_logs: bool,
-    /// Do not add the nginx and pass-through baselines to a selection that lacks them.
+    /// Do not add the nginx and pass-through baselines to a selection that lacks them, nor
+    /// the ceilings to new-key/postgres and new-key/sqlite, nor new-key to webhook/*.
     #[arg(long)]
     pub no_baselines: bool,
     /// conflict-storm: keys in flight.
@@ -72,6 +73,10 @@ pub(crate) struct Args {
     /// conflict-storm: how long the mock holds each first request (X-Mock-Delay).
     #[arg(long, env = "LOAD_STORM_DELAY", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub storm_delay: Duration,
+    /// resolve/*: requests whose answer is lost (each costs one upstream timeout), then
+    /// resolved.
+    #[arg(long, env = "LOAD_LOST", default_value_t = 100)]
+    pub lost: usize,
     /// fill-1m: finished keys to add to the memory store.
     #[arg(long, env = "LOAD_FILL_KEYS", default_value_t = 1_000_000)]
     pub fill_keys: u64,

@@ -22,6 +22,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use crate::cores::Cores;
+use crate::webhook::Signer;
 
 /// How long a TCP connect (and the HTTP/1 handshake) may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -147,6 +148,8 @@ pub(crate) enum Key {
     Fixed(HeaderValue),
     /// A new key per request: this prefix and the request's ticket number.
     Unique { prefix: Arc<str> },
+    /// No key header: a Standard Webhooks delivery per request, a new event id each, signed.
+    Signed(Arc<Signer>),
 }
 
 /// What every request of a load run looks like: `POST path` with a JSON body.
@@ -178,6 +181,11 @@ impl RequestSpec {
             }
             Key::Unique { prefix } => {
                 headers.insert(IDEMPOTENCY_KEY, unique_key(prefix, ticket));
+            }
+            Key::Signed(signer) => {
+                for (name, value) in signer.headers(ticket, &self.body) {
+                    headers.insert(name, value);
+                }
             }
         }
         request

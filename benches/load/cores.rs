@@ -10,6 +10,8 @@
 //! - the database: `redis-server`, or `postgres` with its backends and helpers;
 //! - on the pgbench row, `pgbench` and `postgres` only (`pgbench` is this process's child, read
 //!   from the `cutime` it leaves behind when it exits).
+//! - on the SQLite ceiling's row, `sqlite-writer` only: this process, whose writer thread does
+//!   the work (its checkpoint thread sleeps between checkpoints), single-threaded.
 //!
 //! A process's cores are its CPU time (user + system, every thread, its children included) over
 //! the window, divided by the window's wall time. The window is the one of the `cpu/req`

@@ -35,6 +35,9 @@
 //! - `fill`: filling the memory store with many keys, RSS before and after.
 //! - `pg`: the run's PostgreSQL server.
 //! - `pgbench`: the ceiling of `new-key/postgres`, pgbench with the proxy's own statements.
+//! - `sqlite_ceiling`: the ceiling of `new-key/sqlite`, the proxy's SQLite writer alone.
+//! - `webhook`: Standard Webhooks deliveries, signed, for the `webhook/*` rows.
+//! - `resolve`: responses lost after the upstream acted, and their resolution.
 //! - `churn`: the durable stores' tables under minutes of short-lived keys.
 //! - `report`: the final table.
 
@@ -47,9 +50,12 @@ mod pg;
 mod pgbench;
 mod procs;
 mod report;
+mod resolve;
 mod scenario;
+mod sqlite_ceiling;
 mod storm;
 mod upstream;
+mod webhook;
 
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
@@ -69,7 +75,7 @@ use cores::Part;
 use pg::Postgres;
 use procs::{
     CpuMeter, IDEMPOTENT_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
-    StoreConfig,
+    Routes, StoreConfig, WEBHOOK_PATH,
 };
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
@@ -281,7 +287,7 @@ fn run(args: Args) -> Result<bool, String> {
     let mut all = Done::default();
     let rounds = bench.args.rounds.max(1);
     let mut ratios = Vec::new();
-    let mut ceilings = Vec::new();
+    let mut pairs = Vec::new();
     for round in 1..=rounds {
         if rounds > 1 {
             println!("round {round}/{rounds}");
@@ -313,20 +319,14 @@ fn run(args: Args) -> Result<bool, String> {
             }
         }
         ratios.push(report::RoundRatios::of(&all.rows[first_row..]));
-        ceilings.extend(report::ceiling_ratio(&all.rows[first_row..]));
+        pairs.push(report::pair_ratios(&all.rows[first_row..]));
     }
     all.rows = report::median_rows(all.rows);
-    report::note_ceiling(&mut all.rows);
+    report::note_pairs(&mut all.rows);
     if rounds > 1 {
         all.summary.extend(report::round_ratio_lines(&ratios));
     }
-    if !ceilings.is_empty() {
-        let shown: Vec<String> = ceilings.iter().map(|r| format!("{r:.2}")).collect();
-        all.summary.push(format!(
-            "new-key/postgres req/s over the pgbench ceiling, in round order: {}",
-            shown.join(" ")
-        ));
-    }
+    all.summary.extend(report::pair_lines(&pairs));
 
     println!();
     for line in report::table(&all.rows) {
@@ -470,6 +470,9 @@ impl Bench {
                 Some(pg) => self.ceiling(s, pg),
                 None => Ok(Done::skipped(s, Store::Postgres.missing())),
             },
+            Target::SqliteCeiling => self.sqlite_ceiling(s),
+            Target::Webhook(store) => self.webhook(s, store),
+            Target::Resolve(store) => self.resolve(s, store),
             Target::Churn(store) => self.churn(s, store),
             Target::Fill => self.fill(s),
         }
@@ -528,6 +531,15 @@ impl Bench {
     /// A fresh proxy process on `store` (Redis emptied first, a new SQLite file or PostgreSQL
     /// schema); `None` when Redis or PostgreSQL is wanted but not installed.
     fn proxy(&self, s: &Scenario, store: Store) -> Result<Option<Proxy>, String> {
+        match self.store_config(s, store)? {
+            Some(config) => self.start_proxy(s.name, &config).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The store of a fresh proxy on `store` (Redis emptied first, a new SQLite file or
+    /// PostgreSQL schema); `None` when Redis or PostgreSQL is wanted but not installed.
+    fn store_config(&self, s: &Scenario, store: Store) -> Result<Option<StoreConfig>, String> {
         let config = match (store, &self.redis) {
             (Store::Memory, _) => StoreConfig::Memory {
                 max_entries: MAX_ENTRIES,
@@ -544,7 +556,7 @@ impl Bench {
                 }
             }
         };
-        self.start_proxy(s.name, &config).map(Some)
+        Ok(Some(config))
     }
 
     fn start_proxy(&self, label: &str, config: &StoreConfig) -> Result<Proxy, String> {
@@ -557,6 +569,16 @@ impl Bench {
         config: &StoreConfig,
         ttl: &str,
     ) -> Result<Proxy, String> {
+        self.start_proxy_with(label, config, &Routes::plain(ttl))
+    }
+
+    /// A proxy with the routes a scenario adds (a webhook route, a resolve route).
+    fn start_proxy_with(
+        &self,
+        label: &str,
+        config: &StoreConfig,
+        routes: &Routes<'_>,
+    ) -> Result<Proxy, String> {
         let bin = self.proxy_bin.borrow().clone();
         Proxy::start(
             &bin,
@@ -564,7 +586,7 @@ impl Bench {
             label,
             config,
             self.upstream.addr(),
-            ttl,
+            routes,
             &self.args.proxy_log,
         )
     }
@@ -821,6 +843,151 @@ impl Bench {
         );
         let mut done = Done::row(s, Outcome::Timed(ceiling.stats), note);
         done.failed = ceiling.failed > 0;
+        Ok(done)
+    }
+
+    /// The proxy's SQLite writer alone on a fresh file: the ceiling of new-key/sqlite.
+    fn sqlite_ceiling(&self, s: &Scenario) -> Result<Done, String> {
+        let plan = sqlite_ceiling::SqliteCeilingPlan {
+            connections: self.args.connections,
+            duration: self.args.duration,
+            dir: self.dir.path(),
+        };
+        let ceiling = sqlite_ceiling::run(&plan)?;
+        let cpu = ceiling
+            .stats
+            .cpu_per_request
+            .map_or("?".to_owned(), report::format_duration);
+        println!(
+            "  {:.0} requests/s (claim + complete), {} commits, {} failed, writer {cpu}/request",
+            ceiling.stats.rps(),
+            ceiling.commits,
+            ceiling.failed
+        );
+        let batch = plan.connections.clamp(1, sqlite_ceiling::MAX_BATCH);
+        let note = format!(
+            "one writer thread, sync: normal, batches of {batch} claims then their {batch} \
+             completions, {}s; cpu/req is the writer thread's",
+            plan.duration.as_secs().max(1)
+        );
+        let mut done = Done::row(s, Outcome::Timed(ceiling.stats), note);
+        done.failed = ceiling.failed > 0;
+        Ok(done)
+    }
+
+    /// New keys on a webhook route: a Standard Webhooks delivery per request, each a new
+    /// event id, signed here. One delivery is checked first: signed, it is forwarded; sent
+    /// again, replayed; with a wrong signature, refused.
+    fn webhook(&self, s: &Scenario, store: Store) -> Result<Done, String> {
+        let space = self.key_spaces.get();
+        self.key_spaces.set(space + 1);
+        let secret = format!("load-{:016x}-{}", self.nonce, s.name);
+        let signer = webhook::Signer::new(
+            secret.as_bytes(),
+            format!("evt-{:016x}-{space:06x}-", self.nonce),
+        );
+        let secrets = self
+            .dir
+            .path()
+            .join(format!("webhook-secrets-{}", s.name.replace('/', "-")));
+        std::fs::write(&secrets, format!("{}\n", signer.secrets_line()))
+            .map_err(|e| format!("write {}: {e}", secrets.display()))?;
+        let Some(config) = self.store_config(s, store)? else {
+            return Ok(Done::skipped(s, store.missing()));
+        };
+        let routes = Routes {
+            webhook_secrets: Some(&secrets),
+            ..Routes::plain("24h")
+        };
+        let mut proxy = self.start_proxy_with(s.name, &config, &routes)?;
+        let key = Key::Signed(Arc::new(signer));
+        self.check_deliveries(s, proxy.addr, &key)?;
+        self.timed(s, proxy.addr, WEBHOOK_PATH, key, Server::Proxy(&mut proxy))
+    }
+
+    /// A signed delivery is forwarded and, sent again, replayed; a forged one is refused.
+    fn check_deliveries(&self, s: &Scenario, addr: SocketAddr, key: &Key) -> Result<(), String> {
+        let spec = self.spec(addr, WEBHOOK_PATH, key.clone(), false);
+        // The last ticket a run could reach: never one the load sends.
+        let ticket = u64::MAX >> 16;
+        let request = spec.build(ticket);
+        let forged = {
+            let mut forged = spec.build(ticket + 1);
+            let signature =
+                HeaderValue::from_static("v1,Zm9yZ2VkIHNpZ25hdHVyZSBvZiAzMiBieXRlcyEhISE=");
+            forged
+                .headers_mut()
+                .insert(HeaderName::from_static("webhook-signature"), signature);
+            forged
+        };
+        let again = spec.build(ticket);
+        let (first, again, forged) = self.rt.block_on(async {
+            Ok::<_, String>((
+                client::send_once(addr, request).await?,
+                client::send_once(addr, again).await?,
+                client::send_once(addr, forged).await?,
+            ))
+        })?;
+        self.expect(s, false)
+            .check(&first)
+            .map_err(|e| format!("a signed delivery: {e}"))?;
+        self.expect(s, true)
+            .check(&again)
+            .map_err(|e| format!("a signed delivery sent again: {e}"))?;
+        if forged.status != StatusCode::UNAUTHORIZED {
+            return Err(format!(
+                "a delivery with a wrong signature: status {}, not 401",
+                forged.status
+            ));
+        }
+        Ok(())
+    }
+
+    /// Requests whose answer is lost after the booking, then their resolution (`resolve`).
+    fn resolve(&self, s: &Scenario, store: Store) -> Result<Done, String> {
+        let Some(config) = self.store_config(s, store)? else {
+            return Ok(Done::skipped(s, store.missing()));
+        };
+        let routes = Routes {
+            resolve: true,
+            ..Routes::plain("24h")
+        };
+        let mut proxy = self.start_proxy_with(s.name, &config, &routes)?;
+        let admin = proxy
+            .admin
+            .ok_or_else(|| "the resolve proxy has no admin listener".to_owned())?;
+        let plan = resolve::ResolvePlan {
+            proxy: proxy.addr,
+            admin,
+            mock: self.mock_addr()?,
+            lost: self.args.lost.max(1),
+            connections: self.args.connections,
+            nonce: self.nonce,
+        };
+        let report = self.rt.block_on(resolve::run(&plan))?;
+        let note = check_proxy(&mut proxy)?;
+        println!("  {}", report.summary());
+        let failed = !report.passed();
+        let mut summary = Vec::new();
+        if failed {
+            println!("  FAIL: {} broken invariant(s):", report.failures.len());
+            for failure in report.failures.iter().take(10) {
+                println!("  FAIL:   {failure}");
+            }
+            summary.push(format!(
+                "{}: FAIL: {} (first: {})",
+                s.name,
+                report.failures.len(),
+                report.failures[0]
+            ));
+        }
+        let mut done = Done::row(
+            s,
+            Outcome::Resolve(report),
+            note.trim_start_matches("; ").to_owned(),
+        );
+        done.summary = summary;
+        done.failed = failed;
         Ok(done)
     }
 

@@ -21,14 +21,15 @@ use crate::cores::{Meter, Part, Source};
 use crate::pg::{DATABASE, Postgres};
 use crate::procs::CpuMeter;
 
-/// The encoded in-flight record: 4-byte tag and version, 1 kind byte, token, fingerprint.
-const IN_FLIGHT_LEN: usize = 4 + 1 + 16 + 32;
+/// The encoded in-flight record: 4-byte tag and version, 1 kind byte, token, fingerprint. The
+/// encoding is the same on every store: the SQLite ceiling writes these sizes too.
+pub(crate) const IN_FLIGHT_LEN: usize = 4 + 1 + 16 + 32;
 /// The finished record of the bench's echo answer (status, saved headers, JSON body), as the
 /// proxy stores it for `new-key/postgres` (`octet_length(value)` of its rows).
-const FINISHED_LEN: usize = 516;
+pub(crate) const FINISHED_LEN: usize = 516;
 /// `lock_ttl` and `ttl` of the bench's idempotent route, in milliseconds.
-const LEASE_MILLIS: u64 = 10_000;
-const TTL_MILLIS: u64 = 24 * 60 * 60 * 1000;
+pub(crate) const LEASE_MILLIS: u64 = 10_000;
+pub(crate) const TTL_MILLIS: u64 = 24 * 60 * 60 * 1000;
 
 pub(crate) struct CeilingPlan<'a> {
     pub connections: usize,

@@ -12,6 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
+use crate::resolve;
+
 /// How long a child may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long nginx gets to stop its workers after SIGTERM before it is killed.
@@ -358,11 +360,43 @@ pub(crate) enum StoreConfig {
 pub(crate) const IDEMPOTENT_PATH: &str = "/echo/idem";
 pub(crate) const OBSERVED_PATH: &str = "/echo/obsv";
 pub(crate) const PASSTHROUGH_PATH: &str = "/echo/pass";
+/// The webhook route's path: a mock echo path of the same length, so the upstream does the
+/// same work for a delivery as for a new key.
+pub(crate) const WEBHOOK_PATH: &str = "/echo/hook";
+/// The resolve route's path: the mock books there (`POST /reservations` books as `/bookings`
+/// does), and its lookup by reference finds the booking.
+pub(crate) const RESOLVE_PATH: &str = "/reservations";
+
+/// The routes of a proxy: the three every proxy has, and those a scenario adds before the
+/// pass-through route.
+#[derive(Clone, Copy)]
+pub(crate) struct Routes<'a> {
+    /// `ttl` of the idempotent routes.
+    pub ttl: &'a str,
+    /// A Standard Webhooks route at [`WEBHOOK_PATH`], its secrets in this file.
+    pub webhook_secrets: Option<&'a Path>,
+    /// A route at [`RESOLVE_PATH`] under `on_unknown_outcome: resolve` (see `resolve`), and an
+    /// admin listener for its counters.
+    pub resolve: bool,
+}
+
+impl Routes<'_> {
+    /// The three routes every proxy has, with this `ttl`.
+    pub(crate) fn plain(ttl: &str) -> Routes<'_> {
+        Routes {
+            ttl,
+            webhook_secrets: None,
+            resolve: false,
+        }
+    }
+}
 
 /// An `idemproxy` process in front of the mock.
 pub(crate) struct Proxy {
     pub process: ChildProcess,
     pub addr: SocketAddr,
+    /// The admin listener (`/metrics`), when its routes need one.
+    pub admin: Option<SocketAddr>,
 }
 
 impl Proxy {
@@ -375,7 +409,7 @@ impl Proxy {
         label: &str,
         store: &StoreConfig,
         upstream: SocketAddr,
-        ttl: &str,
+        routes: &Routes<'_>,
         rust_log: &str,
     ) -> Result<Proxy, String> {
         let file_label = label.replace('/', "-");
@@ -383,7 +417,12 @@ impl Proxy {
         let mut last_error = String::new();
         for _attempt in 0..3 {
             let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-            let yaml = proxy_yaml(addr, store, upstream, ttl);
+            let admin = match routes.resolve {
+                true => Some(SocketAddr::from(([127, 0, 0, 1], free_port()?))),
+                false => None,
+            };
+            let listen = Listen { addr, admin };
+            let yaml = proxy_yaml(listen, store, upstream, routes);
             std::fs::write(&config, yaml)
                 .map_err(|e| format!("write {}: {e}", config.display()))?;
             let mut process = ChildProcess::spawn(
@@ -396,8 +435,17 @@ impl Proxy {
                 dir.join(format!("proxy-{file_label}.log")),
                 None,
             )?;
-            match process.wait_listening(addr) {
-                Ok(()) => return Ok(Proxy { process, addr }),
+            let listening = process
+                .wait_listening(addr)
+                .and_then(|()| admin.map_or(Ok(()), |a| process.wait_listening(a)));
+            match listening {
+                Ok(()) => {
+                    return Ok(Proxy {
+                        process,
+                        addr,
+                        admin,
+                    });
+                }
                 Err(e) => last_error = e,
             }
         }
@@ -405,7 +453,18 @@ impl Proxy {
     }
 }
 
-fn proxy_yaml(listen: SocketAddr, store: &StoreConfig, upstream: SocketAddr, ttl: &str) -> String {
+/// Where a proxy listens: its main listener, and its admin listener if it has one.
+struct Listen {
+    addr: SocketAddr,
+    admin: Option<SocketAddr>,
+}
+
+fn proxy_yaml(
+    listen: Listen,
+    store: &StoreConfig,
+    upstream: SocketAddr,
+    routes: &Routes<'_>,
+) -> String {
     let store = match store {
         StoreConfig::Memory { max_entries } => {
             format!("  backend: memory\n  max_entries: {max_entries}\n")
@@ -430,15 +489,20 @@ fn proxy_yaml(listen: SocketAddr, store: &StoreConfig, upstream: SocketAddr, ttl
             sweep_line(*sweep_interval)
         ),
     };
+    let admin = listen
+        .admin
+        .map_or(String::new(), |a| format!("admin_listen: {a}\n"));
+    let (extra_upstreams, extra_routes) = extra_routes(upstream, routes);
+    let (listen, ttl) = (listen.addr, routes.ttl);
     format!(
         "listen: {listen}
-shutdown_timeout: 1s
+{admin}shutdown_timeout: 1s
 store:
 {store}  key_prefix: \"idemproxy-load:\"
 upstreams:
   mock:
     url: http://{upstream}
-routes:
+{extra_upstreams}routes:
   - name: idempotent
     methods: [POST]
     path: {IDEMPOTENT_PATH}
@@ -456,11 +520,67 @@ routes:
       lock_ttl: 10s
       max_response_body: 1MiB
       mode: observe
-  - name: pass-through
+{extra_routes}  - name: pass-through
     path: /*
     upstream: mock
 "
     )
+}
+
+/// The upstream entries and routes a scenario adds: the webhook route (the idempotent route's
+/// settings, so that the two compare), the resolve route and its upstream with a short
+/// `timeout` (see `resolve`).
+fn extra_routes(upstream: SocketAddr, routes: &Routes<'_>) -> (String, String) {
+    let (mut upstreams, mut lines) = (String::new(), String::new());
+    let ttl = routes.ttl;
+    if let Some(secrets) = routes.webhook_secrets {
+        lines.push_str(&format!(
+            "  - name: webhook
+    methods: [POST]
+    path: {WEBHOOK_PATH}
+    upstream: mock
+    webhook:
+      provider: standard
+      secrets_file: {}
+    idempotency:
+      ttl: {ttl}
+      lock_ttl: 10s
+      max_response_body: 1MiB
+",
+            secrets.display()
+        ));
+    }
+    if routes.resolve {
+        upstreams.push_str(&format!(
+            "  mock-short:
+    url: http://{upstream}
+    connect_timeout: 100ms
+    timeout: {}
+",
+            resolve::UPSTREAM_TIMEOUT
+        ));
+        lines.push_str(&format!(
+            "  - name: {}
+    methods: [POST]
+    path: {RESOLVE_PATH}
+    upstream: mock-short
+    idempotency:
+      ttl: {ttl}
+      lock_ttl: 10s
+      on_unknown_outcome: resolve
+      resolve:
+        request: GET /bookings/by-reference/{{json:/reference}}
+        settle_after: {}
+        interval: {}
+        give_up_after: {}
+",
+            resolve::ROUTE,
+            resolve::SETTLE_AFTER,
+            resolve::INTERVAL,
+            resolve::GIVE_UP_AFTER
+        ));
+    }
+    (upstreams, lines)
 }
 
 fn sweep_line(sweep_interval: Option<&str>) -> String {

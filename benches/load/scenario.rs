@@ -1,7 +1,7 @@
 //! The scenario catalogue, in run order, and choosing scenarios from a comma list of globs.
 
 use Store::{Memory, Redis};
-use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Storm};
+use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Resolve, Storm, Webhook};
 
 /// Which store a proxy scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +49,14 @@ pub(crate) enum Target {
     /// `pgbench` alone against the run's PostgreSQL, with the proxy's own claim and complete
     /// statements: the ceiling of `new-key/postgres`.
     Ceiling,
+    /// The proxy's SQLite writer alone, its claims and completions on a fresh file as fast as
+    /// one thread can (`sqlite_ceiling`): the ceiling of `new-key/sqlite`.
+    SqliteCeiling,
+    /// A Standard Webhooks route, a new event id on every delivery, each signed.
+    Webhook(Store),
+    /// A route under `on_unknown_outcome: resolve`: a bounded number of requests whose answer
+    /// is lost after the upstream acted, then the wait until each is resolved.
+    Resolve(Store),
     /// New keys at full speed with `ttl: 1s` for minutes, the store's row count sampled.
     Churn(Store),
     /// The memory store filled with many finished keys.
@@ -72,8 +80,9 @@ impl Scenario {
             Target::NewKey(s) | Target::Observe(s) | Target::Replay(s) | Target::Storm(s) => {
                 Some(s)
             }
-            Target::Churn(s) => Some(s),
+            Target::Churn(s) | Target::Webhook(s) | Target::Resolve(s) => Some(s),
             Target::Ceiling => Some(Store::Postgres),
+            Target::SqliteCeiling => Some(Store::Sqlite),
             Target::Fill => Some(Store::Memory),
             Target::Direct | Target::Nginx | Target::Passthrough => None,
         }
@@ -93,8 +102,26 @@ impl Scenario {
     fn wants_baselines(&self) -> bool {
         matches!(
             self.target,
-            Target::NewKey(_) | Target::Observe(_) | Target::Replay(_)
+            Target::NewKey(_) | Target::Observe(_) | Target::Replay(_) | Target::Webhook(_)
         )
+    }
+
+    /// The ceiling run beside it: the pgbench row for new keys on PostgreSQL, the SQLite
+    /// writer's for new keys on SQLite (`sync: normal`, small bodies).
+    fn ceiling(&self) -> Option<Target> {
+        match self.target {
+            NewKey(Store::Postgres) if !self.big => Some(Target::Ceiling),
+            NewKey(Store::Sqlite) if !self.big => Some(Target::SqliteCeiling),
+            _ => None,
+        }
+    }
+
+    /// The scenario it is compared with: new keys on the same store, for a webhook row.
+    fn reference(&self) -> Option<Target> {
+        match self.target {
+            Webhook(store) => Some(NewKey(store)),
+            _ => None,
+        }
     }
 
     /// The name without its `/store` suffix: `new-key/redis` -> `new-key`.
@@ -146,6 +173,12 @@ pub(crate) const ALL: &[Scenario] = &[
         "a new Idempotency-Key per request, SQLite sync: normal",
     ),
     scenario(
+        "ceiling/sqlite",
+        Target::SqliteCeiling,
+        false,
+        "the proxy's SQLite writer alone: claim + complete batches on a fresh file",
+    ),
+    scenario(
         "new-key/sqlite-full",
         NewKey(Store::SqliteFull),
         false,
@@ -174,6 +207,18 @@ pub(crate) const ALL: &[Scenario] = &[
         Observe(Redis),
         false,
         "a new key per request on an observed route",
+    ),
+    scenario(
+        "webhook/memory",
+        Webhook(Memory),
+        false,
+        "a Standard Webhooks route, a new signed event id per delivery",
+    ),
+    scenario(
+        "webhook/postgres",
+        Webhook(Store::Postgres),
+        false,
+        "a Standard Webhooks route, a new signed event id per delivery",
     ),
     scenario(
         "replay/memory",
@@ -222,6 +267,18 @@ pub(crate) const ALL: &[Scenario] = &[
         Storm(Store::Postgres),
         false,
         "duplicates of keys in flight",
+    ),
+    scenario(
+        "resolve/memory",
+        Resolve(Memory),
+        false,
+        "responses lost after the booking (--lost), resolved by lookup",
+    ),
+    scenario(
+        "resolve/postgres",
+        Resolve(Store::Postgres),
+        false,
+        "responses lost after the booking (--lost), resolved by lookup",
     ),
     scenario(
         "64k-direct",
@@ -298,9 +355,11 @@ pub(crate) const ALL: &[Scenario] = &[
 /// (`64k-*`, `*/redis`), `default` (everything but `fill-1m` and `churn/*`) or `all`. A glob
 /// that starts with `*` (`*/sqlite*`) picks no churn scenario: those run for minutes, and are
 /// picked by a pattern that begins with their name (`churn`, `churn/*`, `churn/sqlite`). With
-/// `baselines`, the nginx and pass-through rows of the same body size are added to any new-key
-/// or replay scenario, so its ratios can be computed, and the pgbench ceiling to
-/// `new-key/postgres`.
+/// `baselines`, the nginx and pass-through rows of the same body size are added to any new-key,
+/// observe, replay or webhook scenario, so its ratios can be computed; the pgbench ceiling to
+/// `new-key/postgres` and the SQLite writer's to `new-key/sqlite`; and `new-key/STORE` to
+/// `webhook/STORE`. Only what a pattern picked brings rows along: a `new-key` row added for a
+/// webhook row brings no ceiling.
 pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenario>, String> {
     let patterns: Vec<&str> = list
         .split(',')
@@ -347,12 +406,14 @@ pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenari
                 *slot = true;
             }
         }
-        let postgres_new_key = ALL
+        let brought: Vec<Target> = ALL
             .iter()
             .zip(&chosen)
-            .any(|(s, on)| *on && s.name == "new-key/postgres");
+            .filter(|(_, on)| **on)
+            .flat_map(|(s, _)| s.ceiling().into_iter().chain(s.reference()))
+            .collect();
         for (slot, s) in chosen.iter_mut().zip(ALL) {
-            if s.target == Target::Ceiling && postgres_new_key {
+            if !s.big && brought.contains(&s.target) {
                 *slot = true;
             }
         }

@@ -95,6 +95,9 @@ impl Upstream {
         match s.target {
             Target::Storm(_) => Some("needs the mock upstream (X-Mock-Delay, its call counts)"),
             Target::Fill => Some("needs the mock upstream (its call counts)"),
+            Target::Resolve(_) => {
+                Some("needs the mock upstream (X-Mock-Hang, its bookings and their lookup)")
+            }
             _ => None,
         }
     }
