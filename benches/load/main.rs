@@ -466,8 +466,8 @@ impl Bench {
                 };
                 self.storm(s, &mut proxy)
             }
-            Target::Ceiling => match &self.postgres {
-                Some(pg) => self.ceiling(s, pg),
+            Target::Ceiling(script) => match &self.postgres {
+                Some(pg) => self.ceiling(s, pg, script),
                 None => Ok(Done::skipped(s, Store::Postgres.missing())),
             },
             Target::SqliteCeiling => self.sqlite_ceiling(s),
@@ -820,26 +820,33 @@ impl Bench {
     }
 
     /// pgbench alone against the run's PostgreSQL: the ceiling of new-key/postgres.
-    fn ceiling(&self, s: &Scenario, pg: &Postgres) -> Result<Done, String> {
+    fn ceiling(
+        &self,
+        s: &Scenario,
+        pg: &Postgres,
+        script: pgbench::Script,
+    ) -> Result<Done, String> {
         let plan = pgbench::CeilingPlan {
             connections: self.args.connections,
             duration: self.args.duration,
             dir: self.dir.path(),
         };
-        let ceiling = pgbench::run(pg, &plan)?;
+        let ceiling = pgbench::run(pg, &plan, script)?;
         let cpu = ceiling
             .stats
             .cpu_per_request
             .map_or("?".to_owned(), report::format_duration);
         println!(
-            "  {:.0} transactions/s (claim + complete), {} failed, postgres {cpu}/transaction",
+            "  {:.0} transactions/s ({}), {} failed, postgres {cpu}/transaction",
             ceiling.stats.rps(),
+            script.about(),
             ceiling.failed
         );
         let note = format!(
-            "pgbench -c {} -T {}s -M prepared, claim + complete per transaction; cpu/req is postgres's",
+            "pgbench -c {} -T {}s -M prepared, {} per transaction; cpu/req is postgres's",
             plan.connections,
-            plan.duration.as_secs().max(1)
+            plan.duration.as_secs().max(1),
+            script.about()
         );
         let mut done = Done::row(s, Outcome::Timed(ceiling.stats), note);
         done.failed = ceiling.failed > 0;

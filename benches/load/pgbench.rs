@@ -11,6 +11,12 @@
 //! client id and a random number, so every client's keys are new and spread over the index as
 //! the proxy's hashes are); the token is 16 bytes; the values have the sizes of the records the
 //! proxy writes for the bench's echo request (an in-flight record, then the finished one).
+//!
+//! Two more rows measure the repeat of a finished key, the replay path: `pgbench-read/postgres`
+//! runs a primary-key read of the record (the proxy's `get`), the least a replay can cost the
+//! database, and `pgbench-repeat/postgres` the proxy's claim statement on that same finished
+//! key, what each replay does cost it. Both on one key, as `replay/postgres` sends, written
+//! before pgbench starts.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -39,43 +45,126 @@ pub(crate) struct CeilingPlan<'a> {
 }
 
 pub(crate) struct Ceiling {
-    /// Transactions (claim + complete) as requests; `cpu_per_request` is PostgreSQL's CPU per
+    /// Transactions (a [`Script`]'s statements) as requests; `cpu_per_request` is PostgreSQL's CPU per
     /// transaction.
     pub stats: Stats,
     pub failed: u64,
 }
 
-/// The script: one transaction = the claim, then the completion of the same key and token.
-fn script(schema: &str) -> String {
-    let t = format!("{schema}.records");
-    // `.` where the proxy has `:`: pgbench would take `:idempotent` for a variable, even in a
-    // string literal. Same length, same index.
-    let key = "('idemproxy-load.idempotent.' || md5(:client_id::text || '-' || :k::text) || md5(:k::text || '-' || :client_id::text))";
-    let token = "decode(md5(:k::text), 'hex')";
+/// What a pgbench ceiling runs per transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Script {
+    /// The claim of a new key, then its completion: the ceiling of `new-key/postgres`.
+    ClaimComplete,
+    /// A primary-key read of a finished record: the ceiling of `replay/postgres`.
+    Read,
+    /// The claim statement on a finished record: what a replay costs the database.
+    Repeat,
+}
+
+impl Script {
+    /// Its file name, and how the row's note says what a transaction is.
+    fn name(self) -> (&'static str, &'static str) {
+        match self {
+            Script::ClaimComplete => ("pgbench-claim-complete.sql", "claim + complete"),
+            Script::Read => (
+                "pgbench-read.sql",
+                "a primary-key read of the finished record",
+            ),
+            Script::Repeat => (
+                "pgbench-repeat.sql",
+                "the claim statement on the finished record",
+            ),
+        }
+    }
+
+    /// How the row's note says what one transaction is.
+    pub(crate) fn about(self) -> &'static str {
+        self.name().1
+    }
+}
+
+/// `.` where the proxy has `:`: pgbench would take `:idempotent` for a variable, even in a
+/// string literal. Same length, same index.
+const KEY_PREFIX: &str = "idemproxy-load.idempotent.";
+
+/// The proxy's claim statement (`src/store/postgres/sql.rs`, `Statements::claim`), with `key`,
+/// `token` and the in-flight record written in. Keep it in step with that file.
+fn claim(t: &str, key: &str, token: &str) -> String {
     let in_flight = format!("'\\x{}'::bytea", "a5".repeat(IN_FLIGHT_LEN));
-    let finished = format!("'\\x{}'::bytea", "5a".repeat(FINISHED_LEN));
-    let claim = format!(
-        "WITH ins AS (
+    format!(
+        "WITH cur AS (
+    SELECT value, expires_at > now() AS live FROM {t} WHERE key = {key}
+), ins AS (
     INSERT INTO {t} (key, token, value, expires_at)
-    VALUES ({key}, {token}, {in_flight}, now() + {LEASE_MILLIS}::bigint * interval '1 millisecond')
+    SELECT {key}, {token}, {in_flight}, now() + {LEASE_MILLIS}::bigint * interval '1 millisecond'
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (key) DO NOTHING
     RETURNING 1
 ), upd AS (
     UPDATE {t}
     SET token = {token}, value = {in_flight}, expires_at = now() + {LEASE_MILLIS}::bigint * interval '1 millisecond'
-    WHERE key = {key} AND expires_at <= now()
+    WHERE key = {key} AND (expires_at <= now()) IS TRUE
+      AND EXISTS (SELECT 1 FROM cur WHERE NOT live)
     RETURNING 1
 )
 SELECT true, NULL::bytea FROM ins
 UNION ALL SELECT true, NULL::bytea FROM upd
-UNION ALL SELECT false, value FROM {t} WHERE key = {key} AND expires_at > now();"
-    );
-    let complete = format!(
-        "UPDATE {t}
+UNION ALL SELECT false, value FROM cur WHERE live;"
+    )
+}
+
+/// The finished record of the bench's echo answer, as a literal.
+fn finished() -> String {
+    format!("'\\x{}'::bytea", "5a".repeat(FINISHED_LEN))
+}
+
+/// The one key the replay scripts repeat.
+fn repeated_key() -> String {
+    format!("'{KEY_PREFIX}{}'", "7".repeat(64))
+}
+
+/// The script of `kind`: one transaction each.
+fn script(schema: &str, kind: Script) -> String {
+    let t = format!("{schema}.records");
+    match kind {
+        Script::ClaimComplete => {
+            let key = format!(
+                "('{KEY_PREFIX}' || md5(:client_id::text || '-' || :k::text) || md5(:k::text || '-' || :client_id::text))"
+            );
+            let token = "decode(md5(:k::text), 'hex')";
+            let claim = claim(&t, &key, token);
+            let finished = finished();
+            let complete = format!(
+                "UPDATE {t}
 SET token = NULL, value = {finished}, expires_at = now() + {TTL_MILLIS}::bigint * interval '1 millisecond'
 WHERE key = {key} AND token = {token} AND expires_at > now();"
-    );
-    format!("\\set k random(1, 1000000000)\n{claim}\n{complete}\n")
+            );
+            format!("\\set k random(1, 1000000000)\n{claim}\n{complete}\n")
+        }
+        Script::Read => format!(
+            "SELECT value FROM {t} WHERE key = {} AND expires_at > now();\n",
+            repeated_key()
+        ),
+        Script::Repeat => format!(
+            "{}\n",
+            claim(
+                &t,
+                &repeated_key(),
+                "'\\x00112233445566778899aabbccddeeff'::bytea"
+            )
+        ),
+    }
+}
+
+/// The finished row the replay scripts repeat, written before pgbench starts.
+fn finished_row(schema: &str) -> String {
+    format!(
+        "INSERT INTO {schema}.records (key, token, value, expires_at)
+         VALUES ({}, NULL, {}, now() + {TTL_MILLIS}::bigint * interval '1 millisecond');",
+        repeated_key(),
+        finished()
+    )
 }
 
 /// The proxy's tables (`src/store/postgres/schema.rs`), in `schema`.
@@ -99,11 +188,14 @@ fn create_schema(pg: &Postgres, schema: &str) -> Result<(), String> {
     .map(drop)
 }
 
-pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>) -> Result<Ceiling, String> {
+pub(crate) fn run(pg: &Postgres, plan: &CeilingPlan<'_>, kind: Script) -> Result<Ceiling, String> {
     let schema = pg.fresh_schema();
     create_schema(pg, &schema)?;
-    let script_path = plan.dir.join("pgbench-claim-complete.sql");
-    std::fs::write(&script_path, script(&schema))
+    if kind != Script::ClaimComplete {
+        pg.sql(&finished_row(&schema))?;
+    }
+    let script_path = plan.dir.join(kind.name().0);
+    std::fs::write(&script_path, script(&schema, kind))
         .map_err(|e| format!("write {}: {e}", script_path.display()))?;
     let logs = plan.dir.join("pgbench-logs");
     let _ = std::fs::remove_dir_all(&logs);

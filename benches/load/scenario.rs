@@ -1,6 +1,8 @@
 //! The scenario catalogue, in run order, and choosing scenarios from a comma list of globs.
 
 use Store::{Memory, Redis};
+
+use crate::pgbench::Script;
 use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Resolve, Storm, Webhook};
 
 /// Which store a proxy scenario runs on.
@@ -46,9 +48,10 @@ pub(crate) enum Target {
     Replay(Store),
     /// Duplicates of keys still in flight, all at once.
     Storm(Store),
-    /// `pgbench` alone against the run's PostgreSQL, with the proxy's own claim and complete
-    /// statements: the ceiling of `new-key/postgres`.
-    Ceiling,
+    /// `pgbench` alone against the run's PostgreSQL, with the proxy's own statements: the
+    /// ceiling of `new-key/postgres` (claim + complete), of `replay/postgres` (a primary-key
+    /// read of the record), and what the claim costs on a finished key.
+    Ceiling(Script),
     /// The proxy's SQLite writer alone, its claims and completions on a fresh file as fast as
     /// one thread can (`sqlite_ceiling`): the ceiling of `new-key/sqlite`.
     SqliteCeiling,
@@ -81,7 +84,7 @@ impl Scenario {
                 Some(s)
             }
             Target::Churn(s) | Target::Webhook(s) | Target::Resolve(s) => Some(s),
-            Target::Ceiling => Some(Store::Postgres),
+            Target::Ceiling(_) => Some(Store::Postgres),
             Target::SqliteCeiling => Some(Store::Sqlite),
             Target::Fill => Some(Store::Memory),
             Target::Direct | Target::Nginx | Target::Passthrough => None,
@@ -106,13 +109,17 @@ impl Scenario {
         )
     }
 
-    /// The ceiling run beside it: the pgbench row for new keys on PostgreSQL, the SQLite
-    /// writer's for new keys on SQLite (`sync: normal`, small bodies).
-    fn ceiling(&self) -> Option<Target> {
+    /// The ceilings run beside it: the pgbench rows for new keys and replays on PostgreSQL,
+    /// the SQLite writer's for new keys on SQLite (`sync: normal`, small bodies).
+    fn ceilings(&self) -> &'static [Target] {
         match self.target {
-            NewKey(Store::Postgres) if !self.big => Some(Target::Ceiling),
-            NewKey(Store::Sqlite) if !self.big => Some(Target::SqliteCeiling),
-            _ => None,
+            NewKey(Store::Postgres) if !self.big => &[Target::Ceiling(Script::ClaimComplete)],
+            Replay(Store::Postgres) if !self.big => &[
+                Target::Ceiling(Script::Read),
+                Target::Ceiling(Script::Repeat),
+            ],
+            NewKey(Store::Sqlite) if !self.big => &[Target::SqliteCeiling],
+            _ => &[],
         }
     }
 
@@ -192,7 +199,7 @@ pub(crate) const ALL: &[Scenario] = &[
     ),
     scenario(
         "pgbench/postgres",
-        Target::Ceiling,
+        Target::Ceiling(Script::ClaimComplete),
         false,
         "pgbench alone: the proxy's claim + complete per transaction",
     ),
@@ -243,6 +250,18 @@ pub(crate) const ALL: &[Scenario] = &[
         Replay(Store::Postgres),
         false,
         "one finished key, replayed",
+    ),
+    scenario(
+        "pgbench-read/postgres",
+        Target::Ceiling(Script::Read),
+        false,
+        "pgbench alone: a primary-key read of one finished record per transaction",
+    ),
+    scenario(
+        "pgbench-repeat/postgres",
+        Target::Ceiling(Script::Repeat),
+        false,
+        "pgbench alone: the proxy's claim statement on one finished record per transaction",
     ),
     scenario(
         "conflict-storm/memory",
@@ -410,7 +429,7 @@ pub(crate) fn select(list: &str, baselines: bool) -> Result<Vec<&'static Scenari
             .iter()
             .zip(&chosen)
             .filter(|(_, on)| **on)
-            .flat_map(|(s, _)| s.ceiling().into_iter().chain(s.reference()))
+            .flat_map(|(s, _)| s.ceilings().iter().copied().chain(s.reference()))
             .collect();
         for (slot, s) in chosen.iter_mut().zip(ALL) {
             if !s.big && brought.contains(&s.target) {
