@@ -221,6 +221,45 @@ pub async fn a_claim_is_exclusive_and_a_finished_record_is_what_claims_read(raw:
     );
 }
 
+/// A key whose repeats the store has just answered (a finished record read by claims, the
+/// durable stores' hint for a read first) is still decided by what is stored: once its record
+/// has expired, or while another holds it after that, a claim takes it or reads that claim,
+/// never the expired record.
+pub async fn a_repeated_key_is_free_once_its_record_expires(raw: Arc<dyn Store>) {
+    let store = handle(raw);
+    let (a, b, c) = (claim(1), claim(2), claim(3));
+    let ttl = Duration::from_millis(400);
+    assert_eq!(
+        store.claim(&key(5), &a, LONG).await.expect("A claims"),
+        Claim::Claimed
+    );
+    let finished = done([7; 32], r#"{"id":"bk_5"}"#);
+    assert!(
+        store
+            .complete(&key(5), &a, &finished.encode(), ttl)
+            .await
+            .expect("A completes")
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            store.claim(&key(5), &b, LONG).await.expect("B repeats"),
+            Claim::Existing(finished.clone()),
+            "a repeat reads the finished record"
+        );
+    }
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+    assert_eq!(
+        store.claim(&key(5), &b, LONG).await.expect("B claims"),
+        Claim::Claimed,
+        "the record expired: the key is free"
+    );
+    assert_eq!(
+        store.claim(&key(5), &c, LONG).await.expect("C claims"),
+        Claim::Existing(b.record.clone()),
+        "C reads B's claim, not the expired record"
+    );
+}
+
 /// Many claims of one free key at once: exactly one takes it, every other reads that one's
 /// claim. The claim is one atomic step, never a read and then a write.
 pub async fn one_of_many_concurrent_claims_takes_the_key(raw: Arc<dyn Store>) {

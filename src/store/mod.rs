@@ -31,11 +31,15 @@
 //! (SIGSTOP, a blackholed network) must give a 503 in bounded time, never a hung request. It
 //! decodes what the backends return; what they write was encoded by [`crate::record`].
 //!
+//! [`recent`] is the hint the durable stores share: keys lately finished or repeated, whose next
+//! claim is worth a plain read first.
+//!
 //! Each backend defines its own metric series and registers them when it is opened (see
 //! [`crate::metrics::StoreSeries`]); [`SweptSeries`] is the one the two that sweep share.
 
 pub mod memory;
 pub mod postgres;
+pub(crate) mod recent;
 pub mod redis;
 pub mod sqlite;
 

@@ -18,6 +18,7 @@ macro_rules! contract_checks {
 
 contract_checks!(
     a_claim_is_exclusive_and_a_finished_record_is_what_claims_read,
+    a_repeated_key_is_free_once_its_record_expires,
     one_of_many_concurrent_claims_takes_the_key,
     renewal_keeps_a_claim_and_its_end_frees_the_key,
     a_lapsed_claim_can_neither_renew_nor_complete,

@@ -13,7 +13,8 @@
 //! - **A checkpoint thread** (`checkpoint.rs`) copies the log back into the file every
 //!   second, beside the writer: the writer never stalls on a checkpoint's sync.
 //! - **Read threads** (`readers.rs`), each with its own connection, serve `get`, `inspect`,
-//!   `ping`'s read, and the first look of a claim, beside the writer (WAL).
+//!   `ping`'s read, and the first look of a claim of a key lately finished or repeated (a
+//!   likely repeat, `store/recent.rs`), beside the writer (WAL).
 //! - **The SQL** (`ops.rs`): the claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE
 //!   expired`; renew, complete and release are fenced on the token and on the lease not
 //!   having expired.
@@ -47,6 +48,7 @@ use self::waiters::Waiters;
 pub use self::writer::SqliteSeries;
 use self::writer::{Shared, Writer};
 use super::SweptSeries;
+use super::recent::RecentKeys;
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::SqliteSync;
 use crate::metrics::Metrics;
@@ -68,6 +70,8 @@ struct Inner {
     waiters: Arc<Waiters>,
     clock: Arc<Clock>,
     swept: SweptSeries,
+    /// Keys whose next claim reads first (see [`RecentKeys`]).
+    recent: RecentKeys,
     /// The `flock` that keeps the file to this process, released when this closes.
     _lock: File,
 }
@@ -125,6 +129,7 @@ impl SqliteStore {
             waiters,
             clock,
             swept: metrics.store_series(),
+            recent: RecentKeys::new(),
             _lock: lock,
         });
         sweep::start(&runtime, Arc::downgrade(&inner), sweep_interval);
@@ -198,22 +203,33 @@ impl Store for SqliteStore {
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
+        let store_key = key;
         let key = key.text();
-        // A replay or a conflict first: a live row found on a read connection is returned as
-        // it is, without a write transaction (the replay path costs one read). This is not
-        // check-then-act: absence is never acted on here — only the writer's upsert below
-        // takes a key, and it checks for a live row again, atomically.
-        if let Some(row) = self.inner.live("claim", key.clone()).await? {
+        // A key lately finished or repeated (see `recent.rs`): likely a repeat, so a read
+        // first, and a live row found on a read connection is returned as it is, without a
+        // write transaction (the replay path costs one read). This is not check-then-act:
+        // absence is never acted on here — only the writer's upsert below takes a key, and it
+        // checks for a live row again, atomically. Any other key goes to the writer at once: a
+        // new key would pay the read thread's hop for nothing.
+        let recent = &self.inner.recent;
+        if recent.holds(store_key)
+            && let Some(row) = self.inner.live("claim", key.clone()).await?
+        {
             return Ok(Some(row.value));
         }
         let token = token("claim", held)?;
         let value = held.encoded.clone();
-        self.inner
+        let found = self
+            .inner
             .writer
             .submit("claim", None, false, move |ops, now| {
                 ops.claim(&key, &token, &value, deadline(now, lease), now)
             })
-            .await
+            .await?;
+        if found.is_some() {
+            recent.note(store_key);
+        }
+        Ok(found)
     }
 
     async fn renew(
@@ -249,6 +265,7 @@ impl Store for SqliteStore {
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        let store_key = key;
         let key = key.text();
         let token = token("complete", held)?;
         if held.resolvable().is_some() {
@@ -260,12 +277,17 @@ impl Store for SqliteStore {
                 })
                 .await;
         }
-        self.inner
+        let landed = self
+            .inner
             .writer
             .submit("complete", Some(key.clone()), false, move |ops, now| {
                 ops.complete(&key, &token, &done, deadline(now, ttl), now)
             })
-            .await
+            .await?;
+        if landed {
+            self.inner.recent.note(store_key);
+        }
+        Ok(landed)
     }
 
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
