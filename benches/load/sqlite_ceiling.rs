@@ -32,7 +32,8 @@
 //! second transaction), again and again. One request = one claim + one completion, as on the
 //! pgbench row; its latency runs from the start of its claims' transaction to the commit of its
 //! completions'. Left out, as they do not hold the writer up: the proxy's first look at a key
-//! (a read on a read connection, beside the writer) and the sweep (nothing expires in a run of
+//! it lately finished or found taken (a read on a read connection, beside the writer; a new key
+//! has none) and the sweep (nothing expires in a run of
 //! fresh keys with a 24h `ttl`).
 
 use std::path::Path;
