@@ -797,18 +797,7 @@ impl Bench {
             summary.push(format!("{}: warning: {warning}", s.name));
         }
         let failed = !report.passed();
-        if failed {
-            println!("  FAIL: {} broken invariant(s):", report.failures.len());
-            for failure in report.failures.iter().take(10) {
-                println!("  FAIL:   {failure}");
-            }
-            summary.push(format!(
-                "{}: FAIL: {} (first: {})",
-                s.name,
-                report.failures.len(),
-                report.failures[0]
-            ));
-        }
+        show_failures(s, &report.failures, &mut summary);
         let mut done = Done::row(
             s,
             Outcome::Storm(report),
@@ -976,18 +965,7 @@ impl Bench {
         println!("  {}", report.summary());
         let failed = !report.passed();
         let mut summary = Vec::new();
-        if failed {
-            println!("  FAIL: {} broken invariant(s):", report.failures.len());
-            for failure in report.failures.iter().take(10) {
-                println!("  FAIL:   {failure}");
-            }
-            summary.push(format!(
-                "{}: FAIL: {} (first: {})",
-                s.name,
-                report.failures.len(),
-                report.failures[0]
-            ));
-        }
+        show_failures(s, &report.failures, &mut summary);
         let mut done = Done::row(
             s,
             Outcome::Resolve(report),
@@ -1194,4 +1172,21 @@ fn postgres_sample(psql: &Path, url: &str, table: &str) -> Result<churn::Sample,
             String::from_utf8_lossy(&out.stderr).trim()
         )),
     }
+}
+
+/// Prints a scenario's broken invariants (the first ten) and adds one line for them to the
+/// summary under the table; nothing when there are none.
+fn show_failures(s: &Scenario, failures: &[String], summary: &mut Vec<String>) {
+    let Some(first) = failures.first() else {
+        return;
+    };
+    println!("  FAIL: {} broken invariant(s):", failures.len());
+    for failure in failures.iter().take(10) {
+        println!("  FAIL:   {failure}");
+    }
+    summary.push(format!(
+        "{}: FAIL: {} (first: {first})",
+        s.name,
+        failures.len()
+    ));
 }
