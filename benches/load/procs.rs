@@ -12,8 +12,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::resolve;
-
 /// How long a child may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long nginx gets to stop its workers after SIGTERM before it is killed.
@@ -367,6 +365,20 @@ pub(crate) const WEBHOOK_PATH: &str = "/echo/hook";
 /// does), and its lookup by reference finds the booking.
 pub(crate) const RESOLVE_PATH: &str = "/reservations";
 
+/// The resolve route's settings, written into its configuration here and read by the
+/// `resolve` scenario (its counters' label, the cost of each lost answer).
+pub(crate) mod resolve_route {
+    /// The route's name, as its counters are labelled.
+    pub(crate) const NAME: &str = "resolve";
+    /// The `timeout` of the route's upstream: what each lost answer costs.
+    pub(crate) const UPSTREAM_TIMEOUT: &str = "250ms";
+    /// The route's `resolve:` timings. A lookup that finds the booking settles it whenever it
+    /// is sent; `settle_after` only matters for a lookup that finds nothing.
+    pub(crate) const SETTLE_AFTER: &str = "2s";
+    pub(crate) const INTERVAL: &str = "200ms";
+    pub(crate) const GIVE_UP_AFTER: &str = "10s";
+}
+
 /// The routes of a proxy: the three every proxy has, and those a scenario adds before the
 /// pass-through route.
 #[derive(Clone, Copy)]
@@ -557,7 +569,7 @@ fn extra_routes(upstream: SocketAddr, routes: &Routes<'_>) -> (String, String) {
     connect_timeout: 100ms
     timeout: {}
 ",
-            resolve::UPSTREAM_TIMEOUT
+            resolve_route::UPSTREAM_TIMEOUT
         ));
         lines.push_str(&format!(
             "  - name: {}
@@ -574,10 +586,10 @@ fn extra_routes(upstream: SocketAddr, routes: &Routes<'_>) -> (String, String) {
         interval: {}
         give_up_after: {}
 ",
-            resolve::ROUTE,
-            resolve::SETTLE_AFTER,
-            resolve::INTERVAL,
-            resolve::GIVE_UP_AFTER
+            resolve_route::NAME,
+            resolve_route::SETTLE_AFTER,
+            resolve_route::INTERVAL,
+            resolve_route::GIVE_UP_AFTER
         ));
     }
     (upstreams, lines)

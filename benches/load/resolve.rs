@@ -29,17 +29,9 @@ use tokio::task::JoinSet;
 
 use crate::client::{self, Answer};
 use crate::procs::RESOLVE_PATH;
+use crate::procs::resolve_route::{NAME as ROUTE, UPSTREAM_TIMEOUT};
 use crate::storm;
 
-/// The route's name, as its counters are labelled.
-pub(crate) const ROUTE: &str = "resolve";
-/// The `timeout` of the route's upstream: what each lost answer costs.
-pub(crate) const UPSTREAM_TIMEOUT: &str = "250ms";
-/// The route's `resolve:` timings. A lookup that finds the booking settles it whenever it is
-/// sent; `settle_after` only matters for a lookup that finds nothing.
-pub(crate) const SETTLE_AFTER: &str = "2s";
-pub(crate) const INTERVAL: &str = "200ms";
-pub(crate) const GIVE_UP_AFTER: &str = "10s";
 /// How long the mock holds each answer after booking: well past [`UPSTREAM_TIMEOUT`].
 const HANG: &str = "2s";
 /// Between two repeats of a key being resolved.
