@@ -167,7 +167,15 @@ fn main() -> ExitCode {
 
 /// Loads and validates `path`, as `--check` does: every error on stderr, exit code 2.
 fn load(path: &Path) -> Result<Config, ExitCode> {
-    Config::load(path).map_err(|errors| {
+    load_with(path, Config::load)
+}
+
+/// Loads `path` with `read`, every error on stderr, exit code 2.
+fn load_with(
+    path: &Path,
+    read: impl FnOnce(&Path) -> Result<Config, idemproxy::config::ConfigErrors>,
+) -> Result<Config, ExitCode> {
+    read(path).map_err(|errors| {
         for e in &errors.0 {
             complain!("{}: {e}", path.display());
         }
@@ -184,7 +192,7 @@ fn load(path: &Path) -> Result<Config, ExitCode> {
 /// reported here, with every error, and nothing is signalled (exit 2); then signals the
 /// process its `pid_file` names (exit 1 when there is none to signal).
 fn reload(path: &Path) -> ExitCode {
-    let config = match load(path) {
+    let config = match load_with(path, Config::load_for_reload) {
         Ok(c) => c,
         Err(code) => return code,
     };

@@ -73,6 +73,16 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Whether a webhook route's `secrets_env` must be set in this process's environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SecretsEnv {
+    /// It must: the proxy (at start, at a reload) and `--check` read the secrets.
+    Read,
+    /// It may be unset: `idemproxy reload` checks a file for a proxy whose environment is not
+    /// the caller's.
+    Optional,
+}
+
 /// Something a valid configuration does that may not be what its author wants: logged (as a
 /// warning, naming the route and the field) at start and at every reload that applies the
 /// file, and printed by `--check`.
@@ -254,17 +264,33 @@ impl Config {
 
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        Config::load_as(path, SecretsEnv::Read)
+    }
+
+    /// Reads, parses and validates a file as `idemproxy reload` checks it before signalling
+    /// the running proxy: a webhook route's `secrets_env` variable is the running proxy's, read
+    /// at its start, so one not set in the caller's environment is no error here (its secrets
+    /// are left unread; the proxy's reload keeps the ones it read).
+    pub fn load_for_reload(path: &Path) -> Result<Config, ConfigErrors> {
+        Config::load_as(path, SecretsEnv::Optional)
+    }
+
+    fn load_as(path: &Path, secrets_env: SecretsEnv) -> Result<Config, ConfigErrors> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigErrors::one("", format!("cannot read {}: {e}", path.display())))?;
-        Config::from_yaml(&text)
+        Config::parse(&text, secrets_env)
     }
 
     /// Parses and validates YAML text. Every error is reported: a value that does not
     /// deserialize is set aside (see `config/load.rs`) so that the rest of the file is still
     /// read and validated.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+        Config::parse(text, SecretsEnv::Read)
+    }
+
+    fn parse(text: &str, secrets_env: SecretsEnv) -> Result<Config, ConfigErrors> {
         let mut parsed = load::parse(text);
-        let validated = parsed.raw.take().map(RawConfig::validate);
+        let validated = parsed.raw.take().map(|raw| raw.validate(secrets_env));
         match validated {
             Some(Ok(config)) if parsed.errors.is_empty() => Ok(config),
             Some(Err(errors)) => {
@@ -278,7 +304,7 @@ impl Config {
 
 impl RawConfig {
     /// Checks everything serde cannot and compiles the routes. Collects every error.
-    pub(crate) fn validate(self) -> Result<Config, ConfigErrors> {
+    pub(crate) fn validate(self, secrets_env: SecretsEnv) -> Result<Config, ConfigErrors> {
         let mut errs = Vec::new();
         let mut err = |path: String, message: String| errs.push(ConfigError { path, message });
 
@@ -300,6 +326,7 @@ impl RawConfig {
             &self.upstreams,
             &self.limits,
             &self.store,
+            secrets_env,
             &mut err,
         );
         if !errs.is_empty() {

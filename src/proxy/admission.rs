@@ -17,7 +17,7 @@ use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::route::{FingerprintPart, IdempotencySettings, KeyPart};
 use crate::upstream;
-use crate::webhook::EventId;
+use crate::webhook::Event;
 
 /// A request that may be claimed.
 pub(crate) struct Admitted {
@@ -25,11 +25,36 @@ pub(crate) struct Admitted {
     pub body: Bytes,
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
-    /// The key was derived from the request's parts (`key_from`), not sent.
-    pub derived: bool,
+    /// Where the key came from, for the request log and the derived-key count.
+    pub origin: KeyOrigin,
     /// On a route under `on_unknown_outcome: resolve`, its lookup for this request, rendered
     /// before the claim so that the claim can carry it.
     pub lookup: Option<Lookup>,
+}
+
+/// Where an admitted request's key came from, as the request log's `key_source` says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyOrigin {
+    /// The key header, as the client sent it.
+    Header,
+    /// Derived from the request's parts (`key_from`).
+    Derived,
+    /// A webhook delivery's signed event id.
+    EventId,
+    /// A webhook delivery's signed body (the provider signs no id).
+    Body,
+}
+
+impl KeyOrigin {
+    /// `header`, `derived`, `event_id` or `body`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyOrigin::Header => "header",
+            KeyOrigin::Derived => "derived",
+            KeyOrigin::EventId => "event_id",
+            KeyOrigin::Body => "body",
+        }
+    }
 }
 
 /// Where a request's key comes from, as far as its head tells.
@@ -118,32 +143,33 @@ pub(super) async fn read_delivery(
         })
 }
 
-/// A verified webhook delivery, admitted under its event id: the id is the only key (a
-/// delivery's own key header plays no part), namespaced by the route's `scope` like any key.
+/// A verified webhook delivery, admitted under its event: the event is the only key (a
+/// delivery's own key header plays no part), namespaced by the route's `scope` like any key;
+/// `key_text` is the text hashed into it (`Verified::key_text`: the event, and the route path's
+/// `{NAME}` segments).
 pub(super) fn webhook_delivery(
     context: &Context,
     parts: Parts,
     body: Bytes,
-    event: &EventId,
+    event: &Event,
+    key_text: &str,
 ) -> Result<Admitted, Problem> {
     let (route, idem) = (&context.route, &*context.policy);
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
-    // Hex: an id is bytes (a header's value may not be UTF-8), and the encoding is one to one.
-    let raw = format!("webhook:{}", hex::encode(event.as_bytes()));
-    let id = key::key_id(&idem.scope, &parts.headers, &raw);
-    // Under `resolve`, `{key}` is the event id as the handler receives it.
-    let lookup = lookup_for(
-        context,
-        &parts,
-        &body,
-        &String::from_utf8_lossy(event.as_bytes()),
-    )?;
+    let id = key::key_id(&idem.scope, &parts.headers, key_text);
+    let origin = match event {
+        Event::Id(_) => KeyOrigin::EventId,
+        Event::Body { .. } => KeyOrigin::Body,
+    };
+    // Under `resolve`, `{key}` is the signed event id as the handler receives it (a body's
+    // SHA-256 where the body is the event).
+    let lookup = lookup_for(context, &parts, &body, &event.lookup_text())?;
     Ok(Admitted {
         key: route.store_key(id),
         parts,
         body,
         fingerprint,
-        derived: false,
+        origin,
         lookup,
     })
 }
@@ -189,8 +215,11 @@ pub(super) fn with_body(
     let (route, idem) = (&context.route, &*context.policy);
     let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
     let mut derived_key: Option<String> = None;
-    let (id, derived) = match &source {
-        KeySource::Header(raw_key) => (key::key_id(&idem.scope, &parts.headers, raw_key), false),
+    let (id, origin) = match &source {
+        KeySource::Header(raw_key) => (
+            key::key_id(&idem.scope, &parts.headers, raw_key),
+            KeyOrigin::Header,
+        ),
         KeySource::Derive | KeySource::None => {
             let values = match key_from::read(&idem.key_from, &route.settings.path, &parts, &body) {
                 Ok(v) => v,
@@ -216,7 +245,7 @@ pub(super) fn with_body(
             }
             let id = key_from::derived_id(&derived);
             derived_key = Some(derived);
-            (id, true)
+            (id, KeyOrigin::Derived)
         }
     };
     // The key as the upstream gets it: the header as the client sent it, or the derived key.
@@ -244,7 +273,7 @@ pub(super) fn with_body(
         parts,
         body,
         fingerprint,
-        derived,
+        origin,
     })
 }
 

@@ -255,7 +255,7 @@ impl Exchange {
             body,
             key,
             fingerprint,
-            derived: _,
+            origin: _,
             lookup,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);

@@ -39,6 +39,9 @@ pub(super) struct Generation {
     pub keys: Arc<RouteKeys>,
     /// The series of requests that match no route.
     pub unrouted: RouteMetrics,
+    /// Whether any route is a webhook route: only then is a request's path normalised to
+    /// find its route (`route::find`).
+    pub webhooks: bool,
 }
 
 /// One worker's routes, over its own upstream clients.
@@ -70,6 +73,7 @@ impl Generation {
             tables.first().map_or(&[][..], |t| &t.routes),
         ));
         Generation {
+            webhooks: config.routes.iter().any(|r| r.webhook.is_some()),
             keys,
             unrouted: metrics.route_of("", RouteKind::Unrouted),
             config: Arc::new(config),

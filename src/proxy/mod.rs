@@ -78,6 +78,7 @@ use crate::config::{Config, Limits};
 use crate::key;
 use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
+use crate::route;
 use crate::store::StoreHandle;
 
 use self::context::{Context, Shared};
@@ -246,11 +247,13 @@ impl Proxy {
         let shared = self.worker(worker);
         let method = req.method().clone();
         let uri = req.uri().clone();
-        let Some(route) = generation
-            .routes(worker)
-            .iter()
-            .find(|r| r.settings.matches(&method, uri.path()))
-        else {
+        let Some(route) = route::find(
+            generation.routes(worker),
+            |r| &r.settings,
+            generation.webhooks,
+            &method,
+            uri.path(),
+        ) else {
             generation
                 .unrouted
                 .request(Outcome::NoRoute, start.elapsed());
@@ -290,7 +293,11 @@ impl Proxy {
             key_source = resp
                 .extensions()
                 .get::<KeyHash>()
-                .map(|k| if k.derived { "derived" } else { "header" }),
+                .map(|k| k.origin.as_str()),
+            delivery = resp
+                .extensions()
+                .get::<webhook::DeliveryLabel>()
+                .map(|l| tracing::field::display(l.0.escape_debug())),
             took_ms = took.as_secs_f64() * 1000.0,
             "request"
         );
@@ -351,9 +358,9 @@ impl Proxy {
         let (attachment, ended, watch) = detach::guards(self.metrics.detached_exchanges.clone());
         let key_hash = KeyHash {
             id: *admitted.key.id(),
-            derived: admitted.derived,
+            origin: admitted.origin,
         };
-        if admitted.derived {
+        if admitted.origin == admission::KeyOrigin::Derived {
             route.metrics.derived_key();
         }
         let exchange = Exchange::new(context.clone(), admitted, attachment);
@@ -390,12 +397,12 @@ fn answer_of(ended: Result<Answer, Panicked>, route: &str, start: Instant) -> An
     })
 }
 
-/// The hash of a request's key, and whether the key was derived (`key_from`), carried in its
-/// response's extensions to the request log.
+/// The hash of a request's key, and where the key came from, carried in its response's
+/// extensions to the request log.
 #[derive(Debug, Clone, Copy)]
 struct KeyHash {
     id: key::KeyId,
-    derived: bool,
+    origin: admission::KeyOrigin,
 }
 
 impl std::fmt::Display for KeyHash {

@@ -11,9 +11,11 @@ use http::{HeaderName, Method};
 use serde::Deserialize;
 
 mod lookup;
+mod normalise;
 mod webhook;
 
 pub use lookup::{LookupTemplate, Piece, ResolveSettings};
+pub use normalise::normalise;
 pub(crate) use webhook::BASE64;
 pub use webhook::{
     Encoding, HmacScheme, MAX_SECRETS, Provider, Secrets, SecretsError, WebhookSettings,
@@ -34,6 +36,9 @@ pub struct PathPattern {
     segments: Vec<Segment>,
     /// A trailing `/*`: matches the rest of the path, including nothing.
     rest: bool,
+    /// The segments as a normalised path is compared with them ([`normalise`]): literals in
+    /// lower case, the last one without its `.ext` suffix. What a webhook route matches.
+    folded: Vec<Segment>,
     /// The pattern as written, for logs.
     text: String,
 }
@@ -87,26 +92,83 @@ impl PathPattern {
                 segments.push(Segment::Literal((*part).to_owned()));
             }
         }
+        let last = segments.len().saturating_sub(1);
+        let folded = segments
+            .iter()
+            .enumerate()
+            .map(|(i, seg)| match seg {
+                Segment::Literal(lit) => {
+                    let lower = normalise(&format!("/{lit}"));
+                    let lower = lower.trim_start_matches('/');
+                    let lower = if i == last && !rest {
+                        normalise::strip_extension(lower)
+                    } else {
+                        lower
+                    };
+                    Segment::Literal(lower.to_owned())
+                }
+                Segment::Param(name) => Segment::Param(name.clone()),
+            })
+            .collect();
         Ok(PathPattern {
             segments,
             rest,
+            folded,
             text: text.to_owned(),
+        })
+    }
+
+    /// Whether a path in its normalised form ([`normalise`]) matches: every spelling of the
+    /// pattern's path does (SPEC §4.9).
+    pub(crate) fn matches_normalised(&self, normalised: &str) -> bool {
+        Self::match_segments(&self.folded, self.rest, normalised)
+    }
+
+    /// The segment of a normalised path that the parameter `{name}` matches (lower case, as
+    /// every spelling of it reads); `None` when there is no such parameter or no match.
+    pub(crate) fn capture_normalised<'p>(
+        &self,
+        normalised: &'p str,
+        name: &str,
+    ) -> Option<&'p str> {
+        if !self.matches_normalised(normalised) {
+            return None;
+        }
+        let body = normalised.strip_prefix('/').unwrap_or(normalised);
+        self.folded
+            .iter()
+            .zip(body.split('/'))
+            .find_map(|(seg, got)| match seg {
+                Segment::Param(n) if n == name => Some(got),
+                _ => None,
+            })
+    }
+
+    /// The names of the pattern's `{NAME}` parameters, in order.
+    pub(crate) fn params(&self) -> impl Iterator<Item = &str> {
+        self.segments.iter().filter_map(|seg| match seg {
+            Segment::Param(name) => Some(name.as_str()),
+            Segment::Literal(_) => None,
         })
     }
 
     /// Whether `path` (without query) matches.
     pub(crate) fn matches(&self, path: &str) -> bool {
+        Self::match_segments(&self.segments, self.rest, path)
+    }
+
+    fn match_segments(segments: &[Segment], rest: bool, path: &str) -> bool {
         let body = path.strip_prefix('/').unwrap_or(path);
         // "/" has no segments at all (splitting "" would yield one empty segment).
         let mut parts = body.split('/').filter(|_| !body.is_empty());
-        for seg in &self.segments {
+        for seg in segments {
             match (seg, parts.next()) {
                 (Segment::Literal(want), Some(got)) if want == got => {}
                 (Segment::Param(_), Some(got)) if !got.is_empty() => {}
                 _ => return false,
             }
         }
-        self.rest || parts.next().is_none()
+        rest || parts.next().is_none()
     }
 
     /// The segment of `path` that the parameter `{name}` matches, as sent (percent-encoded);
@@ -155,10 +217,45 @@ pub struct RouteSettings {
 }
 
 impl RouteSettings {
-    /// Whether this route takes a request with this method and path (without query).
+    /// Whether this route takes a request with this method and path (without query), on its
+    /// raw path; a webhook route never does (see [`RouteSettings::matches_normalised`]).
     pub(crate) fn matches(&self, method: &Method, path: &str) -> bool {
-        self.methods.as_ref().is_none_or(|ms| ms.contains(method)) && self.path.matches(path)
+        self.webhook.is_none() && self.takes(method) && self.path.matches(path)
     }
+
+    /// Whether this webhook route takes a request with this method and normalised path
+    /// ([`normalise`]): a webhook route matches every spelling of its path, so none reaches a
+    /// broader route unverified (SPEC §4.9). Never true of another route.
+    pub(crate) fn matches_normalised(&self, method: &Method, normalised: &str) -> bool {
+        self.webhook.is_some() && self.takes(method) && self.path.matches_normalised(normalised)
+    }
+
+    fn takes(&self, method: &Method) -> bool {
+        self.methods.as_ref().is_none_or(|ms| ms.contains(method))
+    }
+}
+
+/// The route a request with `method` and raw `path` is handled by, of `routes` in file order
+/// (`settings` reads each one's compiled settings): the first webhook route whose pattern the
+/// normalised path matches, whatever the raw path matches, else the first other route the raw
+/// path matches. `webhooks`: whether any route is a webhook route (none: no normalising).
+pub fn find<'r, R>(
+    routes: &'r [R],
+    settings: impl Fn(&R) -> &RouteSettings,
+    webhooks: bool,
+    method: &Method,
+    path: &str,
+) -> Option<&'r R> {
+    if webhooks {
+        let normalised = normalise(path);
+        if let Some(route) = routes
+            .iter()
+            .find(|r| settings(r).matches_normalised(method, &normalised))
+        {
+            return Some(route);
+        }
+    }
+    routes.iter().find(|r| settings(r).matches(method, path))
 }
 
 /// One part of the request fingerprint.

@@ -66,6 +66,23 @@ impl Provider {
         }
     }
 
+    /// How long the provider redelivers an event that was not acknowledged with a `2xx`, and
+    /// that window in words; `None` where it redelivers nothing on its own (GitHub) or is not
+    /// known (`hmac`). A webhook route's `ttl` shorter than this is warned about.
+    pub fn redelivery_window(&self) -> Option<(Duration, &'static str)> {
+        const HOUR: u64 = 3600;
+        match self {
+            Provider::Stripe => Some((Duration::from_secs(72 * HOUR), "up to three days")),
+            Provider::Standard => Some((
+                Duration::from_secs(36 * HOUR),
+                "Svix's schedule: about a day and a half",
+            )),
+            Provider::Shopify => Some((Duration::from_secs(4 * HOUR), "about 4 hours")),
+            Provider::Slack => Some((Duration::from_secs(600), "a few minutes")),
+            Provider::Github | Provider::Hmac(_) => None,
+        }
+    }
+
     /// Whether the scheme signs a timestamp, so that `tolerance` applies to it.
     pub fn signs_timestamp(&self) -> bool {
         matches!(
@@ -190,6 +207,21 @@ impl Secrets {
                 .collect(),
             compare,
             digest: h.finalize().into(),
+        })
+    }
+
+    /// One random key that no provider holds: the secrets of a route whose `secrets_env` is
+    /// not this process's to read (`idemproxy reload` checking a file for a running proxy).
+    /// Verifies nothing.
+    pub(crate) fn unread() -> Result<Secrets, SecretsError> {
+        let rng = ring::rand::SystemRandom::new();
+        let key = hmac::Key::generate(hmac::HMAC_SHA256, &rng).map_err(|_| SecretsError::Random)?;
+        let compare =
+            hmac::Key::generate(hmac::HMAC_SHA256, &rng).map_err(|_| SecretsError::Random)?;
+        Ok(Secrets {
+            keys: vec![key],
+            compare,
+            digest: [0; 32],
         })
     }
 

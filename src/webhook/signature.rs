@@ -23,6 +23,9 @@ pub(super) type Mac = [u8; 32];
 pub(super) const WEBHOOK_ID: HeaderName = HeaderName::from_static("webhook-id");
 pub(super) const WEBHOOK_TIMESTAMP: HeaderName = HeaderName::from_static("webhook-timestamp");
 pub(super) const WEBHOOK_SIGNATURE: HeaderName = HeaderName::from_static("webhook-signature");
+pub(super) const SVIX_ID: HeaderName = HeaderName::from_static("svix-id");
+pub(super) const SVIX_TIMESTAMP: HeaderName = HeaderName::from_static("svix-timestamp");
+pub(super) const SVIX_SIGNATURE: HeaderName = HeaderName::from_static("svix-signature");
 pub(super) const STRIPE_SIGNATURE: HeaderName = HeaderName::from_static("stripe-signature");
 pub(super) const X_HUB_SIGNATURE_256: HeaderName = HeaderName::from_static("x-hub-signature-256");
 pub(super) const X_SHOPIFY_HMAC_SHA256: HeaderName =
@@ -40,6 +43,8 @@ pub(super) struct Signed<'h> {
     pub(super) pieces: [&'h [u8]; 4],
     /// The signed timestamp (Unix seconds), for the schemes that sign one.
     pub(super) timestamp: Option<u64>,
+    /// The signed event id, for the scheme that signs one (`standard`).
+    pub(super) id: Option<&'h [u8]>,
     /// The well-formed signatures of the expected scheme, at most [`MAX_SIGNATURES`].
     pub(super) candidates: Vec<Mac>,
 }
@@ -49,6 +54,7 @@ impl Signed<'_> {
         Signed {
             pieces: [b""; 4],
             timestamp: None,
+            id: None,
             candidates,
         }
     }
@@ -57,20 +63,44 @@ impl Signed<'_> {
 /// Standard Webhooks: `webhook-signature: v1,<base64> v1,<base64>…` over
 /// `{webhook-id}.{webhook-timestamp}.{body}`. The id is signed, so a delivery without one is
 /// malformed, not merely without a key.
+///
+/// Svix sends the same scheme under its own names (`svix-id`, `svix-timestamp`,
+/// `svix-signature`) unless its customer pays for the `webhook-*` ones. One whole set is read:
+/// `webhook-*` if any of its headers is present, else `svix-*`; a delivery that mixes the two
+/// is malformed, so an unsigned `webhook-id` can never sit beside a signed `svix-id` and choose
+/// the key.
 pub(super) fn standard(headers: &HeaderMap) -> Result<Signed<'_>, Rejection> {
-    let signature = signature_text(headers, &WEBHOOK_SIGNATURE)?;
-    let id = companion(headers, &WEBHOOK_ID)?;
+    let [id_name, ts_name, signature_name] = standard_names(headers)?;
+    let signature = signature_text(headers, &signature_name)?;
+    let id = companion(headers, &id_name)?;
     if id.is_empty() {
-        return Err(malformed(WEBHOOK_ID, "is empty"));
+        return Err(malformed(id_name, "is empty"));
     }
-    let ts = companion(headers, &WEBHOOK_TIMESTAMP)?;
-    let timestamp = timestamp(ts).ok_or_else(|| malformed(WEBHOOK_TIMESTAMP, NOT_UNIX_TIME))?;
-    let candidates = standard_list(signature).map_err(|why| malformed(WEBHOOK_SIGNATURE, why))?;
+    let ts = companion(headers, &ts_name)?;
+    let timestamp = timestamp(ts).ok_or_else(|| malformed(ts_name, NOT_UNIX_TIME))?;
+    let candidates = standard_list(signature).map_err(|why| malformed(signature_name, why))?;
     Ok(Signed {
         pieces: [id, b".", ts, b"."],
         timestamp: Some(timestamp),
+        id: Some(id),
         candidates,
     })
+}
+
+/// Which set of names a Standard Webhooks delivery uses: `[id, timestamp, signature]`.
+fn standard_names(headers: &HeaderMap) -> Result<[HeaderName; 3], Rejection> {
+    let standard = [WEBHOOK_ID, WEBHOOK_TIMESTAMP, WEBHOOK_SIGNATURE];
+    let svix = [SVIX_ID, SVIX_TIMESTAMP, SVIX_SIGNATURE];
+    let any = |set: &[HeaderName; 3]| set.iter().any(|name| headers.contains_key(name));
+    match (any(&standard), any(&svix)) {
+        (true, true) => Err(malformed(
+            WEBHOOK_SIGNATURE,
+            "comes with svix-* headers: a delivery uses one set of names, webhook-* or svix-*",
+        )),
+        (false, true) => Ok(svix),
+        // Neither: the signature is missing, named as the standard names it.
+        (true, false) | (false, false) => Ok(standard),
+    }
 }
 
 /// The space-separated `version,signature` list. Versions other than `v1` (`v1a`, a future
@@ -103,6 +133,7 @@ pub(super) fn stripe(headers: &HeaderMap) -> Result<Signed<'_>, Rejection> {
     Ok(Signed {
         pieces: [t.as_bytes(), b".", b"", b""],
         timestamp: Some(timestamp),
+        id: None,
         candidates,
     })
 }
@@ -169,6 +200,7 @@ pub(super) fn slack(headers: &HeaderMap) -> Result<Signed<'_>, Rejection> {
     Ok(Signed {
         pieces: [b"v0:", ts, b":", b""],
         timestamp: Some(timestamp),
+        id: None,
         candidates: vec![mac],
     })
 }

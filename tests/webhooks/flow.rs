@@ -285,12 +285,13 @@ async fn signatures_are_checked_in_observe_mode_too(backend: Backend) {
     assert_eq!(webhooks(&proxy, "verified"), 1);
 }
 
-/// GitHub signs the body only; a delivery without `X-GitHub-Delivery` has no event id.
+/// Slack's `url_verification` handshake carries no `event_id`: verified, forwarded without
+/// idempotency every time, counted as `missing_key`, never refused.
 async fn a_verified_delivery_without_an_id_is_forwarded_unprotected(backend: Backend) {
     let env = Env::new(backend).await;
-    let secret = "It's a Secret to Everybody";
+    let secret = "8f742231b10e8888abcd99yyyzzz85a5";
     let dir = tempfile::tempdir().expect("temp dir");
-    let file = dir.path().join("github-secret");
+    let file = dir.path().join("slack-secret");
     std::fs::write(&file, format!("{secret}\n")).expect("write the secret");
     let config = format!(
         "listen: 127.0.0.1:0
@@ -299,10 +300,10 @@ async fn a_verified_delivery_without_an_id_is_forwarded_unprotected(backend: Bac
     url: {up}
 routes:
   - name: events
-    path: /webhooks/github
+    path: /webhooks/slack
     upstream: mock
     webhook:
-      provider: github
+      provider: slack
       secrets_file: {file}
 ",
         store = env.store_yaml(""),
@@ -310,17 +311,20 @@ routes:
         file = file.display(),
     );
     let proxy = env.proxy(&config).await;
+    let body = r#"{"type":"url_verification","challenge":"3eZbrw1aBm2rZgRNFdxV2595E9CY3gmdALWMmHkvFXO7tYXAYM8P"}"#;
+    let ts = now().to_string();
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
     let signature = format!(
-        "sha256={}",
-        hex::encode(ring::hmac::sign(&key, BODY.as_bytes()))
+        "v0={}",
+        hex::encode(ring::hmac::sign(&key, format!("v0:{ts}:{body}").as_bytes()))
     );
     for _ in 0..2 {
         let r = harness::send(
             harness::client()
-                .post(proxy.url("/webhooks/github"))
-                .header("x-hub-signature-256", &signature)
-                .body(BODY),
+                .post(proxy.url("/webhooks/slack"))
+                .header("x-slack-signature", &signature)
+                .header("x-slack-request-timestamp", &ts)
+                .body(body),
         )
         .await;
         assert_eq!(r.status, 200, "never a 400: {:?}", r.body);
@@ -335,9 +339,10 @@ routes:
     // A forged one without an id is still refused.
     let r = harness::send(
         harness::client()
-            .post(proxy.url("/webhooks/github"))
-            .header("x-hub-signature-256", format!("sha256={}", "0".repeat(64)))
-            .body(BODY),
+            .post(proxy.url("/webhooks/slack"))
+            .header("x-slack-signature", format!("v0={}", "0".repeat(64)))
+            .header("x-slack-request-timestamp", &ts)
+            .body(body),
     )
     .await;
     r.assert_problem(401, "webhook-signature-invalid");

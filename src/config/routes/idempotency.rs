@@ -28,9 +28,9 @@ pub(crate) struct RawIdempotency {
     /// idempotency when false.
     #[serde(default)]
     pub required: Option<bool>,
-    /// How long a finished response is replayed. Default 24h.
-    #[serde(default = "defaults::ttl", with = "duration")]
-    pub ttl: Duration,
+    /// How long a finished response is replayed. Default 24h (7d on a webhook route).
+    #[serde(default, with = "duration::option")]
+    pub ttl: Option<Duration>,
     /// In-progress lease, renewed every `lock_ttl/3` while the upstream call runs. Default 10s.
     #[serde(default = "defaults::lock_ttl", with = "duration")]
     pub lock_ttl: Duration,
@@ -38,8 +38,8 @@ pub(crate) struct RawIdempotency {
     /// webhook route).
     #[serde(default)]
     pub scope: Option<Vec<String>>,
-    /// What makes two requests "the same". Default `[method, path, query, body]` (`[body]` on
-    /// a webhook route).
+    /// What makes two requests "the same". Default `[method, path, query, body]` (`[]` on a
+    /// webhook route).
     #[serde(default)]
     pub fingerprint: Option<Vec<String>>,
     /// Parts to derive the key from when the request has no key header. Default: none.
@@ -58,9 +58,9 @@ pub(crate) struct RawIdempotency {
     /// 504]` on a webhook route).
     #[serde(default)]
     pub retry_statuses: Option<Vec<u16>>,
-    /// `keep` (default), `release` or `resolve`.
+    /// `keep` (default; `release` on a webhook route), `release` or `resolve`.
     #[serde(default)]
-    pub on_unknown_outcome: OnUnknownOutcome,
+    pub on_unknown_outcome: Option<OnUnknownOutcome>,
     /// With `on_unknown_outcome: resolve`, how to ask the upstream (and only then).
     #[serde(default)]
     pub resolve: Option<RawResolve>,
@@ -86,7 +86,7 @@ impl Default for RawIdempotency {
         RawIdempotency {
             header: None,
             required: None,
-            ttl: defaults::ttl(),
+            ttl: None,
             lock_ttl: defaults::lock_ttl(),
             scope: None,
             fingerprint: None,
@@ -95,7 +95,7 @@ impl Default for RawIdempotency {
             wait_timeout: defaults::wait_timeout(),
             on_store_error: OnStoreError::default(),
             retry_statuses: None,
-            on_unknown_outcome: OnUnknownOutcome::default(),
+            on_unknown_outcome: None,
             resolve: None,
             max_request_body: defaults::max_request_body(),
             max_response_body: defaults::max_response_body(),
@@ -120,9 +120,22 @@ mod defaults {
     pub(super) fn webhook_scope() -> Vec<String> {
         Vec::new()
     }
-    /// On a webhook route: the body is what the provider signed.
+    /// On a webhook route: a signed id, or an id bound to its body, is the provider's word
+    /// that two deliveries are one event, even when a counter in the body changed between
+    /// attempts (Stripe's `pending_webhooks`).
     pub(super) fn webhook_fingerprint() -> Vec<String> {
-        vec!["body".to_owned()]
+        Vec::new()
+    }
+    /// On a webhook route: longer than every provider's redelivery window (Stripe retries for
+    /// three days).
+    pub(super) fn webhook_ttl() -> Duration {
+        Duration::from_secs(7 * 24 * 3600)
+    }
+    /// On a webhook route: a handling whose answer was lost is released, so the provider's
+    /// redelivery runs it again; a saved `504` would be replayed to every redelivery until
+    /// the provider gives up, losing the event.
+    pub(super) fn webhook_on_unknown_outcome() -> super::OnUnknownOutcome {
+        super::OnUnknownOutcome::Release
     }
     /// On a webhook route: the provider redelivers on a non-2xx, and a failed handling should
     /// run again.
@@ -174,7 +187,21 @@ impl RawIdempotency {
         webhook: bool,
         err: &mut impl FnMut(String, String),
     ) -> Option<IdempotencySettings> {
-        self.check_bounds(path, err);
+        let ttl = self.ttl.unwrap_or_else(|| {
+            if webhook {
+                defaults::webhook_ttl()
+            } else {
+                defaults::ttl()
+            }
+        });
+        let on_unknown_outcome = self.on_unknown_outcome.unwrap_or_else(|| {
+            if webhook {
+                defaults::webhook_on_unknown_outcome()
+            } else {
+                OnUnknownOutcome::default()
+            }
+        });
+        self.check_bounds(path, ttl, err);
         let header_text = self.header.clone().unwrap_or_else(defaults::header);
         let header = header_name(&header_text, format!("{path}.header"), err);
         let required = self.required.unwrap_or(!webhook);
@@ -185,14 +212,14 @@ impl RawIdempotency {
                 defaults::retry_statuses()
             }
         });
-        let durations = self.check_durations(path, err);
+        let durations = self.check_durations(path, ttl, err);
         let scope = self.scope(path, webhook, err);
         let fingerprint = self.fingerprint(path, webhook, err);
         let key_from = self.key_from(path, pattern, err);
         let statuses = check_retry_statuses(&retry_statuses, path, err);
         let bodies = self.check_bodies(path, err);
         let resolve = resolve::validate(
-            self.on_unknown_outcome,
+            on_unknown_outcome,
             self.resolve.as_ref(),
             path,
             pattern,
@@ -206,7 +233,7 @@ impl RawIdempotency {
                 Some(IdempotencySettings {
                     header,
                     required,
-                    ttl: self.ttl,
+                    ttl,
                     lock_ttl: self.lock_ttl,
                     scope,
                     fingerprint,
@@ -214,7 +241,7 @@ impl RawIdempotency {
                     wait_timeout: self.wait_timeout,
                     on_store_error: self.on_store_error,
                     retry_statuses,
-                    on_unknown_outcome: self.on_unknown_outcome,
+                    on_unknown_outcome,
                     resolve,
                     max_request_body: self.max_request_body,
                     max_response_body: self.max_response_body,
@@ -229,8 +256,8 @@ impl RawIdempotency {
     }
 
     /// The largest values (see [`bounds`]).
-    fn check_bounds(&self, path: &str, err: &mut impl FnMut(String, String)) {
-        at_most(err, &format!("{path}.ttl"), self.ttl, bounds::TTL);
+    fn check_bounds(&self, path: &str, ttl: Duration, err: &mut impl FnMut(String, String)) {
+        at_most(err, &format!("{path}.ttl"), ttl, bounds::TTL);
         at_most(
             err,
             &format!("{path}.lock_ttl"),
@@ -258,9 +285,14 @@ impl RawIdempotency {
     }
 
     /// The smallest durations. False: an error was reported.
-    fn check_durations(&self, path: &str, err: &mut impl FnMut(String, String)) -> bool {
+    fn check_durations(
+        &self,
+        path: &str,
+        ttl: Duration,
+        err: &mut impl FnMut(String, String),
+    ) -> bool {
         let mut ok = true;
-        if self.ttl.is_zero() {
+        if ttl.is_zero() {
             err(format!("{path}.ttl"), "must be greater than zero".into());
             ok = false;
         }

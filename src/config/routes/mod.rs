@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, HashSet};
 use http::Method;
 use serde::{Deserialize, Deserializer};
 
-use super::ConfigWarning;
 use super::limits::RawLimits;
 use super::store::{RawStore, StoreSettings};
 use super::upstream::RawUpstream;
+use super::{ConfigWarning, SecretsEnv};
 use crate::route::{PathPattern, RouteSettings};
 pub(crate) use idempotency::RawIdempotency;
 use webhook::RawWebhook;
@@ -59,6 +59,7 @@ pub(super) fn validate(
     upstreams: &BTreeMap<String, RawUpstream>,
     limits: &RawLimits,
     store: &RawStore,
+    secrets_env: SecretsEnv,
     err: &mut impl FnMut(String, String),
 ) -> Vec<RouteSettings> {
     if routes.is_empty() {
@@ -80,7 +81,7 @@ pub(super) fn validate(
                 ),
             );
         }
-        if let Some(route) = r.validate(&path, upstreams, err) {
+        if let Some(route) = r.validate(&path, upstreams, secrets_env, err) {
             compiled.push(route);
         }
         if let Some(i) = r.effective_idempotency() {
@@ -98,6 +99,7 @@ impl RawRoute {
         &self,
         path: &str,
         upstreams: &BTreeMap<String, RawUpstream>,
+        secrets_env: SecretsEnv,
         err: &mut impl FnMut(String, String),
     ) -> Option<RouteSettings> {
         let mut ok = self.check_name(path, err);
@@ -127,7 +129,12 @@ impl RawRoute {
         let webhook = match &self.webhook {
             None => None,
             Some(w) => {
-                let compiled = w.validate(&format!("{path}.webhook"), pattern.as_ref(), err);
+                let compiled = w.validate(
+                    &format!("{path}.webhook"),
+                    pattern.as_ref(),
+                    secrets_env,
+                    err,
+                );
                 ok &= compiled.is_some();
                 compiled
             }
@@ -176,6 +183,13 @@ impl RawRoute {
             ok = false;
         }
         if let Some(i) = &self.idempotency {
+            if i.required == Some(true) {
+                err(
+                    format!("{path}.idempotency.required"),
+                    "is not used on a webhook route: a verified delivery without an event id is forwarded without idempotency, never refused (remove it)".into(),
+                );
+                ok = false;
+            }
             let (header, key_from) = i.names_a_key();
             if header {
                 err(
@@ -279,7 +293,7 @@ impl RawRoute {
 /// answers slowly, but no schedule makes room that the store's deadline takes.
 pub(super) fn warnings(routes: &[RouteSettings], store: &StoreSettings) -> Vec<ConfigWarning> {
     let timeout = store.timeout;
-    routes
+    let mut warnings: Vec<ConfigWarning> = routes
         .iter()
         .enumerate()
         .filter_map(|(i, route)| {
@@ -297,7 +311,27 @@ pub(super) fn warnings(routes: &[RouteSettings], store: &StoreSettings) -> Vec<C
                 ),
             })
         })
-        .collect()
+        .collect();
+    warnings.extend(routes.iter().enumerate().filter_map(short_webhook_ttl));
+    warnings
+}
+
+/// A webhook route whose `ttl` is shorter than its provider's redelivery window: a redelivery
+/// that comes after its record expired runs the event again.
+fn short_webhook_ttl((i, route): (usize, &RouteSettings)) -> Option<ConfigWarning> {
+    let provider = &route.webhook.as_ref()?.provider;
+    let (window, said) = provider.redelivery_window()?;
+    let ttl = route.idempotency.as_ref()?.ttl;
+    (ttl < window).then(|| ConfigWarning {
+        route: route.name.clone(),
+        path: format!("routes[{i}].idempotency.ttl"),
+        message: format!(
+            "{} is shorter than how long {} redelivers an event ({said}): a redelivery after the record expired runs the event again; raise ttl to at least {} (the default on a webhook route is 7d)",
+            humantime::format_duration(ttl),
+            provider.name(),
+            humantime::format_duration(window),
+        ),
+    })
 }
 
 #[cfg(test)]

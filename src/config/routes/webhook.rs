@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::HeaderName;
 use serde::Deserialize;
 
+use crate::config::SecretsEnv;
 use crate::config::secret::read_text;
 use crate::config::units::duration;
 use crate::route::{
@@ -27,9 +28,10 @@ pub(crate) struct RawWebhook {
     /// An environment variable holding the secrets, one a line.
     #[serde(default)]
     pub secrets_env: Option<String>,
-    /// How far a signed timestamp may be from the proxy's clock. Default 5m.
-    #[serde(default = "default_tolerance", with = "duration")]
-    pub tolerance: Duration,
+    /// How far a signed timestamp may be from the proxy's clock, for the schemes that sign
+    /// one. Default 5m; 1s to 1h.
+    #[serde(default, with = "duration::option")]
+    pub tolerance: Option<Duration>,
     /// `hmac`: the header carrying the signature. Required there.
     #[serde(default)]
     pub signature_header: Option<String>,
@@ -48,6 +50,12 @@ fn default_tolerance() -> Duration {
     Duration::from_secs(300)
 }
 
+/// The narrowest `tolerance`: a signed timestamp is whole seconds.
+const MIN_TOLERANCE: Duration = Duration::from_secs(1);
+/// The widest `tolerance`: a captured delivery is accepted again for as long as this, and
+/// every provider's own libraries default to 5 minutes.
+const MAX_TOLERANCE: Duration = Duration::from_secs(3600);
+
 /// The providers `provider:` names.
 const PROVIDERS: &str = "standard, stripe, github, shopify, slack or hmac";
 
@@ -58,15 +66,51 @@ impl RawWebhook {
         &self,
         path: &str,
         pattern: Option<&PathPattern>,
+        secrets_env: SecretsEnv,
         err: &mut impl FnMut(String, String),
     ) -> Option<WebhookSettings> {
         let provider = self.provider(path, pattern, err)?;
-        let secrets = self.secrets(path, &provider, err)?;
+        let tolerance = self.tolerance(path, &provider, err);
+        let secrets = self.secrets(path, &provider, secrets_env, err)?;
         Some(WebhookSettings {
             provider,
             secrets,
-            tolerance: self.tolerance,
+            tolerance: tolerance?,
         })
+    }
+
+    /// `tolerance`, written only for a scheme that signs a timestamp, within 1s..=1h.
+    fn tolerance(
+        &self,
+        path: &str,
+        provider: &Provider,
+        err: &mut impl FnMut(String, String),
+    ) -> Option<Duration> {
+        let Some(written) = self.tolerance else {
+            return Some(default_tolerance());
+        };
+        let field = format!("{path}.tolerance");
+        if !provider.signs_timestamp() {
+            err(
+                field,
+                format!(
+                    "is not used with provider {}, which signs no timestamp (remove it)",
+                    provider.name()
+                ),
+            );
+            return None;
+        }
+        if !(MIN_TOLERANCE..=MAX_TOLERANCE).contains(&written) {
+            err(
+                field,
+                format!(
+                    "{} is out of bounds: a tolerance is 1s to 1h (the providers' libraries use 5m)",
+                    humantime::format_duration(written)
+                ),
+            );
+            return None;
+        }
+        Some(written)
     }
 
     /// The provider, with `hmac`'s fields; the fields of `hmac` refused on any other.
@@ -177,6 +221,7 @@ impl RawWebhook {
         &self,
         path: &str,
         provider: &Provider,
+        secrets_env: SecretsEnv,
         err: &mut impl FnMut(String, String),
     ) -> Option<Secrets> {
         let (field, text) = match (&self.secrets_file, &self.secrets_env) {
@@ -195,11 +240,21 @@ impl RawWebhook {
                 return None;
             }
             (Some(file), None) => ("secrets_file", read_text(Path::new(file))),
-            (None, Some(var)) => (
-                "secrets_env",
-                std::env::var(var)
-                    .map_err(|_| format!("the environment variable {var} is not set")),
-            ),
+            (None, Some(var)) => match std::env::var(var) {
+                Ok(text) => ("secrets_env", Ok(text)),
+                // Not this process's to read: the running proxy's environment has it.
+                Err(_) if secrets_env == SecretsEnv::Optional => {
+                    return Secrets::unread()
+                        .map_err(|e| err(format!("{path}.secrets_env"), e.to_string()))
+                        .ok();
+                }
+                Err(_) => (
+                    "secrets_env",
+                    Err(format!(
+                        "the environment variable {var} is not set (an environment variable is read at start: set it in the proxy's environment)"
+                    )),
+                ),
+            },
         };
         let field = format!("{path}.{field}");
         let text = text.map_err(|message| err(field.clone(), message)).ok()?;

@@ -89,7 +89,7 @@ impl Proxy {
             ..
         } = &**context;
         let (client, drop_key) = (*client, context.drop_key());
-        if admitted.derived {
+        if admitted.origin == admission::KeyOrigin::Derived {
             route.metrics.derived_key();
         }
         // The bounds that make `enforce` answer 503 before claiming hold here too, or an
@@ -108,7 +108,7 @@ impl Proxy {
         }
         let key_hash = KeyHash {
             id: *admitted.key.id(),
-            derived: admitted.derived,
+            origin: admitted.origin,
         };
         let observation = Observation {
             context: context.clone(),
@@ -216,7 +216,7 @@ impl Observation {
             body,
             key,
             fingerprint,
-            derived,
+            origin,
             lookup,
         } = request;
         let (settled, settlement) = oneshot::channel();
@@ -226,7 +226,7 @@ impl Observation {
             held,
             key,
             fingerprint,
-            derived,
+            origin,
         };
         context.shared.tasks.spawn(shadow.run(settlement));
 

@@ -37,6 +37,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::super::admission::KeyOrigin;
 use super::super::context::Context;
 use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
 use super::super::settle::Settlement;
@@ -56,8 +57,8 @@ pub(super) struct Shadow {
     pub held: HeldRepeats,
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
-    /// The key was derived (`key_from`), not sent.
-    pub derived: bool,
+    /// Where the key came from.
+    pub origin: KeyOrigin,
 }
 
 impl Shadow {
@@ -212,7 +213,7 @@ impl Shadow {
         tracing::info!(
             route = %self.context.route.name,
             key = %self.key.id_hex(),
-            key_source = if self.derived { "derived" } else { "header" },
+            key_source = self.origin.as_str(),
             client = %self.context.client.ip(),
             would = would.as_str(),
             fingerprint_matched = would != Would::Mismatch,

@@ -14,6 +14,8 @@ use http::request::Parts;
 use base64::Engine as _;
 use ring::hmac;
 
+use sha2::{Digest, Sha256};
+
 use super::*;
 use crate::route::{BASE64, Encoding, HmacScheme, KeyPart, PathPattern, Secrets, WebhookSettings};
 
@@ -62,6 +64,28 @@ fn check(
 
 fn id(text: &str) -> Option<EventId> {
     EventId::new(text.as_bytes().to_vec())
+}
+
+/// A signed id as the event.
+fn event_id(text: &str) -> Option<Event> {
+    id(text).map(Event::Id)
+}
+
+/// A body signed alone as the event, with its topic.
+fn body_event(body: &str, topic: Option<&str>) -> Option<Event> {
+    Some(Event::Body {
+        sha256: Sha256::digest(body.as_bytes()).into(),
+        topic: topic.map(|t| t.as_bytes().to_vec()),
+    })
+}
+
+/// What `check` verifies: its path `/hooks/t1` namespaces every key by the tenant.
+fn verified(event: Option<Event>, label: Option<&str>) -> Verified {
+    Verified {
+        event,
+        label: label.map(str::to_owned),
+        namespace: vec!["t1".to_owned()],
+    }
 }
 
 fn missing(header: &'static str) -> Rejection {
@@ -114,17 +138,27 @@ fn github_documented_example() {
         ("x-hub-signature-256", GITHUB_SIGNATURE),
         ("x-github-delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958"),
     ];
-    let verified = check(&s, &headers, "Hello, World!", at(0)).expect("verifies");
+    let got = check(&s, &headers, "Hello, World!", at(0)).expect("verifies");
+    // GitHub signs the body alone: the body is the event, the delivery id a label.
     assert_eq!(
-        verified.event_id,
-        id("72d3162e-cc78-11e3-81ab-4c9367dc0958")
+        got,
+        verified(
+            body_event("Hello, World!", None),
+            Some("72d3162e-cc78-11e3-81ab-4c9367dc0958")
+        )
     );
     // GitHub signs no timestamp: the clock plays no part.
     assert!(check(&s, &headers, "Hello, World!", SystemTime::now()).is_ok());
     assert_eq!(
         check(&s, &headers[..1], "Hello, World!", at(0)),
-        Ok(Verified { event_id: None }),
-        "no delivery id: verified, forwarded without a key"
+        Ok(verified(body_event("Hello, World!", None), None)),
+        "no delivery id: the same event, keyed by its body"
+    );
+    let with_topic = [headers[0], ("x-github-event", "push")];
+    assert_eq!(
+        check(&s, &with_topic, "Hello, World!", at(0)),
+        Ok(verified(body_event("Hello, World!", Some("push")), None)),
+        "the topic is part of the event"
     );
 }
 
@@ -137,8 +171,18 @@ fn standard_webhooks_specification_examples() {
         ("webhook-timestamp", ts.as_str()),
         ("webhook-signature", STANDARD_SIGNATURE),
     ];
-    let verified = check(&s, &headers, STANDARD_BODY, at(STANDARD_TS)).expect("verifies");
-    assert_eq!(verified.event_id, id(STANDARD_ID));
+    let got = check(&s, &headers, STANDARD_BODY, at(STANDARD_TS)).expect("verifies");
+    assert_eq!(got, verified(event_id(STANDARD_ID), None));
+    // Svix's own names: the same scheme, the same event.
+    let svix = [
+        ("svix-id", STANDARD_ID),
+        ("svix-timestamp", ts.as_str()),
+        ("svix-signature", STANDARD_SIGNATURE),
+    ];
+    assert_eq!(
+        check(&s, &svix, STANDARD_BODY, at(STANDARD_TS)),
+        Ok(verified(event_id(STANDARD_ID), None))
+    );
     // The same secret without its prefix, as the libraries accept it.
     let bare = settings(Provider::Standard, "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw");
     assert!(check(&bare, &headers, STANDARD_BODY, at(STANDARD_TS)).is_ok());
@@ -177,7 +221,7 @@ fn slack_documented_example() {
     ];
     assert_eq!(
         check(&s, &headers, SLACK_BODY, at(SLACK_TS + 60)),
-        Ok(Verified { event_id: None }),
+        Ok(verified(None, None)),
         "a slash command is form-encoded: no event_id, forwarded without a key"
     );
 }
@@ -194,22 +238,25 @@ fn slack_events_carry_their_event_id() {
         ),
         ("x-slack-request-timestamp", "1531420618"),
     ];
-    let verified = check(&s, &headers, body, at(SLACK_TS)).expect("verifies");
-    assert_eq!(verified.event_id, id("Ev08MFMKH6"));
+    let got = check(&s, &headers, body, at(SLACK_TS)).expect("verifies");
+    assert_eq!(got, verified(event_id("Ev08MFMKH6"), None));
 }
 
 #[test]
 fn stripe_scheme() {
     let s = settings(Provider::Stripe, STRIPE_SECRET);
     let header = stripe_header(STRIPE_V1);
-    let verified = check(
+    let got = check(
         &s,
         &[("stripe-signature", &header)],
         STRIPE_BODY,
         at(STRIPE_TS),
     )
     .expect("verifies");
-    assert_eq!(verified.event_id, id("evt_1NG8Du2eZvKYlo2CUI79vXWy"));
+    assert_eq!(
+        got,
+        verified(event_id("evt_1NG8Du2eZvKYlo2CUI79vXWy"), None)
+    );
     // Stripe's secret is the key as written: decoding it (as `standard` would) fails.
     let decoded = settings(Provider::Standard, "whsec_7Qk2eL3bV9xN4pA8sD1fG6hJ0mR5tY2u");
     assert_ne!(decoded.secrets, s.secrets);
@@ -236,9 +283,17 @@ fn shopify_scheme() {
             "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043",
         ),
     ];
-    let verified = check(&s, &headers, SHOPIFY_BODY, at(0)).expect("verifies");
+    let got = check(&s, &headers, SHOPIFY_BODY, at(0)).expect("verifies");
     assert_eq!(
-        verified.event_id,
-        id("b54557e4-bdd9-4b37-8a5f-bf7d70bcd043")
+        got,
+        verified(
+            body_event(SHOPIFY_BODY, None),
+            Some("b54557e4-bdd9-4b37-8a5f-bf7d70bcd043")
+        )
     );
+    // Two topics with byte-identical bodies are two events.
+    let topic = |t| [headers[0], ("x-shopify-topic", t)];
+    let created = check(&s, &topic("orders/create"), SHOPIFY_BODY, at(0)).expect("verifies");
+    let updated = check(&s, &topic("orders/updated"), SHOPIFY_BODY, at(0)).expect("verifies");
+    assert_ne!(created.key_text(), updated.key_text());
 }

@@ -336,34 +336,56 @@ fn hmac_encodings_prefixes_and_ids() {
             at(0),
         );
         if ok {
+            // A header id is not signed: the body is the event, the id a label.
             assert_eq!(
                 result,
-                Ok(Verified {
-                    event_id: id("d-1")
-                }),
+                Ok(verified(body_event("Hello, World!", None), Some("d-1"))),
                 "{value}"
             );
         } else {
             assert!(is_malformed(&result, "x-signature"), "{value}: {result:?}");
         }
     }
+}
 
+#[test]
+fn hmac_ids_are_key_from_parts_and_only_a_json_id_is_signed() {
+    let delivery = KeyPart::Header(HeaderName::from_static("x-delivery"));
     // The id is a key_from part, read by key_from's reader: every kind of part.
     // openssl over the body below with GitHub's secret, hex.
     let body = r#"{"event":{"id":42.0,"kind":"paid"}}"#;
     let signature = "0a97e7035fd88dfcc9ee5337e8060a5cc60f108b8072987b548ace4c1001f7ae";
+    let by_body = || body_event(body, None);
     for (part, want) in [
-        (KeyPart::Json("/event/id".into()), id("42")),
-        (KeyPart::Json("/event/kind".into()), id("paid")),
-        (KeyPart::Path("tenant".into()), id("t1")),
-        (KeyPart::Query("delivery".into()), id("q-7")),
-        (KeyPart::Method, id("POST")),
-        (delivery.clone(), id("d-2")),
-        // Unreadable: verified all the same, forwarded without a key.
-        (KeyPart::Json("/event/missing".into()), None),
-        (KeyPart::Json("/event".into()), None),
-        (KeyPart::Query("absent".into()), None),
-        (KeyPart::Header(HeaderName::from_static("x-absent")), None),
+        // A `json:` id is inside the signed body: signed, so it is the event.
+        (
+            KeyPart::Json("/event/id".into()),
+            verified(event_id("42"), None),
+        ),
+        (
+            KeyPart::Json("/event/kind".into()),
+            verified(event_id("paid"), None),
+        ),
+        // Any other part is not signed: the body is the event, the part a label.
+        (
+            KeyPart::Path("tenant".into()),
+            verified(by_body(), Some("t1")),
+        ),
+        (
+            KeyPart::Query("delivery".into()),
+            verified(by_body(), Some("q-7")),
+        ),
+        (KeyPart::Method, verified(by_body(), Some("POST"))),
+        (delivery.clone(), verified(by_body(), Some("d-2"))),
+        // Unreadable: a `json:` id is verified all the same, forwarded without a key; any
+        // other part leaves the body as the event, with no label.
+        (KeyPart::Json("/event/missing".into()), verified(None, None)),
+        (KeyPart::Json("/event".into()), verified(None, None)),
+        (KeyPart::Query("absent".into()), verified(by_body(), None)),
+        (
+            KeyPart::Header(HeaderName::from_static("x-absent")),
+            verified(by_body(), None),
+        ),
     ] {
         let s = settings(
             hmac_provider(Encoding::Hex, "", part.clone()),
@@ -375,7 +397,7 @@ fn hmac_encodings_prefixes_and_ids() {
             body,
             at(0),
         );
-        assert_eq!(result, Ok(Verified { event_id: want }), "{part:?}");
+        assert_eq!(result, Ok(want), "{part:?}");
     }
 }
 
@@ -399,26 +421,26 @@ fn event_ids_only_from_where_the_provider_puts_them() {
         let v1 = hex::encode(hmac::sign(&key, format!("{STRIPE_TS}.{body}").as_bytes()));
         let header = format!("t={STRIPE_TS},v1={v1}");
         let result = stripe.run(&stripe.with("stripe-signature", &header), body, stripe.now);
-        assert_eq!(result, Ok(Verified { event_id: want }), "{body}");
+        assert_eq!(result, Ok(verified(want.map(Event::Id), None)), "{body}");
     }
-    // GitHub and Shopify: one id header line; two are no id.
+    // GitHub and Shopify: the body is the event whatever the id header says; one id header
+    // line is its label, two are none.
     let github = &cases()[0];
     let mut headers = github.with("x-github-delivery", "d-1");
-    assert_eq!(
-        github.run(&headers, github.body, 0).map(|v| v.event_id),
-        Ok(id("d-1"))
-    );
+    let first = github.run(&headers, github.body, 0).expect("verifies");
+    assert_eq!(first.label.as_deref(), Some("d-1"));
     headers.push(("x-github-delivery", "d-2".into()));
+    let twice = github.run(&headers, github.body, 0).expect("verifies");
+    assert_eq!(twice.label, None);
     assert_eq!(
-        github.run(&headers, github.body, 0).map(|v| v.event_id),
-        Ok(None)
+        twice.event, first.event,
+        "the label plays no part in the event"
     );
     let shopify = &cases()[4];
     let headers = shopify.with("x-shopify-webhook-id", "w-1");
-    assert_eq!(
-        shopify.run(&headers, shopify.body, 0).map(|v| v.event_id),
-        Ok(id("w-1"))
-    );
+    let got = shopify.run(&headers, shopify.body, 0).expect("verifies");
+    assert_eq!(got.label.as_deref(), Some("w-1"));
+    assert!(matches!(got.event, Some(Event::Body { .. })));
 }
 
 #[test]

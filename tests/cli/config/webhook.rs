@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idemproxy::config::{Config, ConfigErrors, FingerprintPart};
-use idemproxy::route::Provider;
+use idemproxy::route::{OnUnknownOutcome, Provider};
 
 /// A file with one webhook route whose `webhook:` block is `block` and whose other route lines
 /// (after `upstream:`) are `extra`, both already indented.
@@ -65,22 +65,31 @@ fn a_webhook_route_without_idempotency_gets_the_webhook_defaults() {
         .as_ref()
         .expect("idempotent without an idempotency block");
     assert!(idem.scope.is_empty());
-    assert_eq!(idem.fingerprint, vec![FingerprintPart::Body]);
+    assert!(
+        idem.fingerprint.is_empty(),
+        "the event is the provider's word"
+    );
+    assert_eq!(idem.ttl, Duration::from_secs(7 * 24 * 3600));
+    assert_eq!(idem.on_unknown_outcome, OnUnknownOutcome::Release);
     assert_eq!(idem.retry_statuses, vec![408, 429, 500, 502, 503, 504]);
     assert!(!idem.required);
+    assert!(config.warnings().is_empty(), "{:?}", config.warnings());
     // Every other field as written, the written ones over the webhook defaults.
+    let (_dir, standard) = secrets_file("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n");
     let yaml = webhook_route(
-        &format!("      provider: github\n      secrets_file: {file}\n      tolerance: 1m\n"),
-        "    idempotency:\n      ttl: 1h\n      scope: [X-Tenant]\n      retry_statuses: [503]\n",
+        &format!("      provider: standard\n      secrets_file: {standard}\n      tolerance: 1m\n"),
+        "    idempotency:\n      ttl: 40h\n      scope: [X-Tenant]\n      retry_statuses: [503]\n      fingerprint: [body]\n      on_unknown_outcome: keep\n",
     );
     let config = Config::from_yaml(&yaml).expect("valid");
     let idem = config.routes[0].idempotency.as_ref().expect("idempotent");
-    assert_eq!(idem.ttl, Duration::from_secs(3600));
+    assert_eq!(idem.ttl, Duration::from_secs(40 * 3600));
     assert_eq!(idem.scope.len(), 1);
     assert_eq!(idem.retry_statuses, vec![503]);
     assert_eq!(idem.fingerprint, vec![FingerprintPart::Body]);
+    assert_eq!(idem.on_unknown_outcome, OnUnknownOutcome::Keep);
     let tolerance = config.routes[0].webhook.as_ref().map(|w| w.tolerance);
     assert_eq!(tolerance, Some(Duration::from_secs(60)));
+    assert!(config.warnings().is_empty(), "{:?}", config.warnings());
 }
 
 #[test]
@@ -253,6 +262,42 @@ fn every_invalid_webhook_block_is_refused_with_its_field() {
             &["event id"],
         ),
         (
+            "required: true on a webhook route",
+            webhook_route(
+                &format!("      provider: github\n{secrets}"),
+                "    idempotency:\n      required: true\n",
+            ),
+            "routes[0].idempotency.required",
+            &["not used on a webhook route"],
+        ),
+        (
+            "tolerance on a provider that signs no timestamp",
+            webhook_route(
+                &format!("      provider: github\n{secrets}      tolerance: 1m\n"),
+                "",
+            ),
+            "routes[0].webhook.tolerance",
+            &["github", "signs no timestamp"],
+        ),
+        (
+            "tolerance under 1s",
+            webhook_route(
+                &format!("      provider: stripe\n{secrets}      tolerance: 500ms\n"),
+                "",
+            ),
+            "routes[0].webhook.tolerance",
+            &["1s to 1h"],
+        ),
+        (
+            "tolerance over 1h",
+            webhook_route(
+                &format!("      provider: slack\n{secrets}      tolerance: 2h\n"),
+                "",
+            ),
+            "routes[0].webhook.tolerance",
+            &["1s to 1h"],
+        ),
+        (
             "an unknown field",
             webhook_route(
                 &format!("      provider: github\n{secrets}      secret: x\n"),
@@ -278,4 +323,52 @@ fn every_invalid_webhook_block_is_refused_with_its_field() {
             "{what}: a secret shown: {shown}"
         );
     }
+}
+
+#[test]
+fn a_ttl_shorter_than_the_providers_redelivery_window_is_warned_about() {
+    let (_dir, file) = secrets_file("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n");
+    for (provider, ttl, warned) in [
+        ("stripe", "24h", true),
+        ("stripe", "3d", false),
+        ("standard", "24h", true),
+        ("standard", "2d", false),
+        ("shopify", "1h", true),
+        ("shopify", "5h", false),
+        ("slack", "1m", true),
+        ("slack", "1h", false),
+        // GitHub redelivers nothing on its own.
+        ("github", "1m", false),
+    ] {
+        let yaml = webhook_route(
+            &format!("      provider: {provider}\n      secrets_file: {file}\n"),
+            &format!("    idempotency:\n      ttl: {ttl}\n"),
+        );
+        let config = Config::from_yaml(&yaml).expect("valid: a warning, not an error");
+        let warnings = config.warnings();
+        assert_eq!(
+            !warnings.is_empty(),
+            warned,
+            "{provider} {ttl}: {warnings:?}"
+        );
+        if let Some(w) = warnings.first() {
+            assert_eq!(w.route, "events");
+            assert_eq!(w.path, "routes[0].idempotency.ttl");
+            assert!(w.message.contains(provider), "{}", w.message);
+        }
+    }
+}
+
+#[test]
+fn reload_checks_a_file_whose_secrets_variable_only_the_proxy_has() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("idemproxy.yaml");
+    let yaml = webhook_route(
+        "      provider: stripe\n      secrets_env: IDEMPROXY_TEST_UNSET_WEBHOOK_VAR\n",
+        "",
+    );
+    std::fs::write(&path, yaml).expect("write the file");
+    assert!(Config::load(&path).is_err(), "the proxy itself needs it");
+    let config = Config::load_for_reload(&path).expect("idemproxy reload signals the proxy");
+    assert!(config.routes[0].webhook.is_some());
 }
