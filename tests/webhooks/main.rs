@@ -5,6 +5,12 @@
 //! - [`support`] — a Standard Webhooks sender: the secrets, the signing, the route.
 //! - [`flow`] — delivery and redelivery, forgeries, bad signatures, rotation, failures,
 //!   conflicts and a burst of duplicates.
+//! - [`providers`] — each provider's deliveries as it sends them: keys bound to what it
+//!   signed, Svix's own names, a redelivery whose body changed.
+//! - [`paths`] — nothing reaches a handler unverified: every spelling of a webhook path, a
+//!   delivery refused before its body is read, a `Connection` header naming a signed one.
 
 mod flow;
+mod paths;
+mod providers;
 mod support;

@@ -297,3 +297,24 @@ fn shopify_scheme() {
     let updated = check(&s, &topic("orders/updated"), SHOPIFY_BODY, at(0)).expect("verifies");
     assert_ne!(created.key_text(), updated.key_text());
 }
+
+#[test]
+fn a_tenant_segment_namespaces_the_key_however_it_is_spelled() {
+    let s = settings(Provider::Github, GITHUB_SECRET);
+    let headers = [("x-hub-signature-256", GITHUB_SIGNATURE)];
+    let key_on = |uri: &str| {
+        verify(
+            &s,
+            &head(uri, &headers),
+            &pattern(),
+            b"Hello, World!",
+            at(0),
+        )
+        .expect("verifies")
+        .key_text()
+    };
+    let t1 = key_on("/hooks/t1");
+    assert_eq!(key_on("/HOOKS/T1/"), t1, "case and a trailing slash do not count");
+    assert_eq!(key_on("/hooks/x/../T1.json"), t1);
+    assert_ne!(key_on("/hooks/t2"), t1, "another tenant, another event");
+}
