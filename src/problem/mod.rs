@@ -41,6 +41,10 @@ pub enum Problem {
     },
     /// The key was used before for a different request (422).
     KeyReused,
+    /// On a webhook route whose `fingerprint` is written, a redelivery of an event whose
+    /// fingerprinted parts differ from the first delivery's (422, the same type as
+    /// [`Problem::KeyReused`]: the event is the key).
+    EventRedeliveredDifferently,
     /// The first request with this key is still in flight (409, `Retry-After`).
     InProgress {
         /// When to try again.
@@ -195,7 +199,7 @@ impl Problem {
                 S::BAD_REQUEST,
                 "Request body could not be read",
             ),
-            Problem::KeyReused => (
+            Problem::KeyReused | Problem::EventRedeliveredDifferently => (
                 "idempotency-key-reused",
                 S::UNPROCESSABLE_ENTITY,
                 "Idempotency key reused for a different request",
@@ -303,6 +307,7 @@ impl Problem {
                 format!("The request body could not be read: {detail}.")
             }
             Problem::KeyReused => "This idempotency key was already used for a request with a different method, path, query, body or fingerprinted headers. Use a new key for a new operation.".into(),
+            Problem::EventRedeliveredDifferently => "This delivery is a redelivery of an event already handled (or being handled), with another body or other fingerprinted headers than the first delivery: it was not handled again. On a webhook route the event is the key; remove the route's fingerprint to replay the first answer to every redelivery of an event.".into(),
             Problem::InProgress { .. } => "The first request with this idempotency key has not finished yet; retry after the time in Retry-After to get its response.".into(),
             Problem::NotReplayable { status } => format!(
                 "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",

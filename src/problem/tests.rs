@@ -14,6 +14,7 @@ fn all() -> Vec<Problem> {
             detail: "connection reset".into(),
         },
         Problem::KeyReused,
+        Problem::EventRedeliveredDifferently,
         Problem::InProgress {
             retry_after: Duration::from_millis(1500),
         },

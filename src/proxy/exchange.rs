@@ -88,7 +88,11 @@ impl Exchange {
             seen_held = true;
             // The mismatch check comes first, in flight or finished.
             if *existing.fingerprint() != self.request.fingerprint {
-                return refuse(Problem::KeyReused, Outcome::Mismatch);
+                let problem = match self.context.route.settings.webhook {
+                    Some(_) => Problem::EventRedeliveredDifferently,
+                    None => Problem::KeyReused,
+                };
+                return refuse(problem, Outcome::Mismatch);
             }
             match existing {
                 Record::Done { saved, .. } => return replay(saved),

@@ -232,4 +232,22 @@ async fn a_stripe_redelivery_whose_body_changed_replays(backend: Backend) {
     assert_eq!(retry.header("idempotent-replayed"), "true");
     assert_eq!(retry.body, first.body);
     assert_eq!(env.mock.stats().webhooks, 1);
+    // With a fingerprint written, such a redelivery is a 422 that says what it is.
+    let (proxy, _dir) = proxy_for(
+        &env,
+        "stripe",
+        STRIPE_SECRET,
+        "    idempotency:\n      fingerprint: [body]\n",
+    )
+    .await;
+    let first = stripe(&proxy, r#"{"id":"evt_2","pending_webhooks":2}"#).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let changed = stripe(&proxy, r#"{"id":"evt_2","pending_webhooks":1}"#).await;
+    let doc = changed.assert_problem(422, "idempotency-key-reused");
+    let detail = doc["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("redelivery") && !detail.contains("new key"),
+        "{detail}"
+    );
+    assert_eq!(env.mock.stats().webhooks, 2);
 }

@@ -314,7 +314,11 @@ fn a_tenant_segment_namespaces_the_key_however_it_is_spelled() {
         .key_text()
     };
     let t1 = key_on("/hooks/t1");
-    assert_eq!(key_on("/HOOKS/T1/"), t1, "case and a trailing slash do not count");
+    assert_eq!(
+        key_on("/HOOKS/T1/"),
+        t1,
+        "case and a trailing slash do not count"
+    );
     assert_eq!(key_on("/hooks/x/../T1.json"), t1);
     assert_ne!(key_on("/hooks/t2"), t1, "another tenant, another event");
 }
