@@ -232,7 +232,9 @@ async fn a_stripe_redelivery_whose_body_changed_replays(backend: Backend) {
     assert_eq!(retry.header("idempotent-replayed"), "true");
     assert_eq!(retry.body, first.body);
     assert_eq!(env.mock.stats().webhooks, 1);
-    // With a fingerprint written, such a redelivery is a 422 that says what it is.
+    // With a fingerprint written, such a redelivery is a 422 that says what it is (one proxy
+    // at a time: an SQLite file has one).
+    proxy.stop().await;
     let (proxy, _dir) = proxy_for(
         &env,
         "stripe",
