@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
-use crate::proxy::{Proxy, RecordLookup};
+use crate::proxy::{Proxy, RecordLookup, RecordLookupError};
 use crate::record::{Phase, Record, Resolvable, Saved};
 use crate::store::{Forgotten, StoreError};
 
@@ -184,7 +184,10 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminPr
             RecordLookup::Parts(_) => unnamed(format!(
                 "The part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts): {e}"
             )),
-            RecordLookup::Key(_) | RecordLookup::Hash(_) => AdminProblem::NoIdempotentRoute,
+            RecordLookup::Key(_) | RecordLookup::Hash(_) => match e {
+                RecordLookupError::Webhook(why) => unnamed(why),
+                _ => AdminProblem::NoIdempotentRoute,
+            },
         })
 }
 

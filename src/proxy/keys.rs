@@ -31,6 +31,10 @@ pub enum RecordLookupError {
     /// The part values do not fit the route's `key_from`; the message says how.
     #[error("{0}")]
     Parts(String),
+    /// A webhook route whose keys no event id names (its provider signs the body alone, or its
+    /// path has `{NAME}` segments): the message says how to find a record instead.
+    #[error("{0}")]
+    Webhook(String),
 }
 
 /// The store keys of every idempotent route, built once per configuration from its matched
@@ -62,6 +66,22 @@ impl RouteKeys {
             .and_then(|r| Some((r, r.idempotency.as_ref()?)))
             .ok_or(RecordLookupError::NoRoute)?;
         let id = match lookup {
+            // On a webhook route the key is the event: an id names it where the provider signs
+            // one, as admission hashes it (`webhook::Verified::key_text`).
+            RecordLookup::Key(event) if route.settings.webhook.is_some() => {
+                let signs_id = route
+                    .settings
+                    .webhook
+                    .as_ref()
+                    .is_some_and(|w| w.provider.signs_event_id());
+                if !signs_id || route.settings.path.params().next().is_some() {
+                    return Err(RecordLookupError::Webhook(
+                        "this webhook route's keys are not named by an event id (its provider signs the body alone, or its path has {NAME} segments): name the record by the key hash on the delivery's request log line".into(),
+                    ));
+                }
+                let text = format!("webhook:{}", hex::encode(event.as_bytes()));
+                key::key_id(&idem.scope, scope, &text)
+            }
             RecordLookup::Key(key) => key::key_id(&idem.scope, scope, key),
             RecordLookup::Hash(id) => id,
             RecordLookup::Parts(texts) => {

@@ -83,6 +83,16 @@ impl Provider {
         }
     }
 
+    /// Whether the scheme signs its event id, so that the id is the key (`standard`, `stripe`,
+    /// `slack`, `hmac` with a `json:` id); the others sign the body alone, which is the key.
+    pub fn signs_event_id(&self) -> bool {
+        match self {
+            Provider::Standard | Provider::Stripe | Provider::Slack => true,
+            Provider::Github | Provider::Shopify => false,
+            Provider::Hmac(scheme) => matches!(scheme.id, KeyPart::Json(_)),
+        }
+    }
+
     /// Whether the scheme signs a timestamp, so that `tolerance` applies to it.
     pub fn signs_timestamp(&self) -> bool {
         matches!(

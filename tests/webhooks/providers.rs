@@ -253,3 +253,84 @@ async fn a_stripe_redelivery_whose_body_changed_replays(backend: Backend) {
     );
     assert_eq!(env.mock.stats().webhooks, 2);
 }
+
+/// The key tooling names a webhook record by its signed event id; where the provider signs the
+/// body alone, the tooling says to use the hash from the request log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_tooling_finds_a_record_by_its_signed_event_id() {
+    let env = Env::new(Backend::Memory).await;
+    let token = harness::write_config("the-admin-token\n");
+    let block = format!(
+        "admin_listen: 127.0.0.1:1\nadmin_token_file: {}\nroutes:\n",
+        token.path().display()
+    );
+    let (stripe_proxy, _dir) = {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("secret");
+        std::fs::write(&file, format!("{STRIPE_SECRET}\n")).expect("write the secret");
+        let (github_dir, github_file) = (tempfile::tempdir().expect("temp dir"), "github");
+        let github_path = github_dir.path().join(github_file);
+        std::fs::write(&github_path, format!("{GITHUB_SECRET}\n")).expect("write the secret");
+        let yaml = format!(
+            "listen: 127.0.0.1:0
+{store}upstreams:
+  mock:
+    url: {up}
+{block}  - name: events
+    path: /webhooks/stripe
+    upstream: mock
+    webhook:
+      provider: stripe
+      secrets_file: {file}
+  - name: pushes
+    path: /webhooks/github
+    upstream: mock
+    webhook:
+      provider: github
+      secrets_file: {github}
+",
+            store = env.store_yaml(""),
+            up = env.mock.url(),
+            file = file.display(),
+            github = github_path.display(),
+        );
+        (env.proxy(&yaml).await, (dir, github_dir))
+    };
+    let first = stripe(
+        &stripe_proxy,
+        r#"{"id":"evt_shown","type":"charge.succeeded"}"#,
+    )
+    .await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind admin");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = tokio::spawn(idemproxy::server::serve_admin(
+        listener,
+        stripe_proxy.proxy.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let get = |path: &str| {
+        send(
+            client()
+                .get(format!("{base}{path}"))
+                .bearer_auth("the-admin-token"),
+        )
+    };
+    let shown = get("/keys/events?key=evt_shown").await;
+    assert_eq!(shown.status, 200, "{:?}", shown.body);
+    assert_eq!(shown.json()["state"], "finished");
+    get("/keys/events?key=evt_other")
+        .await
+        .assert_problem(404, "no-record");
+    let refused = get("/keys/pushes?key=d-1").await;
+    assert_eq!(refused.status, 400, "{:?}", refused.body);
+    let text = String::from_utf8_lossy(&refused.body).into_owned();
+    assert!(text.contains("key hash"), "{text}");
+    let _ = stop.send(());
+    let _ = admin.await;
+}
