@@ -31,6 +31,7 @@
 
 pub mod cluster;
 pub mod env;
+pub mod grpc;
 pub mod mock;
 pub mod pki;
 pub mod postgres;

@@ -51,7 +51,7 @@ pub use store::{BackendSettings, PostgresSettings, RedisAccess, SqliteSync, Stor
 use units::{at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
 pub(crate) use upstream::RawUpstream;
-pub use upstream::UpstreamSettings;
+pub use upstream::{Protocol, UpstreamSettings};
 
 /// One configuration error: where (a field path such as `routes[0].idempotency.ttl`, empty for
 /// the document itself) and why.

@@ -32,6 +32,39 @@ pub(crate) struct RawUpstream {
     /// Default: none (the Mozilla roots).
     #[serde(default)]
     pub ca_file: Option<String>,
+    /// `http1` (the default), `h2c` (HTTP/2 without TLS, prior knowledge, on an `http://` URL)
+    /// or `h2` (HTTP/2 over TLS with ALPN `h2`, on an `https://` URL).
+    #[serde(default)]
+    pub protocol: Protocol,
+}
+
+/// The HTTP version the proxy speaks to an upstream (SPEC §4.11).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// HTTP/1.1, a pool of connections (the default).
+    #[default]
+    Http1,
+    /// HTTP/2 without TLS, by prior knowledge: many requests on one connection.
+    H2c,
+    /// HTTP/2 over TLS, negotiated with ALPN `h2`.
+    H2,
+}
+
+impl Protocol {
+    /// As the file writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Http1 => "http1",
+            Protocol::H2c => "h2c",
+            Protocol::H2 => "h2",
+        }
+    }
+
+    /// Whether it is HTTP/2.
+    pub fn is_h2(self) -> bool {
+        !matches!(self, Protocol::Http1)
+    }
 }
 
 /// The documented defaults, one function each so serde and the docs agree.
@@ -66,6 +99,8 @@ pub struct UpstreamSettings {
     pub pool_idle_timeout: Duration,
     /// What an https connection to it trusts (`ca_file`, else the Mozilla roots).
     pub tls: ClientTls,
+    /// HTTP/1.1, or HTTP/2 with or without TLS.
+    pub protocol: Protocol,
     /// The `X-Forwarded-Proto` it is sent: the scheme of the proxy's own listener (`https`
     /// with `tls:`), resolved at load because one listener has one scheme, so a request
     /// only copies it.
@@ -95,8 +130,11 @@ impl RawUpstream {
         err: &mut impl FnMut(String, String),
     ) -> Option<UpstreamSettings> {
         let path = format!("upstreams.{name}");
-        let ok = self.check_timeouts(&path, err);
+        let mut ok = self.check_timeouts(&path, err);
         let url = self.base_url(&path, err);
+        if let Some(url) = &url {
+            ok &= self.check_protocol(url, &path, err);
+        }
         let tls = self.tls(url.as_ref(), &path, err);
         match (url, tls) {
             (Some(url), Some(tls)) if ok => Some(UpstreamSettings {
@@ -106,10 +144,27 @@ impl RawUpstream {
                 timeout: self.timeout,
                 pool_idle_timeout: self.pool_idle_timeout,
                 tls,
+                protocol: self.protocol,
                 forwarded_proto: forwarded_proto.clone(),
             }),
             _ => None,
         }
+    }
+
+    /// `h2c` on an `http://` URL, `h2` on an `https://` one. False: an error was reported.
+    fn check_protocol(&self, url: &Uri, path: &str, err: &mut impl FnMut(String, String)) -> bool {
+        let https = url.scheme() == Some(&Scheme::HTTPS);
+        let why = match (self.protocol, https) {
+            (Protocol::H2c, true) => {
+                "h2c is HTTP/2 without TLS: use it with an http:// url, or protocol: h2 for https://"
+            }
+            (Protocol::H2, false) => {
+                "h2 is HTTP/2 over TLS (ALPN h2): use it with an https:// url, or protocol: h2c for http://"
+            }
+            _ => return true,
+        };
+        err(format!("{path}.protocol"), why.into());
+        false
     }
 
     /// `connect_timeout` as written, or its default.

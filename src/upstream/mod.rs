@@ -12,6 +12,7 @@
 //! connections would otherwise race the proxy's next request.
 
 mod gathered;
+mod h2;
 mod pool;
 mod refusal;
 
@@ -32,12 +33,13 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
 use self::gathered::Gathered;
-use self::pool::{Pool, SendError};
+use self::h2::H2Pool;
+use self::pool::{Pool, Responding, SendError};
 pub(crate) use self::refusal::refuses_head;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::body::{self, Body};
-use crate::config::UpstreamSettings;
+use crate::config::{Protocol, UpstreamSettings};
 
 /// What a response body cut off at the upstream's timeout is called in errors.
 const UPSTREAM_BODY: &str = "the upstream response (upstreams.*.timeout)";
@@ -80,6 +82,33 @@ pub(crate) enum Bounded {
     },
 }
 
+/// How requests reach an upstream: a pool of HTTP/1.1 connections, or streams on an HTTP/2
+/// connection.
+enum Transport {
+    Http1(Pool),
+    H2(H2Pool),
+}
+
+impl Transport {
+    fn send(&self, req: Request<Body>, deadline: Instant) -> Responding<'_> {
+        match self {
+            Transport::Http1(pool) => pool.send(req, deadline),
+            Transport::H2(pool) => pool.send(req, deadline),
+        }
+    }
+
+    fn send_fresh(&self, req: Request<Body>, deadline: Instant) -> Responding<'_> {
+        match self {
+            Transport::Http1(pool) => pool.send_fresh(req, deadline),
+            Transport::H2(pool) => pool.send_fresh(req, deadline),
+        }
+    }
+
+    fn is_h2(&self) -> bool {
+        matches!(self, Transport::H2(_))
+    }
+}
+
 /// One upstream and its connection pool.
 pub(crate) struct Upstream {
     name: String,
@@ -89,7 +118,11 @@ pub(crate) struct Upstream {
     /// is the scheme's default. Built once here, not formatted for every request.
     host: HeaderValue,
     /// This upstream's connections (on the worker that owns this value).
-    pool: Pool,
+    pool: Transport,
+    /// `http://` or `https://`: an HTTP/2 request's `:scheme`.
+    scheme: http::uri::Scheme,
+    /// The URL's authority: an HTTP/2 request's `:authority`.
+    authority: http::uri::Authority,
     timeout: Duration,
     /// The longest making a connection takes: a request is written within it of its call's
     /// start, or not at all.
@@ -160,6 +193,16 @@ fn push_ip(out: &mut String, ip: std::net::IpAddr) {
     }
 }
 
+/// Whether the client's `TE` asks for trailers (a gRPC client's `te: trailers`).
+fn asks_for_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+}
+
 /// Removes hop-by-hop headers, including every header that `Connection` names.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names is cheaper than a lookup of each.
@@ -203,11 +246,14 @@ impl Upstream {
         // whole of making a connection (the TLS handshake too) by it as well.
         http.set_connect_timeout(Some(settings.connect_timeout));
         http.set_nodelay(true);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(settings.tls.client_config())
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+            .https_or_http();
+        // The TLS handshake offers (ALPN) the protocol the upstream is configured to speak.
+        let connector = match settings.protocol {
+            Protocol::H2 => builder.enable_http2().wrap_connector(http),
+            Protocol::Http1 | Protocol::H2c => builder.enable_http1().wrap_connector(http),
+        };
         let url = &settings.url;
         let scheme = url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP);
         let authority = url
@@ -222,14 +268,22 @@ impl Upstream {
             target
         })
         .unwrap_or_else(|_| Uri::from_static("http://localhost/"));
-        Upstream {
-            name: settings.name.clone(),
-            pool: Pool::new(
+        let pool = match settings.protocol {
+            Protocol::Http1 => Transport::Http1(Pool::new(
                 connector,
                 target,
                 settings.connect_timeout,
                 settings.pool_idle_timeout,
-            ),
+            )),
+            Protocol::H2c | Protocol::H2 => {
+                Transport::H2(H2Pool::new(connector, target, settings.connect_timeout))
+            }
+        };
+        Upstream {
+            name: settings.name.clone(),
+            pool,
+            scheme: scheme.clone(),
+            authority: authority.clone(),
             host: host_header(&scheme, &authority),
             base_path: url.path().trim_end_matches('/').to_owned(),
             timeout: settings.timeout,
@@ -264,13 +318,19 @@ impl Upstream {
             mut headers,
             ..
         } = parts;
+        // gRPC needs `te: trailers` end to end; hop-by-hop for HTTP/1.1, it is the one value
+        // HTTP/2 allows, so an HTTP/2 upstream gets it when the client sent it.
+        let te_trailers = self.pool.is_h2() && asks_for_trailers(&headers);
         strip_hop_by_hop(&mut headers);
+        if te_trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         // HTTP/1 sends Host; HTTP/2 sends the authority in the URI.
         let host = headers.remove(header::HOST).or_else(|| {
             uri.authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        let uri = self.rebase(&uri)?;
+        let uri = self.place(self.rebase(&uri)?)?;
         if let Some(name) = drop_header {
             headers.remove(name);
         }
@@ -300,7 +360,7 @@ impl Upstream {
                 headers.remove(X_FORWARDED_HOST);
             }
         }
-        headers.insert(header::HOST, self.host.clone());
+        self.host_header(&mut headers);
         let mut req = Request::new(body);
         *req.method_mut() = method;
         *req.uri_mut() = uri;
@@ -323,14 +383,36 @@ impl Upstream {
             .map_err(|e| UpstreamError::Connect(format!("invalid lookup path: {e}")))?;
         let mut req = Request::new(Bytes::new());
         *req.method_mut() = method;
-        *req.uri_mut() = self.rebase(&Uri::from(pq))?;
+        *req.uri_mut() = self.place(self.rebase(&Uri::from(pq))?)?;
         let map = req.headers_mut();
         for (name, value) in headers {
             map.append(name.clone(), value.clone());
         }
         strip_hop_by_hop(map);
-        map.insert(header::HOST, self.host.clone());
+        self.host_header(map);
         self.call_bounded(req, limit, false).await
+    }
+
+    /// The request's target as its transport sends it: origin form over HTTP/1.1 (`Host`
+    /// names the upstream), absolute over HTTP/2 (its `:scheme` and `:authority`).
+    fn place(&self, origin: Uri) -> Result<Uri, UpstreamError> {
+        if !self.pool.is_h2() {
+            return Ok(origin);
+        }
+        let mut parts = origin.into_parts();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        Uri::from_parts(parts)
+            .map_err(|e| UpstreamError::Connect(format!("invalid upstream URI: {e}")))
+    }
+
+    /// `Host` over HTTP/1.1; none over HTTP/2, whose `:authority` names the upstream.
+    fn host_header(&self, headers: &mut HeaderMap) {
+        if self.pool.is_h2() {
+            headers.remove(header::HOST);
+        } else {
+            headers.insert(header::HOST, self.host.clone());
+        }
     }
 
     /// The request's path and query on the upstream: appended to the upstream URL's own path.
@@ -394,11 +476,33 @@ impl Upstream {
             *copy.headers_mut() = req.headers().clone();
             copy
         });
+        // An HTTP/2 stream the upstream refused was not processed: sent once more, on a fresh
+        // connection, under every policy (SPEC §4.11).
+        let again = again.or_else(|| {
+            self.pool.is_h2().then(|| {
+                let mut copy = Request::new(req.body().clone());
+                *copy.method_mut() = req.method().clone();
+                *copy.uri_mut() = req.uri().clone();
+                *copy.headers_mut() = req.headers().clone();
+                copy
+            })
+        });
         let e = match self.pool.send(req.map(body::full), deadline).await {
             Ok(resp) => return Ok(resp),
             Err(e) => e,
         };
         match again {
+            Some(again) if matches!(e, SendError::Refused(_)) => {
+                tracing::info!(
+                    upstream = %self.name,
+                    error = %error_chain(&e),
+                    "the upstream refused the stream; sending once more on a fresh connection"
+                );
+                self.pool
+                    .send_fresh(again.map(body::full), deadline)
+                    .await
+                    .map_err(|again| self.classify(again))
+            }
             Some(again) if e.unanswered_on_reused() => {
                 tracing::info!(
                     upstream = %self.name,
@@ -427,6 +531,8 @@ impl Upstream {
         match e {
             SendError::Connect(detail) => UpstreamError::Connect(detail),
             SendError::TimedOut => UpstreamError::Timeout(self.timeout),
+            // Not processed (RFC 9113 §8.7): as for a request never sent.
+            SendError::Refused(_) => UpstreamError::Connect(error_chain(&e)),
             SendError::Failed { .. } => failed(&e),
         }
     }

@@ -8,6 +8,7 @@ fn settings(forwarded_proto: http::uri::Scheme) -> UpstreamSettings {
         timeout: Duration::from_secs(1),
         pool_idle_timeout: Duration::from_secs(1),
         tls: crate::tls::ClientTls::public_roots().expect("the Mozilla roots"),
+        protocol: Protocol::Http1,
         forwarded_proto,
     }
 }

@@ -60,6 +60,10 @@ pub(crate) enum SendError {
     /// A connection took the request, and no response head came before the deadline.
     #[error("no response head before the deadline")]
     TimedOut,
+    /// HTTP/2: the upstream reset the request's stream with `REFUSED_STREAM`, which says it
+    /// did not process it (RFC 9113 §8.7): not received, so it may be sent again.
+    #[error("the upstream refused the stream (REFUSED_STREAM): {0}")]
+    Refused(#[source] hyper::Error),
     /// The connection failed while the request was sent or its response awaited.
     #[error("{error}")]
     Failed {
@@ -79,7 +83,7 @@ impl SendError {
     /// answer.
     pub(crate) fn unanswered_on_reused(&self) -> bool {
         match self {
-            SendError::Connect(_) | SendError::TimedOut => false,
+            SendError::Connect(_) | SendError::TimedOut | SendError::Refused(_) => false,
             SendError::Failed {
                 error,
                 reused,

@@ -1,0 +1,7 @@
+//! SPEC §4.11: gRPC through the proxy to a real gRPC service (the harness's ledger, served by
+//! tonic) on an `h2c` upstream, called by tonic clients.
+//!
+//! - [`passthrough`] — HTTP/2 to the upstream: unary and streaming calls carried as they are,
+//!   trailers relayed, `te: trailers` forwarded.
+
+mod passthrough;
