@@ -3,5 +3,8 @@
 //!
 //! - [`passthrough`] — HTTP/2 to the upstream: unary and streaming calls carried as they are,
 //!   trailers relayed, `te: trailers` forwarded.
+//! - [`h2`] — sent or not on HTTP/2: a refused stream sent again, a stream reset at the
+//!   deadline, a `GOAWAY` after the request an unknown outcome.
 
+mod h2;
 mod passthrough;
