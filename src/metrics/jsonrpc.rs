@@ -100,6 +100,32 @@ impl JsonRpcFamilies {
         }
     }
 
+    /// Makes a JSON-RPC route's series at 0, so that they are served from the start: each
+    /// claimed method with each result but `invalid`, `invalid` itself, and the unanswered count.
+    pub(super) fn route(&self, route: &str, claimed: &[String]) {
+        for method in claimed {
+            for result in [
+                CallResult::Claimed,
+                CallResult::Passthrough,
+                CallResult::Notification,
+            ] {
+                drop(self.calls.get_or_create(&CallLabels {
+                    route: route.to_owned(),
+                    method: method.clone(),
+                    result: result.as_str(),
+                }));
+            }
+        }
+        drop(self.calls.get_or_create(&CallLabels {
+            route: route.to_owned(),
+            method: String::new(),
+            result: CallResult::Invalid.as_str(),
+        }));
+        drop(self.unanswered.get_or_create(&RouteLabel {
+            route: route.to_owned(),
+        }));
+    }
+
     /// Counts one `POST`; `claimed` lists the route's claimed methods.
     pub(super) fn call(&self, route: &str, method: &str, claimed: &[String], result: CallResult) {
         let known = method.is_empty()

@@ -487,6 +487,11 @@ impl Metrics {
         self.jsonrpc.call(route, method, claimed, result);
     }
 
+    /// Registers a JSON-RPC route's series, at 0 (`claimed`: its claimed methods).
+    pub(crate) fn jsonrpc_route(&self, route: &str, claimed: &[String]) {
+        self.jsonrpc.route(route, claimed);
+    }
+
     /// Counts a claimed call answered `202` with no body (released).
     pub(crate) fn jsonrpc_unanswered(&self, route: &str) {
         self.jsonrpc.unanswered(route);
