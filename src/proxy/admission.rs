@@ -49,16 +49,12 @@ pub enum KeySource {
     None,
 }
 
-/// What admission decided; `B` is the body a request without a key still has (its stream, or
-/// the bytes a JSON-RPC route read).
-// Moved once from admission to the flow and never stored: boxing the admitted request would
-// cost an allocation a request for nothing.
-#[allow(clippy::large_enum_variant)]
-pub(super) enum Admission<B = Incoming> {
+/// What admission decided.
+pub(super) enum Admission {
     /// Claim it.
     Admitted(Admitted),
     /// No key on a route that does not require one: plain traffic.
-    NoKey(Parts, B),
+    NoKey(Parts, Incoming),
     /// Refused, nothing claimed.
     Refused(Problem, Outcome),
 }

@@ -493,3 +493,54 @@ async fn scope_by_a_stable_identity_header_survives_a_token_refresh() {
         .expect("booked for another caller");
     assert_eq!(text(&theirs), "booked R-scope #2");
 }
+
+/// Observe mode forwards every call and counts what enforce would have answered; what it saves
+/// is the call's result, which enforce replays once the route is switched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_mode_forwards_every_call_and_counts_what_enforce_would_do() {
+    let env = Env::new(Backend::Memory).await;
+    let server = McpServer::start().await;
+    let proxy = env
+        .proxy(&yaml(&env, &server, "      mode: observe\n"))
+        .await;
+    let accept = "application/json, text/event-stream";
+    let args = r#"{"reference":"R-observe"}"#;
+    let first = raw_call(&proxy, "1", args, "key-observe", accept).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let again = raw_call(&proxy, "2", args, "key-observe", accept).await;
+    assert_eq!(
+        again.header("idempotent-replayed"),
+        "",
+        "observe replays nothing"
+    );
+    assert_eq!(again.json()["id"], 2);
+    assert_eq!(server.seen.bookings("R-observe"), 2, "every call forwarded");
+    let keyless = raw_post(
+        &proxy,
+        r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"book","arguments":{"reference":"R-observe-nokey"},"_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientInfo":{"name":"raw","version":"1"},"io.modelcontextprotocol/clientCapabilities":{}}}}"#,
+        accept,
+    )
+    .await;
+    assert_eq!(keyless.status, 200, "{:?}", keyless.body);
+    assert!(
+        keyless.json()["result"].is_object(),
+        "forwarded: {:?}",
+        keyless.body
+    );
+    assert_eq!(server.seen.bookings("R-observe-nokey"), 1);
+    let would = |w: &str| {
+        proxy.metric(
+            "idemproxy_observed_total",
+            &[("route", "mcp-tools"), ("would", w)],
+        ) as u64
+    };
+    assert!(
+        harness::eventually(Duration::from_secs(5), || would("replay") == 1).await,
+        "the repeat would have been replayed"
+    );
+    assert_eq!(
+        would("invalid_key"),
+        1,
+        "the keyless call would have been refused"
+    );
+}

@@ -13,9 +13,10 @@ use http::request::Parts;
 use http::{Method, Response, StatusCode};
 use hyper::body::Incoming;
 
-use super::admission::{self, Admission, KeySource};
+use super::admission::{self, KeySource};
 use super::context::Context;
 use super::matched::{Answer, forward_plain};
+use super::observe::refused_head;
 use super::{Proxy, body_with_deadline};
 use crate::body;
 use crate::fingerprint;
@@ -78,14 +79,21 @@ impl Proxy {
         call.accept(parts.headers.get(header::ACCEPT).map(HeaderValue::as_bytes));
         let call = Arc::new(call);
         let admitted = match admit(context, parts, body, call.clone()) {
-            Admission::Admitted(admitted) => admitted,
+            CallAdmission::Admitted(admitted) => *admitted,
             // No key on a route that does not require one: plain traffic, as on any route.
-            Admission::NoKey(parts, body) => {
+            CallAdmission::NoKey(parts, body) => {
                 count(call.method(), CallResult::Passthrough);
                 return forward_plain(route, parts, body::full(body), client, None).await;
             }
-            Admission::Refused(problem, outcome) => {
+            CallAdmission::Refused(problem, outcome, parts, body) => {
                 count(call.method(), CallResult::Claimed);
+                if let Some(observed) = &route.observed {
+                    // Observe mode refuses nothing: counted as enforce would have answered,
+                    // and forwarded.
+                    refused_head(route, observed, &problem, outcome, client);
+                    let body = body::full(body);
+                    return forward_plain(route, parts, body, client, context.drop_key()).await;
+                }
                 return (error_response(&problem, &call), outcome);
             }
         };
@@ -101,18 +109,33 @@ impl Proxy {
     }
 }
 
+/// What admission decided for a claimed call; a refusal hands the request back, which an
+/// observed route forwards all the same.
+enum CallAdmission {
+    Admitted(Box<admission::Admitted>),
+    NoKey(Parts, Bytes),
+    Refused(Problem, Outcome, Parts, Bytes),
+}
+
 /// A claimed call's key, body and fingerprint — the call's method and params, never its `id`
 /// — or the refusal that claims nothing.
-fn admit(context: &Context, parts: Parts, body: Bytes, call: Arc<Call>) -> Admission<Bytes> {
+fn admit(context: &Context, parts: Parts, body: Bytes, call: Arc<Call>) -> CallAdmission {
     let idem = &*context.policy;
     let source = match admission::call_key_source(idem, &parts) {
-        Ok(KeySource::None) => return Admission::NoKey(parts, body),
+        Ok(KeySource::None) => return CallAdmission::NoKey(parts, body),
         Ok(source) => source,
-        Err((problem, outcome)) => return Admission::Refused(problem, outcome),
+        Err((problem, outcome)) => return CallAdmission::Refused(problem, outcome, parts, body),
     };
     let mut admitted = match admission::with_body(context, source, parts, body) {
         Ok(admitted) => admitted,
-        Err(underived) => return Admission::Refused(underived.problem, Outcome::InvalidKey),
+        Err(underived) => {
+            let admission::Underived {
+                problem,
+                parts,
+                body,
+            } = *underived;
+            return CallAdmission::Refused(problem, Outcome::InvalidKey, parts, body);
+        }
     };
     admitted.fingerprint = fingerprint::of_call(
         &idem.fingerprint,
@@ -120,7 +143,7 @@ fn admit(context: &Context, parts: Parts, body: Bytes, call: Arc<Call>) -> Admis
         &call.fingerprint_bytes(),
     );
     admitted.call = Some(call);
-    Admission::Admitted(admitted)
+    CallAdmission::Admitted(Box::new(admitted))
 }
 
 /// The proxy's own answer to a call (a problem, in the response's extensions) as a JSON-RPC

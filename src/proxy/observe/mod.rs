@@ -274,8 +274,9 @@ impl Observation {
     }
 }
 
-/// Counts (and logs) a request head `enforce` would refuse before reading the body.
-fn refused_head(
+/// Counts (and logs) a request head `enforce` would refuse before reading the body (and a
+/// JSON-RPC call whose key `enforce` would refuse).
+pub(in crate::proxy) fn refused_head(
     route: &Route,
     observed: &ObservedMetrics,
     problem: &Problem,
