@@ -8,6 +8,7 @@
 //! | `initialize` | `200`, the server's capabilities (tools) and the client's protocol version |
 //! | `tools/list` | `200`, the `book` tool |
 //! | `tools/call` of `book` | `200`, `booked bk_N` (a new booking, counted in the stats) |
+//! | `tools/call` of `echo` | `200`, its arguments as text: the work of the echo routes (the load bench's JSON-RPC rows) |
 //! | `ping` | `200`, an empty result |
 //! | a notification or a response (no `id`, or no `method`) | `202`, no body |
 //! | another method or tool | `200`, a JSON-RPC error (`-32601`, `-32602`) |
@@ -68,10 +69,13 @@ pub(crate) fn answer(state: &MockUpstream, body: &Bytes) -> Reply {
 /// `tools/call`: `book` makes a booking from its arguments.
 fn call(state: &MockUpstream, params: &Value) -> Result<Value, (i64, String)> {
     let name = params.get("name").and_then(Value::as_str).unwrap_or("");
+    let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
+    if name == "echo" {
+        return Ok(json!({"content": [{"type": "text", "text": arguments.to_string()}]}));
+    }
     if name != "book" {
         return Err((-32602, format!("unknown tool: {name}")));
     }
-    let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
     let reply = state.create_booking(&Bytes::from(arguments.to_string()), None);
     let id = reply
         .headers
