@@ -51,11 +51,16 @@ pub(super) fn replay_call(saved: Saved, call: &Call) -> Answer {
             return refuse(Problem::NotReplayable { status }, Outcome::NotReplayable);
         }
     };
-    // A problem saved in place of a result (`result-not-kept`) is the call's error too.
-    let message = jsonrpc::replay_body(call, &saved.body).or_else(|| {
-        jsonrpc::member_of_document(&saved.body)
-            .and_then(|member| jsonrpc::replay_body(call, &member))
-    });
+    // A problem saved in place of a result (`result-not-kept`) is the call's error too, and
+    // answered as the proxy's own answers to a call are: `200`.
+    let (message, status) = match jsonrpc::replay_body(call, &saved.body) {
+        Some(message) => (Some(message), saved.status),
+        None => (
+            jsonrpc::member_of_document(&saved.body)
+                .and_then(|member| jsonrpc::replay_body(call, &member)),
+            http::StatusCode::OK,
+        ),
+    };
     let Some(message) = message else {
         // Not a call's record (saved before the route was a JSON-RPC one): as it was saved.
         return replay(if resolved {
@@ -70,7 +75,7 @@ pub(super) fn replay_call(saved: Saved, call: &Call) -> Answer {
         (jsonrpc::as_event(&message), "text/event-stream")
     };
     let mut resp = response_of(SavedResponse {
-        status: saved.status,
+        status,
         headers: saved
             .headers
             .into_iter()

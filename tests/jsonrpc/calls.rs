@@ -544,3 +544,54 @@ async fn observe_mode_forwards_every_call_and_counts_what_enforce_would_do() {
         "the keyless call would have been refused"
     );
 }
+
+/// The server's answer is cut after the tool ran: under `keep` (the default) the first client
+/// gets the proxy's `-32095`, and every retry gets it again around its own id; the tool never
+/// runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_after_the_tool_ran_keeps_its_unknown_outcome() {
+    let env = Env::new(Backend::Memory).await;
+    let server = McpServer::start().await;
+    let wire = Relay::start(server.addr).await;
+    let config =
+        yaml(&env, &server, "").replace(&server.addr.to_string(), &wire.addr().to_string());
+    let proxy = env.proxy(&config).await;
+    let started = server.seen.started.notified();
+    tokio::pin!(started);
+    started.as_mut().enable();
+    let accept = "application/json, text/event-stream";
+    let args = r#"{"reference":"R-cut","slow":true}"#;
+    let first = tokio::spawn({
+        let url = proxy.url("/mcp");
+        async move {
+            let body = format!(
+                r#"{{"jsonrpc":"2.0","id":"first","method":"tools/call","params":{{"name":"book","arguments":{args},"_meta":{{"idempotency-key":"key-cut","io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientInfo":{{"name":"raw","version":"1"}},"io.modelcontextprotocol/clientCapabilities":{{}}}}}}}}"#
+            );
+            harness::send(
+                client()
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .header("accept", accept)
+                    .header("mcp-protocol-version", "2026-07-28")
+                    .header("mcp-method", "tools/call")
+                    .header("mcp-name", "book")
+                    .body(body),
+            )
+            .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(5), started)
+        .await
+        .expect("the tool started");
+    wire.reset_all();
+    let first = first.await.expect("the first call");
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    assert_eq!(first.json()["id"], "first");
+    assert_eq!(first.json()["error"]["code"], -32095, "{:?}", first.body);
+    let again = raw_call(&proxy, "7", args, "key-cut", accept).await;
+    assert_eq!(again.status, 200, "{:?}", again.body);
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(again.json()["id"], 7);
+    assert_eq!(again.json()["error"]["code"], -32095, "{:?}", again.body);
+    assert_eq!(server.seen.bookings("R-cut"), 1, "never run twice");
+}

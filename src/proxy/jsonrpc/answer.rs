@@ -36,7 +36,7 @@ use crate::jsonrpc::{self, Call, EventStream, Found};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::SavedResponse;
-use crate::upstream::{self, error_chain};
+use crate::upstream::{self, UpstreamError, error_chain};
 
 /// The MCP session header: a session is the client's, never part of a saved result.
 const MCP_SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
@@ -61,7 +61,18 @@ pub(in crate::proxy) async fn run_call(
         Ok(resp) => resp,
         Err(e) => {
             let (settlement, problem, outcome) = Settlement::of_failure(&context, &e, None, sent);
-            settlement.apply(lease, fingerprint, &context).await;
+            match e {
+                // Nothing was sent, or no whole request: released, as on any route.
+                UpstreamError::Connect(_) | UpstreamError::ClientBody { .. } => {
+                    settlement.apply(lease, fingerprint, &context).await;
+                }
+                // No answer: the call's outcome is unknown, and what `keep` saves is the
+                // call's `-32095`, not a problem document.
+                e => {
+                    let what = format!("no complete answer came: {e}");
+                    unknown(&context, lease, fingerprint, what).await;
+                }
+            }
             return refuse(problem, outcome);
         }
     };
