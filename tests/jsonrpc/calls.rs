@@ -595,3 +595,28 @@ async fn a_call_cut_after_the_tool_ran_keeps_its_unknown_outcome() {
     assert_eq!(again.json()["error"]["code"], -32095, "{:?}", again.body);
     assert_eq!(server.seen.bookings("R-cut"), 1, "never run twice");
 }
+
+/// An answer over `max_response_body` reaches its client whole; a repeat gets `-32096`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_too_large_to_save_reaches_its_client_and_repeats_get_32096() {
+    let env = Env::new(Backend::Memory).await;
+    let server = McpServer::start().await;
+    let proxy = env
+        .proxy(&yaml(&env, &server, "      max_response_body: 40\n"))
+        .await;
+    let accept = "application/json, text/event-stream";
+    let args = r#"{"reference":"R-large"}"#;
+    let first = raw_call(&proxy, "1", args, "key-large", accept).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    assert_eq!(
+        first.json()["result"]["content"][0]["text"],
+        "booked R-large #1",
+        "whole: {:?}",
+        first.body
+    );
+    let again = raw_call(&proxy, "2", args, "key-large", accept).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json()["id"], 2);
+    assert_eq!(again.json()["error"]["code"], -32096, "{:?}", again.body);
+    assert_eq!(server.seen.bookings("R-large"), 1);
+}

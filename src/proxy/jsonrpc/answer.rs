@@ -93,10 +93,18 @@ pub(in crate::proxy) async fn run_call(
     }
     let limit = usize::try_from(idem.max_response_body).unwrap_or(usize::MAX);
     let bytes = match lease.renewing(read_whole(incoming, limit)).await {
-        Ok(bytes) => bytes,
-        Err(what) => {
-            // Too large to keep, or cut: the rest of it is lost to this client too, which is
-            // told so.
+        Read::Whole(bytes) => bytes,
+        Read::Over { prefix, rest } => {
+            // Too large to save: it reaches this client whole, and repeats get `-32096`
+            // (`response-not-replayable`), as on any route.
+            Settlement::of_over(idem, &parts)
+                .apply(lease, fingerprint, &context)
+                .await;
+            let body = upstream::chain(prefix, rest);
+            return (Response::from_parts(parts, body), Outcome::Forwarded);
+        }
+        Read::Failed(what) => {
+            // Cut: the rest of it is lost to this client too, which is told so.
             unknown(&context, lease, fingerprint, what.clone()).await;
             return refuse(
                 Problem::UpstreamFailed {
@@ -113,21 +121,39 @@ pub(in crate::proxy) async fn run_call(
     (first_response(parts, bytes), Outcome::Forwarded)
 }
 
-/// A body read whole, up to `limit` bytes; the error says what came instead.
-async fn read_whole(mut incoming: Body, limit: usize) -> Result<Bytes, String> {
+/// A body read up to a bound.
+enum Read {
+    Whole(Bytes),
+    /// Over the bound: what was read, and the rest still to stream.
+    Over {
+        prefix: Bytes,
+        rest: Body,
+    },
+    /// It failed (cut, timed out): what came instead, in words.
+    Failed(String),
+}
+
+/// Reads a body whole, up to `limit` bytes.
+async fn read_whole(mut incoming: Body, limit: usize) -> Read {
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = incoming.frame().await {
-        let frame = frame.map_err(|e| format!("the response body failed: {}", error_chain(&*e)))?;
-        if let Ok(data) = frame.into_data() {
-            if buf.len() + data.len() > limit {
-                return Err(format!(
-                    "the response was larger than max_response_body ({limit} bytes)"
-                ));
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => {
+                return Read::Failed(format!("the response body failed: {}", error_chain(&*e)));
             }
+        };
+        if let Ok(data) = frame.into_data() {
             buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                return Read::Over {
+                    prefix: buf.freeze(),
+                    rest: incoming,
+                };
+            }
         }
     }
-    Ok(buf.freeze())
+    Read::Whole(buf.freeze())
 }
 
 /// Marks the answer to a claimed call that was a `202` with no body, for the count.
