@@ -129,25 +129,12 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
         code: INVALID_REQUEST,
         detail: detail.to_owned(),
     };
-    let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
-    // Checked as JSON first: a body that is not JSON is a parse error whatever it starts with.
-    if let Err(e) = serde_json::from_slice::<&RawValue>(body) {
-        return Err(Invalid {
-            code: PARSE_ERROR,
-            detail: format!("the body is not JSON: {e}"),
-        });
-    }
-    match first {
-        Some(b'{') => {}
-        Some(b'[') => {
-            return Err(invalid(
-                "a batch (a JSON array) is not accepted on this route: send one call a request",
-            ));
-        }
-        _ => return Err(invalid("the body is not a JSON-RPC 2.0 object")),
-    }
-    let members: HashMap<String, &RawValue> = serde_json::from_slice(body)
-        .map_err(|e| invalid(&format!("the body is not a JSON-RPC 2.0 object: {e}")))?;
+    // One parse on the way every call takes; a body that is not an object is looked at again
+    // only to tell "not JSON" from "not a JSON-RPC object".
+    let members: HashMap<String, &RawValue> = match serde_json::from_slice(body) {
+        Ok(members) => members,
+        Err(e) => return Err(not_an_object(body, &e)),
+    };
     let version: Option<String> = members
         .get("jsonrpc")
         .and_then(|v| serde_json::from_str(v.get()).ok());
@@ -196,6 +183,29 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
         params,
         json: true,
     }))
+}
+
+/// Why a body that is not a JSON object was refused: `-32700` when it is not JSON at all,
+/// `-32600` for a batch or any other JSON value.
+fn not_an_object(body: &[u8], e: &serde_json::Error) -> Invalid {
+    if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        return Invalid {
+            code: PARSE_ERROR,
+            detail: format!("the body is not JSON: {e}"),
+        };
+    }
+    let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
+    let detail = match first {
+        Some(b'[') => {
+            "a batch (a JSON array) is not accepted on this route: send one call a request".into()
+        }
+        Some(b'{') => format!("the body is not a JSON-RPC 2.0 object: {e}"),
+        _ => "the body is not a JSON-RPC 2.0 object".into(),
+    };
+    Invalid {
+        code: INVALID_REQUEST,
+        detail,
+    }
 }
 
 /// The response to a call, found in what the server answered.
