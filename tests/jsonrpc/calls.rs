@@ -620,3 +620,29 @@ async fn an_answer_too_large_to_save_reaches_its_client_and_repeats_get_32096() 
     assert_eq!(again.json()["error"]["code"], -32096, "{:?}", again.body);
     assert_eq!(server.seen.bookings("R-large"), 1);
 }
+
+/// The store down: a claimed call is the JSON-RPC error `-32094` with the call's id and
+/// `Retry-After`, nothing forwarded; other traffic still passes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_is_32094_with_retry_after_and_nothing_forwarded() {
+    let mut env = Env::new(Backend::Redis).await;
+    let server = McpServer::start().await;
+    let proxy = env.proxy(&yaml(&env, &server, "")).await;
+    env.make_store_unreachable();
+    let accept = "application/json, text/event-stream";
+    let down = raw_call(
+        &proxy,
+        r#""s""#,
+        r#"{"reference":"R-down"}"#,
+        "key-down",
+        accept,
+    )
+    .await;
+    assert_eq!(down.status, 200, "{:?}", down.body);
+    assert_eq!(down.header("retry-after"), "1");
+    let doc = down.json();
+    assert_eq!(doc["id"], "s");
+    assert_eq!(doc["error"]["code"], -32094, "{:?}", down.body);
+    assert_eq!(doc["error"]["data"]["status"], 503);
+    assert_eq!(server.seen.bookings("R-down"), 0, "nothing forwarded");
+}
