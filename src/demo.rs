@@ -103,8 +103,9 @@ pub(crate) async fn run(
 }
 
 /// The demo's configuration: the embedded store, `POST /bookings` idempotent, a Standard
-/// Webhooks route (its secret in `webhook_secrets`), everything else passed through to the mock
-/// booking service, and the admin listener.
+/// Webhooks route (its secret in `webhook_secrets`), an MCP route whose tool calls are claimed
+/// by the key in their `_meta`, everything else passed through to the mock booking service, and
+/// the admin listener.
 fn demo_config(
     listen: SocketAddr,
     upstream: SocketAddr,
@@ -148,6 +149,13 @@ routes:
     webhook:
       provider: standard
       secrets_file: {webhook_secrets}
+  - name: mcp-tools
+    path: /mcp
+    upstream: booking
+    jsonrpc:
+      methods: [tools/call]
+    idempotency:
+      key_from: ["json:/params/_meta/idempotency-key"]
   - name: everything-else
     path: /*
     upstream: booking
@@ -220,6 +228,11 @@ curl -s {p}/_mock/stats; echo
 #    The handler runs once ("deliveries":1); the second gets its answer replayed (Idempotent-Replayed: true).
 ts=$(date +%s); body='{{"type":"booking.paid","booking":"bk_1"}}'; sig=$(printf '%s' "evt_demo_1.$ts.$body" | openssl dgst -sha256 -mac HMAC -macopt hexkey:{DEMO_WEBHOOK_KEY_HEX} -binary | base64)
 for i in 1 2; do curl -i -X POST {p}/webhooks/standard -H 'webhook-id: evt_demo_1' -H "webhook-timestamp: $ts" -H "webhook-signature: v1,$sig" -H 'Content-Type: application/json' -d "$body"; echo; done
+
+# 8. An MCP tool call (JSON-RPC): the key in _meta, sent again as an agent retries it, as a new call with another id.
+#    One booking; the second answer is the first result around its own id ("id":2), with Idempotent-Replayed: true.
+curl -i -X POST {p}/mcp -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' -d '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"7C"}},"_meta":{{"idempotency-key":"agent-run-1"}}}}}}'
+curl -i -X POST {p}/mcp -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"7C"}},"_meta":{{"idempotency-key":"agent-run-1"}}}}}}'
 
 Ctrl-C stops both.
 "#

@@ -15,6 +15,21 @@ pub type Fingerprint = [u8; 32];
 
 /// Computes the fingerprint of a request whose body has been read.
 pub fn compute(parts: &[FingerprintPart], head: &Parts, body: &[u8]) -> Fingerprint {
+    hasher(parts, head, body).finalize().into()
+}
+
+/// The fingerprint of a JSON-RPC call (SPEC §4.10): the route's parts of the request head (a
+/// `jsonrpc` route lists no body part), then the call's own bytes (its method and canonical
+/// params, `jsonrpc::Call::fingerprint_bytes`), under a tag of their own.
+pub fn of_call(parts: &[FingerprintPart], head: &Parts, call: &[u8]) -> Fingerprint {
+    let mut h = hasher(parts, head, b"");
+    h.update([b'c']);
+    h.update((call.len() as u64).to_be_bytes());
+    h.update(call);
+    h.finalize().into()
+}
+
+fn hasher(parts: &[FingerprintPart], head: &Parts, body: &[u8]) -> Sha256 {
     let mut h = Sha256::new();
     h.update(b"idemproxy-fp-v1");
     let mut field = |tag: u8, bytes: &[u8]| {
@@ -42,7 +57,7 @@ pub fn compute(parts: &[FingerprintPart], head: &Parts, body: &[u8]) -> Fingerpr
             }
         }
     }
-    h.finalize().into()
+    h
 }
 
 #[cfg(test)]

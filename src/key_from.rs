@@ -279,6 +279,12 @@ pub(crate) fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Writes `v` as canonical JSON (see [`canonical_json`]): a JSON-RPC call's `params` are
+/// compared this way.
+pub(crate) fn canonical_value(v: &serde_json::Value, out: &mut Vec<u8>) {
+    write_canonical(v, out);
+}
+
 fn write_canonical(v: &serde_json::Value, out: &mut Vec<u8>) {
     match v {
         serde_json::Value::Null => out.extend_from_slice(b"null"),

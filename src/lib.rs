@@ -13,6 +13,8 @@
 //!   observe — over the configuration in force, which a reload swaps whole.
 //! - [`admin`]: what the admin listener answers — health, readiness, metrics, key tooling.
 //! - [`webhook`]: a webhook delivery's signature checked and its event id read (SPEC §4.9).
+//! - [`jsonrpc`]: a JSON-RPC call read, the response to it found, the proxy's answers as
+//!   JSON-RPC errors (SPEC §4.10).
 //! - [`problem`]: every answer the proxy makes itself, as problem+json, from one kind table.
 //! - [`upstream`]: pooled clients, header rewriting, deadlines, failure classification.
 //! - [`store`]: the `Store` trait and its four backends (memory, SQLite, PostgreSQL, Redis).
@@ -39,6 +41,7 @@ pub mod admin;
 pub mod body;
 pub mod config;
 pub mod fingerprint;
+pub mod jsonrpc;
 pub mod key;
 pub mod key_from;
 pub mod metrics;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use http::header::{CONTENT_TYPE, HOST};
+use http::header::{ACCEPT, CONTENT_TYPE, HOST};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
@@ -150,6 +150,10 @@ pub(crate) enum Key {
     Unique { prefix: Arc<str> },
     /// No key header: a Standard Webhooks delivery per request, a new event id each, signed.
     Signed(Arc<Signer>),
+    /// No key header: a JSON-RPC `tools/call` of the mock's `echo` tool per request, the body
+    /// its arguments, the request's ticket its `id` (a new id every time, as agents retry), and
+    /// in `_meta` the key `prefix` (`fixed`: the same every time) or `prefix` and the ticket.
+    Call { prefix: Arc<str>, fixed: bool },
 }
 
 /// What every request of a load run looks like: `POST path` with a JSON body.
@@ -187,9 +191,33 @@ impl RequestSpec {
                     headers.insert(name, value);
                 }
             }
+            Key::Call { prefix, fixed } => {
+                headers.insert(
+                    ACCEPT,
+                    HeaderValue::from_static("application/json, text/event-stream"),
+                );
+                let key = if *fixed {
+                    prefix.to_string()
+                } else {
+                    format!("{prefix}{ticket:012x}")
+                };
+                *request.body_mut() = Full::new(call_body(ticket, &key, &self.body));
+            }
         }
         request
     }
+}
+
+/// A `tools/call` of `echo` with `arguments` (JSON), `id` the ticket and `key` in `_meta`.
+fn call_body(ticket: u64, key: &str, arguments: &[u8]) -> Bytes {
+    let mut body = Vec::with_capacity(arguments.len() + key.len() + 120);
+    body.extend_from_slice(
+        format!(r#"{{"jsonrpc":"2.0","id":{ticket},"method":"tools/call","params":{{"name":"echo","arguments":"#)
+            .as_bytes(),
+    );
+    body.extend_from_slice(arguments);
+    body.extend_from_slice(format!(r#","_meta":{{"idempotency-key":"{key}"}}}}}}"#).as_bytes());
+    Bytes::from(body)
 }
 
 /// `prefix` and the ticket number in hex: unique as long as the prefix is.

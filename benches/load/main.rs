@@ -74,8 +74,8 @@ use client::{Expect, Key, LoadPlan, RequestSpec};
 use cores::Part;
 use pg::Postgres;
 use procs::{
-    CpuMeter, IDEMPOTENT_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH, Proxy, Redis,
-    Routes, StoreConfig, WEBHOOK_PATH,
+    CpuMeter, IDEMPOTENT_PATH, JSONRPC_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH,
+    Proxy, Redis, Routes, StoreConfig, WEBHOOK_PATH,
 };
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
@@ -472,6 +472,8 @@ impl Bench {
             },
             Target::SqliteCeiling => self.sqlite_ceiling(s),
             Target::Webhook(store) => self.webhook(s, store),
+            Target::JsonRpcNew(store) => self.jsonrpc(s, store, false),
+            Target::JsonRpcReplay(store) => self.jsonrpc(s, store, true),
             Target::Resolve(store) => self.resolve(s, store),
             Target::Churn(store) => self.churn(s, store),
             Target::Fill => self.fill(s),
@@ -683,7 +685,7 @@ impl Bench {
         key: Key,
         server: Server<'_>,
     ) -> Result<Done, String> {
-        let replayed = matches!(key, Key::Fixed(_));
+        let replayed = matches!(key, Key::Fixed(_) | Key::Call { fixed: true, .. });
         let expect = self.expect(s, replayed);
         let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
         let server_part = match &server {
@@ -899,6 +901,50 @@ impl Bench {
         let key = Key::Signed(Arc::new(signer));
         self.check_deliveries(s, proxy.addr, &key)?;
         self.timed(s, proxy.addr, WEBHOOK_PATH, key, Server::Proxy(&mut proxy))
+    }
+
+    /// Tool calls on a JSON-RPC route: a new key in `_meta` per call (`replay` false), or one
+    /// finished call repeated with a new `id` each time, which must reach the upstream once.
+    fn jsonrpc(&self, s: &Scenario, store: Store, replay: bool) -> Result<Done, String> {
+        let Some(config) = self.store_config(s, store)? else {
+            return Ok(Done::skipped(s, store.missing()));
+        };
+        let routes = Routes {
+            jsonrpc: true,
+            ..Routes::plain("24h")
+        };
+        let mut proxy = self.start_proxy_with(s.name, &config, &routes)?;
+        let space = self.key_spaces.get();
+        self.key_spaces.set(space + 1);
+        let prefix: Arc<str> = format!("call-{:016x}-{space:06x}-", self.nonce).into();
+        let key = Key::Call {
+            prefix,
+            fixed: replay,
+        };
+        if replay {
+            let spec = self.spec(proxy.addr, JSONRPC_PATH, key.clone(), false);
+            let first = self
+                .rt
+                .block_on(client::send_once(proxy.addr, spec.build(u64::MAX >> 16)))?;
+            self.expect(s, false)
+                .check(&first)
+                .map_err(|e| format!("the first call of the replayed key: {e}"))?;
+        }
+        let mut done = self.timed(s, proxy.addr, JSONRPC_PATH, key, Server::Proxy(&mut proxy))?;
+        if replay && let Some(mock) = self.upstream.mock() {
+            let forwarded = self.rt.block_on(storm::mock_stats(mock.addr))?["total"]
+                .as_u64()
+                .unwrap_or(0);
+            if forwarded != 1 {
+                println!("  FAIL: the upstream was called {forwarded} times for one replayed call");
+                done.failed = true;
+                done.summary.push(format!(
+                    "{}: FAIL: {forwarded} upstream calls for one key",
+                    s.name
+                ));
+            }
+        }
+        Ok(done)
     }
 
     /// A signed delivery is forwarded and, sent again, replayed; a forged one is refused.

@@ -361,6 +361,9 @@ pub(crate) const PASSTHROUGH_PATH: &str = "/echo/pass";
 /// The webhook route's path: a mock echo path of the same length, so the upstream does the
 /// same work for a delivery as for a new key.
 pub(crate) const WEBHOOK_PATH: &str = "/echo/hook";
+/// The JSON-RPC route's path: the mock's MCP server, whose `echo` tool does the echo paths'
+/// work.
+pub(crate) const JSONRPC_PATH: &str = "/mcp";
 /// The resolve route's path: the mock books there (`POST /reservations` books as `/bookings`
 /// does), and its lookup by reference finds the booking.
 pub(crate) const RESOLVE_PATH: &str = "/reservations";
@@ -390,6 +393,8 @@ pub(crate) struct Routes<'a> {
     /// A route at [`RESOLVE_PATH`] under `on_unknown_outcome: resolve` (see `resolve`), and an
     /// admin listener for its counters.
     pub resolve: bool,
+    /// A JSON-RPC route at [`JSONRPC_PATH`] claiming `tools/call`, the key in `_meta`.
+    pub jsonrpc: bool,
 }
 
 impl Routes<'_> {
@@ -399,6 +404,7 @@ impl Routes<'_> {
             ttl,
             webhook_secrets: None,
             resolve: false,
+            jsonrpc: false,
         }
     }
 }
@@ -560,6 +566,22 @@ fn extra_routes(upstream: SocketAddr, routes: &Routes<'_>) -> (String, String) {
       max_response_body: 1MiB
 ",
             secrets.display()
+        ));
+    }
+    if routes.jsonrpc {
+        lines.push_str(&format!(
+            "  - name: jsonrpc
+    methods: [POST]
+    path: {JSONRPC_PATH}
+    upstream: mock
+    jsonrpc:
+      methods: [tools/call]
+    idempotency:
+      key_from: [\"json:/params/_meta/idempotency-key\"]
+      ttl: {ttl}
+      lock_ttl: 10s
+      max_response_body: 1MiB
+"
         ));
     }
     if routes.resolve {

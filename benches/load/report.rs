@@ -368,6 +368,18 @@ const PAIRS: &[Pair] = &[
         named: "new-key/postgres",
         target: Some(0.9),
     },
+    Pair {
+        row: "jsonrpc-new/memory",
+        over: "new-key/memory",
+        named: "new-key/memory",
+        target: Some(0.85),
+    },
+    Pair {
+        row: "jsonrpc-replay/memory",
+        over: "replay/memory",
+        named: "replay/memory",
+        target: Some(0.85),
+    },
 ];
 
 /// Each pair's ratio among `rows` (one round's), for the pairs whose two rows both ran.

@@ -3,7 +3,10 @@
 use Store::{Memory, Redis};
 
 use crate::pgbench::Script;
-use Target::{Direct, Fill, NewKey, Nginx, Observe, Passthrough, Replay, Resolve, Storm, Webhook};
+use Target::{
+    Direct, Fill, JsonRpcNew, JsonRpcReplay, NewKey, Nginx, Observe, Passthrough, Replay, Resolve,
+    Storm, Webhook,
+};
 
 /// Which store a proxy scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +60,10 @@ pub(crate) enum Target {
     SqliteCeiling,
     /// A Standard Webhooks route, a new event id on every delivery, each signed.
     Webhook(Store),
+    /// A JSON-RPC route: a `tools/call` with a new key in `_meta` per request.
+    JsonRpcNew(Store),
+    /// A JSON-RPC route: one finished call, repeated with a new `id` per request.
+    JsonRpcReplay(Store),
     /// A route under `on_unknown_outcome: resolve`: a bounded number of requests whose answer
     /// is lost after the upstream acted, then the wait until each is resolved.
     Resolve(Store),
@@ -84,6 +91,7 @@ impl Scenario {
                 Some(s)
             }
             Target::Churn(s) | Target::Webhook(s) | Target::Resolve(s) => Some(s),
+            Target::JsonRpcNew(s) | Target::JsonRpcReplay(s) => Some(s),
             Target::Ceiling(_) => Some(Store::Postgres),
             Target::SqliteCeiling => Some(Store::Sqlite),
             Target::Fill => Some(Store::Memory),
@@ -105,7 +113,12 @@ impl Scenario {
     fn wants_baselines(&self) -> bool {
         matches!(
             self.target,
-            Target::NewKey(_) | Target::Observe(_) | Target::Replay(_) | Target::Webhook(_)
+            Target::NewKey(_)
+                | Target::Observe(_)
+                | Target::Replay(_)
+                | Target::Webhook(_)
+                | Target::JsonRpcNew(_)
+                | Target::JsonRpcReplay(_)
         )
     }
 
@@ -123,10 +136,12 @@ impl Scenario {
         }
     }
 
-    /// The scenario it is compared with: new keys on the same store, for a webhook row.
+    /// The scenario it is compared with: new keys on the same store, for a webhook row or a
+    /// new JSON-RPC call; replays, for a JSON-RPC replay.
     fn reference(&self) -> Option<Target> {
         match self.target {
-            Webhook(store) => Some(NewKey(store)),
+            Webhook(store) | JsonRpcNew(store) => Some(NewKey(store)),
+            JsonRpcReplay(store) => Some(Replay(store)),
             _ => None,
         }
     }
@@ -228,6 +243,12 @@ pub(crate) const ALL: &[Scenario] = &[
         "a Standard Webhooks route, a new signed event id per delivery",
     ),
     scenario(
+        "jsonrpc-new/memory",
+        JsonRpcNew(Memory),
+        false,
+        "a JSON-RPC tools/call per request, a new key in _meta",
+    ),
+    scenario(
         "replay/memory",
         Replay(Memory),
         false,
@@ -250,6 +271,12 @@ pub(crate) const ALL: &[Scenario] = &[
         Replay(Store::Postgres),
         false,
         "one finished key, replayed",
+    ),
+    scenario(
+        "jsonrpc-replay/memory",
+        JsonRpcReplay(Memory),
+        false,
+        "one finished tools/call, repeated with a new id each time",
     ),
     scenario(
         "pgbench-read/postgres",

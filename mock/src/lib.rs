@@ -15,6 +15,7 @@
 //! | --- | --- | --- |
 //! | `POST /bookings` | `201 Created`, a new booking `bk_N` (`N` = 1, 2, … never reused), with `Location: /bookings/bk_N`, `ETag`, `X-Booking-Id: bk_N` and the body `{"id":"bk_N","seq":N,"request":…}` (the request body, embedded as JSON if it is JSON, else as a string) | yes |
 //! | `POST /reservations` | the same as `POST /bookings` (one store of bookings): a second path, for a proxy route of its own in front of it | yes |
+//! | `POST /mcp` | a minimal MCP server (Streamable HTTP, JSON answers): `initialize`, `tools/list`, and `tools/call` of its one tool `book`, which makes a booking as `POST /bookings` does (its arguments are the booking's request) and answers `booked bk_N`; a notification gets `202` | yes |
 //! | `GET /bookings/{id}` | `200` with the stored booking, or `404` | yes |
 //! | `GET /bookings/by-reference/{reference}` | `200` with the first booking whose request body's `reference` (a JSON string) is `{reference}` (percent-decoded), as `GET /bookings/{id}` answers it; `404` `{"error":"no booking with this reference","reference":…}` when there is none (yet: see `X-Mock-Commit-After`) | yes |
 //! | `POST /webhooks/{provider}` | `200` `{"received":true,"provider":…,"event_id":…,"deliveries":N}`: a webhook handler that counts deliveries per event id (`N`: this id's count so far; `event_id` `null` when the delivery has none), read where the provider puts it (`standard`: `webhook-id`; `github`: `X-GitHub-Delivery`; `shopify`: `X-Shopify-Webhook-Id`; `stripe`: the body's `id`; `slack`: the body's `event_id`; another name: `webhook-id`, else the body's `id`, else its `event_id`). It verifies no signature: the proxy does | yes |
@@ -100,9 +101,11 @@
 //! - `body`: [`MockBody`], the response body, and [`body_pattern`].
 //! - `query`: percent-decoding a query parameter (`/_mock/calls?key=K`) and a path segment.
 //! - `webhook`: where each provider puts a webhook delivery's event id.
+//! - `mcp`: `POST /mcp`, a minimal MCP server whose `book` tool makes a booking.
 
 mod body;
 mod directives;
+mod mcp;
 mod query;
 mod reply;
 mod state;
@@ -233,6 +236,9 @@ fn route(state: &MockUpstream, parts: &Parts, body: &Bytes, directives: &Directi
     // of its own (another policy) in front of the same bookings.
     if parts.method == Method::POST && (path == "/bookings" || path == "/reservations") {
         return state.create_booking(body, directives.commit_after);
+    }
+    if parts.method == Method::POST && path == "/mcp" {
+        return mcp::answer(state, body);
     }
     if parts.method == Method::GET {
         if let Some(raw) = segment("/bookings/by-reference/") {

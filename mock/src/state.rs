@@ -15,7 +15,7 @@ use crate::reply::{Reply, body_json};
 
 /// The header whose value the mock counts side effects under.
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
-const X_BOOKING_ID: &str = "x-booking-id";
+pub(crate) const X_BOOKING_ID: &str = "x-booking-id";
 
 /// The state of a mock upstream: its side-effect counters and stored bookings.
 ///

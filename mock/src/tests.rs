@@ -294,3 +294,35 @@ async fn reservations_book_as_bookings_do_into_the_same_store() {
     assert_eq!(found["id"], made["id"]);
     assert_eq!(mock.stats().by_reference.get("R-9"), Some(&1));
 }
+
+#[tokio::test]
+async fn the_mcp_tool_books_once_per_call() {
+    let mock = MockUpstream::new();
+    let call = |id: u32| {
+        let body = format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"3F"}}}}}}"#
+        );
+        http::Request::post("/mcp")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .expect("a request")
+    };
+    let answer = mock.handle(call(7)).await.expect("an answer");
+    assert_eq!(answer.status(), http::StatusCode::OK);
+    let body = http_body_util::BodyExt::collect(answer.into_body())
+        .await
+        .expect("the body")
+        .to_bytes();
+    let doc: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    assert_eq!(doc["id"], 7);
+    assert_eq!(doc["result"]["content"][0]["text"], "booked bk_1");
+    assert_eq!(mock.bookings(), 1);
+    let note = http::Request::post("/mcp")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(
+            br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+        )))
+        .expect("a request");
+    let answer = mock.handle(note).await.expect("an answer");
+    assert_eq!(answer.status(), http::StatusCode::ACCEPTED);
+    assert_eq!(mock.bookings(), 1);
+}

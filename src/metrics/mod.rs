@@ -18,11 +18,13 @@
 //! when it is opened ([`Metrics::store_series`]). So a proxy exports the series of the store it
 //! uses and no other's, and a bare [`Metrics::new`] exports none.
 
+mod jsonrpc;
 mod observed;
 mod resolved;
 mod routes;
 mod summed;
 
+pub use jsonrpc::CallResult;
 pub use observed::{ObservedMetrics, Unclaimed, Would};
 pub use resolved::{LookupAnswer, Resolution, ResolvedMetrics};
 pub use routes::{RouteKind, RouteMetrics};
@@ -273,6 +275,7 @@ pub struct Metrics {
     /// The [`StoreSeries`] registered so far, one of each type.
     store_series: Mutex<Vec<Box<dyn Any + Send + Sync>>>,
     routes: routes::RouteFamilies,
+    jsonrpc: jsonrpc::JsonRpcFamilies,
     observed: observed::ObservedFamilies,
     resolved: resolved::ResolvedFamilies,
     upstream_duration: Family<UpstreamLabel, Histogram, Buckets>,
@@ -409,6 +412,7 @@ impl Metrics {
                 Gauge::default(),
             ),
             routes,
+            jsonrpc: jsonrpc::JsonRpcFamilies::register(r),
             observed: observed::ObservedFamilies::register(r),
             resolved: resolved::ResolvedFamilies::register(r),
             upstream_duration,
@@ -469,6 +473,28 @@ impl Metrics {
     /// `bad_signature`, `stale`, `missing_signature`).
     pub(crate) fn webhook(&self, route: &str, result: &'static str) {
         self.routes.webhook(route, result);
+    }
+
+    /// Counts a `POST` on a JSON-RPC route by its method and what became of it; `claimed`:
+    /// the route's claimed methods (see `metrics::jsonrpc` for the `method` label).
+    pub(crate) fn jsonrpc_call(
+        &self,
+        route: &str,
+        method: &str,
+        claimed: &[String],
+        result: CallResult,
+    ) {
+        self.jsonrpc.call(route, method, claimed, result);
+    }
+
+    /// Registers a JSON-RPC route's series, at 0 (`claimed`: its claimed methods).
+    pub(crate) fn jsonrpc_route(&self, route: &str, claimed: &[String]) {
+        self.jsonrpc.route(route, claimed);
+    }
+
+    /// Counts a claimed call answered `202` with no body (released).
+    pub(crate) fn jsonrpc_unanswered(&self, route: &str) {
+        self.jsonrpc.unanswered(route);
     }
 
     /// Counts a reload that changed how `route`'s key or fingerprint is made (`field`).

@@ -373,24 +373,53 @@ impl Problem {
         document(&self.kind(), &self.detail())
     }
 
-    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
-        let mut h = vec![content_type()];
+    /// The kind's title.
+    pub fn title(&self) -> &'static str {
+        self.kind().title
+    }
+
+    /// The document as a JSON value, with `retry_after` (seconds) where the answer has a
+    /// `Retry-After`: the `data` of a JSON-RPC error (SPEC §4.10).
+    pub fn document(&self) -> serde_json::Value {
+        let kind = self.kind();
+        let mut doc = serde_json::json!({
+            "type": format!("{TYPE_PREFIX}{}", kind.slug),
+            "title": kind.title,
+            "status": kind.status.as_u16(),
+            "detail": self.detail(),
+        });
+        if let (Some(secs), Some(map)) = (self.retry_after(), doc.as_object_mut()) {
+            map.insert("retry_after".into(), secs.into());
+        }
+        doc
+    }
+
+    /// The `Retry-After` of the answer, in whole seconds (at least 1), where it has one.
+    pub fn retry_after(&self) -> Option<u64> {
         let retry_after = match self {
             Problem::InProgress { retry_after } => Some(*retry_after),
             // A store outage is usually short; a client retrying with the same key is safe.
             Problem::StoreUnavailable { .. } | Problem::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
         };
-        if let Some(after) = retry_after {
-            // Whole seconds, at least 1 (Retry-After has no fractions).
-            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+        // Whole seconds, at least 1 (Retry-After has no fractions).
+        retry_after.map(|after| after.as_secs_f64().ceil().max(1.0) as u64)
+    }
+
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let mut h = vec![content_type()];
+        if let Some(secs) = self.retry_after() {
             h.push((header::RETRY_AFTER, HeaderValue::from(secs)));
         }
         h
     }
 
+    /// The problem+json answer. It carries the problem in its extensions (never sent), so a
+    /// route kind that answers in its own protocol (a JSON-RPC call's error) can render it.
     pub fn response(&self) -> Response<Body> {
-        respond(self.status(), self.body(), self.headers())
+        let mut resp = respond(self.status(), self.body(), self.headers());
+        resp.extensions_mut().insert(self.clone());
+        resp
     }
 
     /// The problem as a response to save: with `on_unknown_outcome: keep`, a 502/504 problem

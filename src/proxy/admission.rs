@@ -2,6 +2,8 @@
 //! valid key, a body within bounds — and the fingerprint that tells a repeat from a different
 //! request. Every refusal here happens before the claim, so it holds no key.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
@@ -11,6 +13,7 @@ use hyper::body::Incoming;
 use super::context::Context;
 use super::resolve::{Lookup, render_lookup};
 use crate::fingerprint::{self, Fingerprint};
+use crate::jsonrpc::Call;
 use crate::key::{self, KeyError, StoreKey};
 use crate::key_from;
 use crate::metrics::Outcome;
@@ -30,6 +33,9 @@ pub(crate) struct Admitted {
     /// On a route under `on_unknown_outcome: resolve`, its lookup for this request, rendered
     /// before the claim so that the claim can carry it.
     pub lookup: Option<Lookup>,
+    /// On a JSON-RPC route, the call (SPEC §4.10): its answer is read, saved and replayed as
+    /// the call's.
+    pub call: Option<Arc<Call>>,
 }
 
 /// Where an admitted request's key came from, as the request log's `key_source` says it.
@@ -171,6 +177,7 @@ pub(super) fn webhook_delivery(
         fingerprint,
         origin,
         lookup,
+        call: None,
     })
 }
 
@@ -237,8 +244,11 @@ pub(super) fn with_body(
             let derived =
                 key_from::derived_key(&idem.key_from, &values, &idem.scope, &parts.headers);
             // With forward_key, the upstream gets the derived key in the key header, as a
-            // caller's key would arrive: a stable value that differs between callers.
+            // caller's key would arrive: a stable value that differs between callers. A key
+            // header a JSON-RPC call sent all the same (its key comes from `key_from` alone) is
+            // forwarded as it came.
             if idem.forward_key
+                && !parts.headers.contains_key(&idem.header)
                 && let Ok(v) = HeaderValue::from_str(&derived)
             {
                 parts.headers.insert(idem.header.clone(), v);
@@ -274,7 +284,24 @@ pub(super) fn with_body(
         body,
         fingerprint,
         origin,
+        call: None,
     })
+}
+
+/// Where a JSON-RPC call's key comes from (SPEC §4.10): `key_from` alone when the route writes
+/// it (a key header is then forwarded as any header, so a session-wide header cannot make two
+/// calls one), else the key header, as [`check_head`] reads it.
+pub(super) fn call_key_source(
+    idem: &IdempotencySettings,
+    parts: &Parts,
+) -> Result<KeySource, (Problem, Outcome)> {
+    if idem.key_from.is_empty() {
+        return check_head(idem, parts);
+    }
+    if let Some(header) = named_in_connection(idem, &parts.headers) {
+        return Err((Problem::HopByHopConflict { header }, Outcome::InvalidKey));
+    }
+    Ok(KeySource::Derive)
 }
 
 /// What the request head alone decides, before any body byte is read or anything is claimed:

@@ -12,9 +12,10 @@ use tokio::time::Instant;
 use super::admission::Admitted;
 use super::context::Context;
 use super::detach::Attachment;
+use super::jsonrpc::run_call;
 use super::lease::Lease;
 use super::matched::{Answer, forward_plain, refuse};
-use super::replay::replay;
+use super::replay::{replay, replay_call};
 use super::resolve::{Lookup, StoreClock, take_over};
 use super::settle::Settlement;
 use crate::body::{self, Body};
@@ -95,7 +96,12 @@ impl Exchange {
                 return refuse(problem, Outcome::Mismatch);
             }
             match existing {
-                Record::Done { saved, .. } => return replay(saved),
+                Record::Done { saved, .. } => {
+                    return match &self.request.call {
+                        Some(call) => replay_call(saved, call),
+                        None => replay(saved),
+                    };
+                }
                 // A claim that can be resolved is in flight too, or being resolved: either way
                 // the operation may have run, so a repeat waits or gets 409.
                 Record::InFlight { .. } | Record::Resolvable(_) => {
@@ -261,9 +267,24 @@ impl Exchange {
             fingerprint,
             origin: _,
             lookup,
+            call,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
         let mut lease = context.lease(key, held, claimed_at);
+        if let Some(call) = call {
+            // A JSON-RPC call: its answer is read for the response to the call, which may
+            // come on an event stream (SPEC §4.10).
+            let sent = Instant::now() + up.connect_timeout();
+            return match up.request(parts, body, context.client, context.drop_key()) {
+                Ok(req) => run_call(context, call, lease, fingerprint, req, sent).await,
+                Err(e) => {
+                    let (settlement, problem, outcome) =
+                        Settlement::of_failure(&context, &e, None, sent);
+                    settlement.apply(lease, fingerprint, &context).await;
+                    refuse(problem, outcome)
+                }
+            };
+        }
         // Under `release` the upstream is trusted to honour the forwarded key, so a request
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.

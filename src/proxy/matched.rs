@@ -64,6 +64,9 @@ impl Route {
                 if r.webhook.is_some() {
                     metrics.webhook_route(&r.name);
                 }
+                if let Some(jsonrpc) = &r.jsonrpc {
+                    metrics.jsonrpc_route(&r.name, &jsonrpc.methods);
+                }
                 let kind = match r.idempotency {
                     Some(_) => RouteKind::Idempotent,
                     None => RouteKind::Passthrough,

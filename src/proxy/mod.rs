@@ -50,6 +50,7 @@ mod context;
 mod detach;
 mod exchange;
 mod generation;
+mod jsonrpc;
 mod keys;
 mod lease;
 mod matched;
@@ -315,6 +316,9 @@ impl Proxy {
         } = &*context;
         if let Some(settings) = &route.settings.webhook {
             return self.webhook(&context, settings, parts, incoming).await;
+        }
+        if let Some(settings) = &route.settings.jsonrpc {
+            return self.jsonrpc(&context, settings, parts, incoming).await;
         }
         if let Some(observed) = &route.observed {
             let req = Request::from_parts(parts, incoming);

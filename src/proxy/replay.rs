@@ -6,6 +6,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use super::matched::{Answer, refuse};
 use crate::body::{self, Body};
+use crate::jsonrpc::{self, Call};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Saved, SavedResponse};
@@ -37,6 +38,58 @@ pub(super) fn replay(saved: Saved) -> Answer {
             refuse(Problem::NotReplayable { status }, Outcome::NotReplayable)
         }
     }
+}
+
+/// The answer to a repeat of a finished JSON-RPC call (SPEC §4.10): the saved status and
+/// headers, and the saved `result` or `error` in an envelope around the repeat's own `id`, as
+/// `application/json` when the repeat takes it, else as a one-event `text/event-stream`.
+pub(super) fn replay_call(saved: Saved, call: &Call) -> Answer {
+    let (saved, resolved) = match saved {
+        Saved::Response(saved) => (saved, false),
+        Saved::Resolved(saved) => (saved, true),
+        Saved::NotReplayable { status } => {
+            return refuse(Problem::NotReplayable { status }, Outcome::NotReplayable);
+        }
+    };
+    // A problem saved in place of a result (`result-not-kept`) is the call's error too, and
+    // answered as the proxy's own answers to a call are: `200`.
+    let (message, status) = match jsonrpc::replay_body(call, &saved.body) {
+        Some(message) => (Some(message), saved.status),
+        None => (
+            jsonrpc::member_of_document(&saved.body)
+                .and_then(|member| jsonrpc::replay_body(call, &member)),
+            http::StatusCode::OK,
+        ),
+    };
+    let Some(message) = message else {
+        // Not a call's record (saved before the route was a JSON-RPC one): as it was saved.
+        return replay(if resolved {
+            Saved::Resolved(saved)
+        } else {
+            Saved::Response(saved)
+        });
+    };
+    let (body, content_type) = if call.wants_json() {
+        (message, "application/json")
+    } else {
+        (jsonrpc::as_event(&message), "text/event-stream")
+    };
+    let mut resp = response_of(SavedResponse {
+        status,
+        headers: saved
+            .headers
+            .into_iter()
+            .filter(|(name, _)| *name != header::CONTENT_TYPE)
+            .collect(),
+        body,
+    });
+    let headers = resp.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(REPLAYED, HeaderValue::from_static("true"));
+    if resolved {
+        headers.insert(RESOLVED, HeaderValue::from_static("true"));
+    }
+    (resp, Outcome::Replayed)
 }
 
 /// A response made of saved parts; `Content-Length` follows the body.

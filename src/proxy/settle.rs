@@ -66,6 +66,9 @@ enum Why {
     Unknown { error: String, kept: Option<u16> },
     /// No complete response on a `resolve` route: the key is held while the upstream is asked.
     Resolving { error: String },
+    /// No response to a JSON-RPC call (`what` came instead). `kept`: the proxy's `-32095` was
+    /// saved as its result (`keep`); false: released.
+    CallUnknown { what: String, kept: bool },
 }
 
 impl Settlement {
@@ -171,6 +174,43 @@ impl Settlement {
         (settlement, problem, Outcome::UpstreamError)
     }
 
+    /// A JSON-RPC call's response (SPEC §4.10): `saved` (its `result` or `error` member, with
+    /// the status and headers) completes the key, unless `release` (an error code in
+    /// `retry_errors`, a result that asks for input).
+    pub(super) fn of_call(saved: SavedResponse, release: bool) -> Settlement {
+        if release {
+            return Settlement::new(Action::Release, None);
+        }
+        Settlement::new(Action::Complete(Saved::Response(saved)), None)
+    }
+
+    /// A JSON-RPC call's answer that is not its result (a `4xx`, a `retry_statuses` status, a
+    /// `202` with no body): the key is freed.
+    pub(super) fn not_the_call_result() -> Settlement {
+        Settlement::new(Action::Release, None)
+    }
+
+    /// A JSON-RPC call whose outcome is unknown (a `5xx`, an answer without the response to
+    /// the call, a stream cut before it): `keep` saves `error` (the proxy's `-32095`, the
+    /// detail saying what came; `resolve`, refused on these routes, saves it too), `release`
+    /// frees the key.
+    pub(super) fn of_call_unknown(
+        idem: &IdempotencySettings,
+        error: SavedResponse,
+        what: String,
+    ) -> Settlement {
+        match idem.on_unknown_outcome {
+            OnUnknownOutcome::Release => Settlement::new(
+                Action::Release,
+                Some(Why::CallUnknown { what, kept: false }),
+            ),
+            OnUnknownOutcome::Keep | OnUnknownOutcome::Resolve => Settlement::new(
+                Action::Complete(Saved::Response(error)),
+                Some(Why::CallUnknown { what, kept: true }),
+            ),
+        }
+    }
+
     /// Carries it out on the held claim: completes it with the result under `fingerprint`
     /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
     /// it.
@@ -262,6 +302,16 @@ impl Why {
                 upstream = up,
                 %error,
                 "outcome unknown; key held while the upstream is asked (on_unknown_outcome: resolve)"
+            ),
+            Why::CallUnknown { what, kept: true } => tracing::warn!(
+                %route,
+                upstream = up,
+                "no response to the JSON-RPC call ({what}); outcome unknown, its -32095 error saved as the call's result (on_unknown_outcome: keep)"
+            ),
+            Why::CallUnknown { what, kept: false } => tracing::warn!(
+                %route,
+                upstream = up,
+                "no response to the JSON-RPC call ({what}); outcome unknown, claim released (on_unknown_outcome: release)"
             ),
             Why::Unknown { error, kept: None } => tracing::warn!(
                 %route,

@@ -10,10 +10,12 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 
+mod jsonrpc;
 mod lookup;
 mod normalise;
 mod webhook;
 
+pub use jsonrpc::JsonRpcSettings;
 pub use lookup::{LookupTemplate, Piece, ResolveSettings};
 pub use normalise::normalise;
 pub(crate) use webhook::BASE64;
@@ -214,6 +216,9 @@ pub struct RouteSettings {
     /// `Some` on a webhook route (SPEC §4.9): deliveries are verified first, and the event id
     /// is the key (`idempotency` is then always `Some`).
     pub webhook: Option<WebhookSettings>,
+    /// `Some` on a JSON-RPC route (SPEC §4.10): the call, not the request, is claimed
+    /// (`idempotency` is then always `Some`).
+    pub jsonrpc: Option<JsonRpcSettings>,
 }
 
 impl RouteSettings {

@@ -531,6 +531,39 @@ async fn demo_serves_forward_and_replay_then_stops_on_sigterm() {
     assert_eq!(record.json()["state"], "finished", "{:?}", record.body);
     assert_eq!(record.json()["status"], 201, "{:?}", record.body);
 
+    // The MCP pair it prints: a tool call with its key in `_meta`, sent again with another id.
+    assert!(
+        out.contains(&format!("http://{listen}/mcp")) && out.contains("idempotency-key"),
+        "the MCP lines:\n{out}"
+    );
+    let tool_call = |id: u32| {
+        client()
+            .post(format!("http://{listen}/mcp"))
+            .header("Content-Type", "application/json")
+            .header("Accept", "application/json, text/event-stream")
+            .body(format!(
+                r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"7C"}},"_meta":{{"idempotency-key":"cli-agent-1"}}}}}}"#
+            ))
+    };
+    let first = send(tool_call(1)).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let again = send(tool_call(2)).await;
+    assert_eq!(
+        again.header("idempotent-replayed"),
+        "true",
+        "{:?}",
+        again.body
+    );
+    assert_eq!(again.json()["id"], 2, "the retry's own id");
+    assert_eq!(again.json()["result"], first.json()["result"]);
+    let stats = send(client().get(format!("http://{listen}/_mock/stats"))).await;
+    assert_eq!(
+        stats.json()["bookings"],
+        2,
+        "one booking for the two tool calls: {:?}",
+        stats.body
+    );
+
     demo.signal("-TERM");
     let code = tokio::task::block_in_place(|| demo.wait(Duration::from_secs(15)));
     assert_eq!(code, Some(0), "stderr:\n{}", demo.stderr());

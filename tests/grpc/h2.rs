@@ -58,53 +58,64 @@ async fn upstream(acts: &[Act]) -> (SocketAddr, Arc<Seen>) {
                         .unwrap_or_else(|p| p.into_inner())
                         .pop_front()
                         .unwrap_or(Act::Answer);
-                    // Read the request's body whole first, as a handler would.
-                    let mut body = req.into_body();
-                    while let Some(chunk) = body.data().await {
-                        if let Ok(chunk) = chunk {
-                            let _ = body.flow_control().release_capacity(chunk.len());
-                        }
+                    if !matches!(act, Act::GoAway) {
+                        // Each stream in a task of its own: the accept loop is what drives the
+                        // connection, so it must go on while a stream's body is read.
+                        tokio::spawn(handle(act, req, respond, seen.clone()));
+                        continue;
                     }
-                    match act {
-                        Act::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
-                        Act::Answer => {
-                            seen.processed.fetch_add(1, Ordering::SeqCst);
-                            let resp = http::Response::builder()
-                                .status(201)
-                                .body(())
-                                .expect("response");
-                            if let Ok(mut stream) = respond.send_response(resp, false) {
-                                let _ = stream
-                                    .send_data(Bytes::from_static(b"{\"posted\":true}"), true);
-                            }
-                        }
-                        Act::Stall => {
-                            seen.processed.fetch_add(1, Ordering::SeqCst);
-                            let seen = seen.clone();
-                            tokio::spawn(async move {
-                                let reset = std::future::poll_fn(|cx| respond.poll_reset(cx)).await;
-                                if reset.is_ok() {
-                                    seen.resets.fetch_add(1, Ordering::SeqCst);
-                                }
-                            });
-                        }
-                        Act::GoAway => {
-                            seen.processed.fetch_add(1, Ordering::SeqCst);
-                            conn.abrupt_shutdown(h2::Reason::INTERNAL_ERROR);
-                            // Drive the GOAWAY out, then drop the connection.
-                            let _ = tokio::time::timeout(
-                                Duration::from_millis(200),
-                                std::future::poll_fn(|cx| conn.poll_closed(cx)),
-                            )
-                            .await;
-                            return;
-                        }
-                    }
+                    // GOAWAY once the request's head has arrived: it may be processed.
+                    drop((req, respond));
+                    seen.processed.fetch_add(1, Ordering::SeqCst);
+                    conn.abrupt_shutdown(h2::Reason::INTERNAL_ERROR);
+                    // Drive the GOAWAY out, then drop the connection.
+                    let _ = tokio::time::timeout(
+                        Duration::from_millis(200),
+                        std::future::poll_fn(|cx| conn.poll_closed(cx)),
+                    )
+                    .await;
+                    return;
                 }
             });
         }
     });
     (addr, seen)
+}
+
+/// One stream: its body read whole, as a handler would, then `act`.
+async fn handle(
+    act: Act,
+    req: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    seen: Arc<Seen>,
+) {
+    let mut body = req.into_body();
+    while let Some(chunk) = body.data().await {
+        if let Ok(chunk) = chunk {
+            let _ = body.flow_control().release_capacity(chunk.len());
+        }
+    }
+    match act {
+        Act::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
+        Act::Answer => {
+            seen.processed.fetch_add(1, Ordering::SeqCst);
+            let resp = http::Response::builder()
+                .status(201)
+                .body(())
+                .expect("response");
+            if let Ok(mut stream) = respond.send_response(resp, false) {
+                let _ = stream.send_data(Bytes::from_static(b"{\"posted\":true}"), true);
+            }
+        }
+        Act::Stall => {
+            seen.processed.fetch_add(1, Ordering::SeqCst);
+            let reset = std::future::poll_fn(|cx| respond.poll_reset(cx)).await;
+            if reset.is_ok() {
+                seen.resets.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Act::GoAway => {}
+    }
 }
 
 async fn proxy_for(env: &Env, addr: SocketAddr, timeout: &str) -> harness::TestProxy {

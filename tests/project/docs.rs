@@ -135,6 +135,11 @@ routes:
     webhook:
       provider: github
       secrets_file: {secrets}
+  - name: tools
+    path: /mcp
+    upstream: booking
+    jsonrpc:
+      methods: [tools/call]
   - name: rest
     path: /*
     upstream: booking

@@ -2,6 +2,7 @@
 //! [`RouteSettings`] the proxy matches against.
 
 mod idempotency;
+mod jsonrpc;
 mod resolve;
 mod webhook;
 
@@ -16,6 +17,7 @@ use super::upstream::RawUpstream;
 use super::{ConfigWarning, SecretsEnv};
 use crate::route::{PathPattern, RouteSettings};
 pub(crate) use idempotency::RawIdempotency;
+use jsonrpc::RawJsonRpc;
 use webhook::RawWebhook;
 
 /// `routes[i]:` as written.
@@ -40,6 +42,10 @@ pub(crate) struct RawRoute {
     /// is the key. Idempotent with or without `idempotency:`.
     #[serde(default)]
     pub webhook: Option<RawWebhook>,
+    /// A JSON-RPC route (SPEC §4.10): each call of a listed method is claimed, whatever its
+    /// `id`. Idempotent with or without `idempotency:`.
+    #[serde(default)]
+    pub jsonrpc: Option<RawJsonRpc>,
 }
 
 /// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
@@ -113,15 +119,29 @@ impl RawRoute {
         if is_webhook {
             ok &= self.check_webhook_route(path, methods.as_ref(), err);
         }
+        if self.jsonrpc.is_some() {
+            ok &= self.check_jsonrpc_route(path, err);
+        }
         let idempotency = match self.effective_idempotency() {
             None => None,
             Some(i) => {
-                let compiled = i.validate(
+                let mut compiled = i.validate(
                     &format!("{path}.idempotency"),
                     pattern.as_ref(),
                     is_webhook,
                     err,
                 );
+                if let (Some(compiled), Some(_)) = (&mut compiled, &self.jsonrpc) {
+                    jsonrpc::default_fingerprint(self, compiled);
+                }
+                ok &= compiled.is_some();
+                compiled
+            }
+        };
+        let jsonrpc = match &self.jsonrpc {
+            None => None,
+            Some(j) => {
+                let compiled = j.validate(&format!("{path}.jsonrpc"), err);
                 ok &= compiled.is_some();
                 compiled
             }
@@ -147,18 +167,21 @@ impl RawRoute {
                 upstream: self.upstream.clone(),
                 idempotency,
                 webhook,
+                jsonrpc,
             }),
             _ => None,
         }
     }
 
-    /// The idempotency policy as written, or, on a webhook route without `idempotency:`, every
-    /// default (a webhook route is idempotent all the same).
+    /// The idempotency policy as written, or, on a webhook or JSON-RPC route without
+    /// `idempotency:`, every default (such a route is idempotent all the same).
     fn effective_idempotency(&self) -> Option<std::borrow::Cow<'_, RawIdempotency>> {
-        match (&self.idempotency, &self.webhook) {
-            (Some(i), _) => Some(std::borrow::Cow::Borrowed(i)),
-            (None, Some(_)) => Some(std::borrow::Cow::Owned(RawIdempotency::default())),
-            (None, None) => None,
+        match (&self.idempotency, &self.webhook, &self.jsonrpc) {
+            (Some(i), _, _) => Some(std::borrow::Cow::Borrowed(i)),
+            (None, Some(_), _) | (None, None, Some(_)) => {
+                Some(std::borrow::Cow::Owned(RawIdempotency::default()))
+            }
+            (None, None, None) => None,
         }
     }
 

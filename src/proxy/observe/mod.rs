@@ -49,6 +49,7 @@ use super::admission::{self, Admitted, KeySource, Underived};
 use super::context::Context;
 use super::detach::{self, Detachable};
 use super::exchange::first_response;
+use super::jsonrpc::of_answer;
 use super::matched::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
 use super::{KeyHash, Proxy, answer_of, body_with_deadline};
@@ -218,6 +219,7 @@ impl Observation {
             fingerprint,
             origin,
             lookup,
+            call,
         } = request;
         let (settled, settlement) = oneshot::channel();
         let shadow = Shadow {
@@ -244,7 +246,11 @@ impl Observation {
         };
         let (settlement, answer) = match result {
             Ok((parts, Bounded::Complete(bytes))) => (
-                Settlement::of_whole(idem, &parts, &bytes),
+                match &call {
+                    // A JSON-RPC call saves the response to the call, as enforce does.
+                    Some(call) => of_answer(&context, call, &parts, &bytes),
+                    None => Settlement::of_whole(idem, &parts, &bytes),
+                },
                 (first_response(parts, bytes), Outcome::Passthrough),
             ),
             Ok((parts, Bounded::Over { prefix, rest })) => (
@@ -268,8 +274,9 @@ impl Observation {
     }
 }
 
-/// Counts (and logs) a request head `enforce` would refuse before reading the body.
-fn refused_head(
+/// Counts (and logs) a request head `enforce` would refuse before reading the body (and a
+/// JSON-RPC call whose key `enforce` would refuse).
+pub(in crate::proxy) fn refused_head(
     route: &Route,
     observed: &ObservedMetrics,
     problem: &Problem,
