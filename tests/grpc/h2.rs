@@ -52,7 +52,7 @@ async fn upstream(acts: &[Act]) -> (SocketAddr, Arc<Seen>) {
                 let Ok(mut conn) = h2::server::handshake(socket).await else {
                     return;
                 };
-                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                while let Some(Ok((req, respond))) = conn.accept().await {
                     let act = plan
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
