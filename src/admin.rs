@@ -239,7 +239,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
                 doc["age_ms"] = json!(saved_for.saturating_sub(ttl).as_millis() as u64);
             }
             match saved {
-                Saved::Response(r) | Saved::Resolved(r) => {
+                Saved::Response(r) | Saved::Resolved(r) | Saved::Trailed { response: r, .. } => {
                     doc["replayable"] = json!(true);
                     doc["status"] = json!(r.status.as_u16());
                     doc["headers"] = json!(

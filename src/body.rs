@@ -17,6 +17,15 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
         .boxed_unsync()
 }
 
+/// A body of these bytes, then these trailers (a gRPC response's `grpc-status` and the rest).
+pub(crate) fn with_trailers(bytes: Bytes, trailers: http::HeaderMap) -> Body {
+    let frames = [
+        Ok::<_, BoxError>(http_body::Frame::data(bytes)),
+        Ok(http_body::Frame::trailers(trailers)),
+    ];
+    http_body_util::StreamBody::new(futures_util::stream::iter(frames)).boxed_unsync()
+}
+
 /// An empty body.
 #[cfg(test)]
 pub(crate) fn empty() -> Body {

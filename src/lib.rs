@@ -15,6 +15,8 @@
 //! - [`webhook`]: a webhook delivery's signature checked and its event id read (SPEC §4.9).
 //! - [`jsonrpc`]: a JSON-RPC call read, the response to it found, the proxy's answers as
 //!   JSON-RPC errors (SPEC §4.10).
+//! - [`grpc`]: a gRPC call recognised, its response's status read, the proxy's answers as gRPC
+//!   statuses (SPEC §4.11).
 //! - [`problem`]: every answer the proxy makes itself, as problem+json, from one kind table.
 //! - [`upstream`]: pooled clients, header rewriting, deadlines, failure classification.
 //! - [`store`]: the `Store` trait and its four backends (memory, SQLite, PostgreSQL, Redis).
@@ -41,6 +43,7 @@ pub mod admin;
 pub mod body;
 pub mod config;
 pub mod fingerprint;
+pub mod grpc;
 pub mod jsonrpc;
 pub mod key;
 pub mod key_from;

@@ -41,6 +41,12 @@ pub enum Problem {
     },
     /// The key was used before for a different request (422).
     KeyReused,
+    /// On a gRPC route, a request that is not a gRPC call (another content type: gRPC-Web,
+    /// Connect, plain HTTP) (415); nothing forwarded.
+    UnsupportedMediaType {
+        /// The content type it has (empty: none).
+        content_type: String,
+    },
     /// On a webhook route whose `fingerprint` is written, a redelivery of an event whose
     /// fingerprinted parts differ from the first delivery's (422, the same type as
     /// [`Problem::KeyReused`]: the event is the key).
@@ -199,6 +205,11 @@ impl Problem {
                 S::BAD_REQUEST,
                 "Request body could not be read",
             ),
+            Problem::UnsupportedMediaType { .. } => (
+                "unsupported-media-type",
+                S::UNSUPPORTED_MEDIA_TYPE,
+                "Not a gRPC call",
+            ),
             Problem::KeyReused | Problem::EventRedeliveredDifferently => (
                 "idempotency-key-reused",
                 S::UNPROCESSABLE_ENTITY,
@@ -291,8 +302,12 @@ impl Problem {
         self.kind().status
     }
 
-    fn detail(&self) -> String {
+    /// The detail, for a person: what happened and what to do.
+    pub fn detail(&self) -> String {
         match self {
+            Problem::UnsupportedMediaType { content_type } => format!(
+                "This route takes gRPC calls (content-type application/grpc or application/grpc+…), and this request's content type is {content_type:?}; nothing was forwarded. gRPC-Web and Connect are not translated: call it with a gRPC client over HTTP/2."
+            ),
             Problem::NoRoute => "No configured route matches this method and path.".into(),
             Problem::MissingKey { header } => format!(
                 "This route requires the {header} header; send a unique key per operation and reuse it on retries."

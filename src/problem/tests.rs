@@ -14,6 +14,9 @@ fn all() -> Vec<Problem> {
             detail: "connection reset".into(),
         },
         Problem::KeyReused,
+        Problem::UnsupportedMediaType {
+            content_type: "application/grpc-web".into(),
+        },
         Problem::EventRedeliveredDifferently,
         Problem::InProgress {
             retry_after: Duration::from_millis(1500),

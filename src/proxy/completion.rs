@@ -64,7 +64,7 @@ impl Completion {
                 ..
             } => *status,
             Record::Done {
-                saved: Saved::Resolved(r),
+                saved: Saved::Resolved(r) | Saved::Trailed { response: r, .. },
                 ..
             } => r.status,
             Record::InFlight { .. } | Record::Resolvable(_) => StatusCode::BAD_GATEWAY,

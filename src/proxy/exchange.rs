@@ -356,8 +356,19 @@ struct Decision {
 }
 
 impl Decision {
-    /// The whole response: saved (unless it is not a result) and answered as read.
+    /// The whole response: saved (unless it is not a result) and answered as read. On a gRPC
+    /// route its trailers are part of it, and a response without a status is an unknown
+    /// outcome.
     async fn whole(self, parts: http::response::Parts, bytes: Bytes) -> Answer {
+        if let Some(grpc) = &self.context.route.settings.grpc {
+            return match Settlement::of_grpc(&self.context, grpc, &parts, &bytes) {
+                Ok(settlement) => {
+                    self.settle(settlement).await;
+                    (grpc_response(parts, bytes), Outcome::Forwarded)
+                }
+                Err(unknown) => self.failed(unknown).await,
+            };
+        }
         let settlement = Settlement::of_whole(&self.context.policy, &parts, &bytes);
         self.settle(settlement).await;
         (first_response(parts, bytes), Outcome::Forwarded)
@@ -387,6 +398,18 @@ impl Decision {
         settlement
             .apply(self.lease, self.fingerprint, &self.context)
             .await;
+    }
+}
+
+/// The first client's response on a gRPC route: the upstream's head, the body it read and
+/// its trailers.
+fn grpc_response(mut parts: http::response::Parts, bytes: Bytes) -> Response<crate::body::Body> {
+    match parts.extensions.remove::<upstream::Trailers>() {
+        Some(upstream::Trailers(trailers)) => {
+            parts.headers.remove(header::CONTENT_LENGTH);
+            Response::from_parts(parts, body::with_trailers(bytes, trailers))
+        }
+        None => first_response(parts, bytes),
     }
 }
 

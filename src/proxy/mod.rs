@@ -50,6 +50,7 @@ mod context;
 mod detach;
 mod exchange;
 mod generation;
+mod grpc;
 mod jsonrpc;
 mod keys;
 mod lease;
@@ -319,6 +320,9 @@ impl Proxy {
         }
         if let Some(settings) = &route.settings.jsonrpc {
             return self.jsonrpc(&context, settings, parts, incoming).await;
+        }
+        if route.settings.grpc.is_some() {
+            return self.grpc(&context, parts, incoming).await;
         }
         if let Some(observed) = &route.observed {
             let req = Request::from_parts(parts, incoming);

@@ -37,6 +37,27 @@ pub(super) fn replay(saved: Saved) -> Answer {
         Saved::NotReplayable { status } => {
             refuse(Problem::NotReplayable { status }, Outcome::NotReplayable)
         }
+        Saved::Trailed { response, trailers } => {
+            let SavedResponse {
+                status,
+                headers,
+                body: data,
+            } = response;
+            let (mut parts, _) = response_of(SavedResponse {
+                status,
+                headers,
+                body: bytes::Bytes::new(),
+            })
+            .into_parts();
+            // No Content-Length: the body ends with trailers, as the upstream sent it.
+            parts.headers.remove(header::CONTENT_LENGTH);
+            parts
+                .headers
+                .insert(REPLAYED, HeaderValue::from_static("true"));
+            let trailers: HeaderMap = trailers.into_iter().collect();
+            let resp = Response::from_parts(parts, body::with_trailers(data, trailers));
+            (resp, Outcome::Replayed)
+        }
     }
 }
 
@@ -50,6 +71,9 @@ pub(super) fn replay_call(saved: Saved, call: &Call) -> Answer {
         Saved::NotReplayable { status } => {
             return refuse(Problem::NotReplayable { status }, Outcome::NotReplayable);
         }
+        // Not a call's record (a gRPC route's, before a reload made the route a JSON-RPC one):
+        // as it was saved.
+        trailed @ Saved::Trailed { .. } => return replay(trailed),
     };
     // A problem saved in place of a result (`result-not-kept`) is the call's error too, and
     // answered as the proxy's own answers to a call are: `200`.

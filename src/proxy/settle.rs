@@ -20,9 +20,11 @@ use super::matched::Route;
 use super::replay::saved_headers;
 use super::resolve::{Lookup, Unknown};
 use crate::fingerprint::Fingerprint;
+use crate::grpc;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{Finished, Saved, SavedResponse};
+use crate::route::GrpcSettings;
 use crate::route::{IdempotencySettings, Mode, OnUnknownOutcome};
 use crate::upstream::{self, UpstreamError};
 
@@ -156,7 +158,11 @@ impl Settlement {
                     );
                 }
                 OnUnknownOutcome::Keep => Settlement::new(
-                    Action::Complete(Saved::Response(problem.saved())),
+                    // On a gRPC route, the status the client got (SPEC §4.11).
+                    Action::Complete(Saved::Response(match context.route.settings.grpc {
+                        Some(_) => grpc::saved(&problem),
+                        None => problem.saved(),
+                    })),
                     Some(Why::Unknown {
                         error: e.to_string(),
                         kept: Some(problem.status().as_u16()),
@@ -172,6 +178,51 @@ impl Settlement {
             },
         };
         (settlement, problem, Outcome::UpstreamError)
+    }
+
+    /// A gRPC call's whole response (SPEC §4.11): its head, body and trailers saved, unless its
+    /// `grpc-status` is in `retry_codes` (released); an error for an unknown outcome — the
+    /// upstream's `DEADLINE_EXCEEDED`, or no status at all (the response cut before its
+    /// trailers) — which `on_unknown_outcome` decides as for any.
+    pub(super) fn of_grpc(
+        context: &Context,
+        settings: &GrpcSettings,
+        parts: &http::response::Parts,
+        bytes: &Bytes,
+    ) -> Result<Settlement, UpstreamError> {
+        let idem = &context.policy;
+        let trailers = parts.extensions.get::<upstream::Trailers>().map(|t| &t.0);
+        match grpc::verdict(&parts.headers, trailers, &settings.retry_codes) {
+            grpc::Verdict::Retry(_) => Ok(Settlement::new(Action::Release, None)),
+            grpc::Verdict::DeadlineExceeded => {
+                Err(UpstreamError::Timeout(context.route.upstream.timeout()))
+            }
+            grpc::Verdict::Cut => Err(UpstreamError::Failed(
+                "the gRPC response ended without a grpc-status (cut before its trailers)".into(),
+            )),
+            grpc::Verdict::Result => {
+                if let Some(release) = not_a_result(idem, parts) {
+                    return Ok(release);
+                }
+                let response = SavedResponse {
+                    status: parts.status,
+                    headers: saved_headers(&parts.headers, idem),
+                    body: bytes.clone(),
+                };
+                let saved = match trailers {
+                    Some(trailers) => Saved::Trailed {
+                        response,
+                        trailers: trailers
+                            .iter()
+                            .map(|(n, v)| (n.clone(), v.clone()))
+                            .collect(),
+                    },
+                    // Trailers-only: the status is in the head.
+                    None => Saved::Response(response),
+                };
+                Ok(Settlement::new(Action::Complete(saved), None))
+            }
+        }
     }
 
     /// A JSON-RPC call's response (SPEC §4.10): `saved` (its `result` or `error` member, with

@@ -10,7 +10,12 @@
 //! "IDP" 0x01  'P'  token[16]  fingerprint[32]
 //! "IDP" 0x01  'D'  fingerprint[32]  'R' status:u16 n:u16 (name_len:u16 name value_len:u32 value)*n body_len:u64 body
 //! "IDP" 0x01  'D'  fingerprint[32]  'N' status:u16      (a response too large to replay)
+//! "IDP" 0x01  'D'  fingerprint[32]  'T' status:u16 n:u16 (…headers as 'R'…) body_len:u64 body
+//!                                       m:u16 (name_len:u16 name value_len:u32 value)*m
 //! ```
+//! `'T'` is a response with trailers (a gRPC call's: its `grpc-status` and the rest), replayed
+//! with them; a proxy that knows only `'R'` and `'N'` fails to decode it, which is a store error
+//! (never forwarded, never replayed).
 //!
 //! Version 2 adds what `on_unknown_outcome: resolve` needs, and only records of such a route
 //! are written in it (every other record is still written as version 1, byte for byte):
@@ -82,6 +87,12 @@ pub enum Saved {
     /// The response a resolution's lookup found (`on_unknown_outcome: resolve`): replayed byte
     /// for byte, with `Idempotent-Resolved: true`. Written as version 2.
     Resolved(SavedResponse),
+    /// A response and its trailers (a gRPC call's, SPEC §4.11), replayed with both.
+    Trailed {
+        response: SavedResponse,
+        /// The trailers, in the upstream's order.
+        trailers: Vec<(HeaderName, HeaderValue)>,
+    },
 }
 
 /// What the store holds under one key.
@@ -151,6 +162,11 @@ impl Record {
                         out.put_u8(b'N');
                         out.put_u16(status.as_u16());
                     }
+                    Saved::Trailed { response, trailers } => {
+                        out.put_u8(b'T');
+                        put_response(&mut out, response);
+                        put_headers(&mut out, trailers);
+                    }
                 }
             }
         }
@@ -188,6 +204,17 @@ impl Record {
                         + r.body.len()
                 }
                 Saved::NotReplayable { .. } => 4 + 1 + 32 + 3,
+                Saved::Trailed { response, trailers } => {
+                    4 + 1
+                        + 32
+                        + 1
+                        + 4
+                        + headers_len(&response.headers)
+                        + 8
+                        + response.body.len()
+                        + 2
+                        + headers_len(trailers)
+                }
             },
         }
     }
@@ -227,6 +254,10 @@ impl Record {
                         status: take_status(&mut b)?,
                     },
                     (VERSION_2, b'V') => Saved::Resolved(take_response(&mut b, bytes)?),
+                    (VERSION, b'T') => Saved::Trailed {
+                        response: take_response(&mut b, bytes)?,
+                        trailers: take_headers(&mut b, bytes)?,
+                    },
                     _ => return Err(DecodeError("unknown outcome kind")),
                 };
                 Record::Done { fingerprint, saved }

@@ -10,11 +10,13 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 
+mod grpc;
 mod jsonrpc;
 mod lookup;
 mod normalise;
 mod webhook;
 
+pub use grpc::GrpcSettings;
 pub use jsonrpc::JsonRpcSettings;
 pub use lookup::{LookupTemplate, Piece, ResolveSettings};
 pub use normalise::normalise;
@@ -219,6 +221,9 @@ pub struct RouteSettings {
     /// `Some` on a JSON-RPC route (SPEC §4.10): the call, not the request, is claimed
     /// (`idempotency` is then always `Some`).
     pub jsonrpc: Option<JsonRpcSettings>,
+    /// `Some` on a gRPC route (SPEC §4.11): each unary call of it is claimed, its whole
+    /// response (trailers included) saved and replayed, the proxy's answers gRPC statuses.
+    pub grpc: Option<GrpcSettings>,
 }
 
 impl RouteSettings {

@@ -69,6 +69,11 @@ pub(crate) enum UpstreamError {
     },
 }
 
+/// The trailers of a response read whole ([`Upstream::call_bounded`]), in its head's
+/// extensions.
+#[derive(Debug, Clone)]
+pub(crate) struct Trailers(pub HeaderMap);
+
 /// A response whose body was read up to a bound.
 pub(crate) enum Bounded {
     /// The whole body fit.
@@ -296,6 +301,11 @@ impl Upstream {
 
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its `timeout`: the whole response arrives within it of its call's start.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Its `connect_timeout`: a request is written within it of its call's start, or never.
@@ -583,6 +593,15 @@ impl Upstream {
                     )));
                 }
                 Ok(Some(Ok(frame))) => frame,
+            };
+            let frame = match frame.into_trailers() {
+                // Trailers (a gRPC response's status) ride with the head, for whoever reads
+                // them: the whole response is the head, the body and these.
+                Ok(trailers) => {
+                    parts.extensions.insert(Trailers(trailers));
+                    continue;
+                }
+                Err(frame) => frame,
             };
             if let Ok(data) = frame.into_data()
                 && buf.push(data) > limit

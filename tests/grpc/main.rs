@@ -3,8 +3,11 @@
 //!
 //! - [`passthrough`] — HTTP/2 to the upstream: unary and streaming calls carried as they are,
 //!   trailers relayed, `te: trailers` forwarded.
+//! - [`calls`] — unary calls on a `grpc:` route, every store: a lost answer retried, hedged
+//!   copies, a mismatch, a released status, the replay byte for byte, the proxy's statuses.
 //! - [`h2`] — sent or not on HTTP/2: a refused stream sent again, a stream reset at the
 //!   deadline, a `GOAWAY` after the request an unknown outcome.
 
+mod calls;
 mod h2;
 mod passthrough;

@@ -1,6 +1,7 @@
 //! `routes:`: which requests go where, and each idempotent route's policy, compiled into the
 //! [`RouteSettings`] the proxy matches against.
 
+mod grpc;
 mod idempotency;
 mod jsonrpc;
 mod resolve;
@@ -16,6 +17,7 @@ use super::store::{RawStore, StoreSettings};
 use super::upstream::RawUpstream;
 use super::{ConfigWarning, SecretsEnv};
 use crate::route::{PathPattern, RouteSettings};
+use grpc::RawGrpc;
 pub(crate) use idempotency::RawIdempotency;
 use jsonrpc::RawJsonRpc;
 use webhook::RawWebhook;
@@ -46,6 +48,9 @@ pub(crate) struct RawRoute {
     /// `id`. Idempotent with or without `idempotency:`.
     #[serde(default)]
     pub jsonrpc: Option<RawJsonRpc>,
+    /// A gRPC route (SPEC §4.11): each unary call is claimed, the key in its metadata.
+    #[serde(default)]
+    pub grpc: Option<RawGrpc>,
 }
 
 /// `idempotency:` with nothing under it is YAML null; it must not silently turn the route
@@ -122,6 +127,9 @@ impl RawRoute {
         if self.jsonrpc.is_some() {
             ok &= self.check_jsonrpc_route(path, err);
         }
+        if self.grpc.is_some() {
+            ok &= self.check_grpc_route(path, upstreams, err);
+        }
         let idempotency = match self.effective_idempotency() {
             None => None,
             Some(i) => {
@@ -134,6 +142,9 @@ impl RawRoute {
                 if let (Some(compiled), Some(_)) = (&mut compiled, &self.jsonrpc) {
                     jsonrpc::default_fingerprint(self, compiled);
                 }
+                if let (Some(compiled), Some(_)) = (&mut compiled, &self.grpc) {
+                    grpc::default_fingerprint(self, compiled);
+                }
                 ok &= compiled.is_some();
                 compiled
             }
@@ -142,6 +153,14 @@ impl RawRoute {
             None => None,
             Some(j) => {
                 let compiled = j.validate(&format!("{path}.jsonrpc"), err);
+                ok &= compiled.is_some();
+                compiled
+            }
+        };
+        let grpc = match &self.grpc {
+            None => None,
+            Some(g) => {
+                let compiled = g.validate(&format!("{path}.grpc"), err);
                 ok &= compiled.is_some();
                 compiled
             }
@@ -168,21 +187,20 @@ impl RawRoute {
                 idempotency,
                 webhook,
                 jsonrpc,
+                grpc,
             }),
             _ => None,
         }
     }
 
-    /// The idempotency policy as written, or, on a webhook or JSON-RPC route without
+    /// The idempotency policy as written, or, on a webhook, JSON-RPC or gRPC route without
     /// `idempotency:`, every default (such a route is idempotent all the same).
     fn effective_idempotency(&self) -> Option<std::borrow::Cow<'_, RawIdempotency>> {
-        match (&self.idempotency, &self.webhook, &self.jsonrpc) {
-            (Some(i), _, _) => Some(std::borrow::Cow::Borrowed(i)),
-            (None, Some(_), _) | (None, None, Some(_)) => {
-                Some(std::borrow::Cow::Owned(RawIdempotency::default()))
-            }
-            (None, None, None) => None,
+        if let Some(i) = &self.idempotency {
+            return Some(std::borrow::Cow::Borrowed(i));
         }
+        let kind = self.webhook.is_some() || self.jsonrpc.is_some() || self.grpc.is_some();
+        kind.then(|| std::borrow::Cow::Owned(RawIdempotency::default()))
     }
 
     /// What a webhook route refuses around its `webhook:` block: `methods` without `POST`
