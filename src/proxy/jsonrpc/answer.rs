@@ -30,12 +30,13 @@ use super::super::lease::Lease;
 use super::super::matched::{Answer, refuse};
 use super::super::replay::saved_headers;
 use super::super::settle::Settlement;
-use crate::body::{self, Body, BoxError};
+use crate::body::{Body, BoxError};
 use crate::fingerprint::Fingerprint;
 use crate::jsonrpc::{self, Call, EventStream, Found};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::SavedResponse;
+use crate::route::OnUnknownOutcome;
 use crate::upstream::{self, UpstreamError, error_chain};
 
 /// The MCP session header: a session is the client's, never part of a saved result.
@@ -57,7 +58,10 @@ pub(in crate::proxy) async fn run_call(
 ) -> Answer {
     let up = &context.route.upstream;
     let idem = &context.policy;
-    let resp = match lease.renewing(up.send(req.map(body::full))).await {
+    // Under `release` the upstream is trusted with the forwarded key, so a call lost to the
+    // keep-alive race may be sent once more (SPEC §4.3), as on any route.
+    let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+    let resp = match lease.renewing(up.send_buffered(req, resend)).await {
         Ok(resp) => resp,
         Err(e) => {
             let (settlement, problem, outcome) = Settlement::of_failure(&context, &e, None, sent);
