@@ -146,7 +146,17 @@ impl Changes {
                 Some(before) if before != *r => {
                     changes.routes_changed.push(r.name.clone());
                     if let (Some(was), Some(now)) = (&before.idempotency, &r.idempotency) {
-                        changes.key_changes.extend(key_changes(&r.name, was, now));
+                        let mut found = key_changes(&r.name, was, now);
+                        // A route that becomes, or stops being, a JSON-RPC route fingerprints
+                        // calls, or requests, from then on (SPEC §4.10).
+                        let kind_changed = before.jsonrpc.is_some() != r.jsonrpc.is_some();
+                        if kind_changed && !found.iter().any(|c| c.field == "fingerprint") {
+                            found.push(KeyChange {
+                                route: r.name.clone(),
+                                field: "fingerprint",
+                            });
+                        }
+                        changes.key_changes.extend(found);
                     }
                 }
                 Some(_) => {}
