@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::admission::Admitted;
 use super::context::Context;
 use super::detach::Attachment;
-use super::jsonrpc::run_call;
+use super::jsonrpc::{Sink, run_call};
 use super::lease::Lease;
 use super::matched::{Answer, forward_plain, refuse};
 use super::replay::{replay, replay_call};
@@ -276,7 +276,10 @@ impl Exchange {
             // come on an event stream (SPEC §4.10).
             let sent = Instant::now() + up.connect_timeout();
             return match up.request(parts, body, context.client, context.drop_key()) {
-                Ok(req) => run_call(context, call, lease, fingerprint, req, sent).await,
+                Ok(req) => {
+                    let sink = Sink::Lease { lease, fingerprint };
+                    run_call(context, call, sink, req, sent).await
+                }
                 Err(e) => {
                     let (settlement, problem, outcome) =
                         Settlement::of_failure(&context, &e, None, sent);

@@ -19,6 +19,9 @@
 //!   the `result-not-kept` record a completion past those bounds writes instead of its response.
 //! - [`resolve`]: a route under `on_unknown_outcome: resolve` — its lookup, rendered before
 //!   the claim, and asked of the upstream when the outcome is unknown.
+//! - [`jsonrpc`]: a JSON-RPC route — a `POST` read as one message, a call of a claimed method
+//!   run by the flow above under its key, its answer read (a stream event by event) for the
+//!   response to the call, the proxy's own answers rendered as JSON-RPC errors.
 //! - [`observe`]: a route in `mode: observe` — every request forwarded, the claim and the save
 //!   run beside it and after its answer, what enforce would have answered counted.
 //!

@@ -457,6 +457,26 @@ impl Upstream {
         ))
     }
 
+    /// [`Upstream::send`] for a buffered request, which under `resend` is sent once more on a
+    /// fresh connection when it got no response on a reused one (see
+    /// [`Upstream::head_resending`]): a JSON-RPC call, whose answer may be a stream.
+    pub(crate) async fn send_buffered(
+        &self,
+        req: Request<Bytes>,
+        resend: bool,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let resp = self.head_resending(req, resend, deadline).await;
+        self.duration.observe(start.elapsed().as_secs_f64());
+        let (mut parts, incoming) = resp?.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        Ok(Response::from_parts(
+            parts,
+            body::with_deadline(incoming, deadline, UPSTREAM_BODY),
+        ))
+    }
+
     /// Sends a request and waits for the response head until `deadline`.
     async fn head(
         &self,

@@ -646,3 +646,79 @@ async fn a_store_outage_is_32094_with_retry_after_and_nothing_forwarded() {
     assert_eq!(doc["error"]["data"]["status"], 503);
     assert_eq!(server.seen.bookings("R-down"), 0, "nothing forwarded");
 }
+
+/// Observe mode streams an event-stream answer as enforce does, saves the response to the call,
+/// and a reload to enforce replays it around the repeat's own id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_mode_streams_and_its_records_replay_once_enforced() {
+    let env = Env::new(Backend::Memory).await;
+    let server = McpServer::start().await;
+    let observed = yaml(&env, &server, "      mode: observe\n");
+    let proxy = env.proxy(&observed).await;
+    server
+        .seen
+        .hold
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let body = r#"{"jsonrpc":"2.0","id":"o-1","method":"tools/call","params":{"name":"book","arguments":{"reference":"R-obs-sse","progress":true},"_meta":{"idempotency-key":"key-obs-sse","progressToken":"pt","io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientInfo":{"name":"raw","version":"1"},"io.modelcontextprotocol/clientCapabilities":{}}}}"#;
+    let mut resp = client()
+        .post(proxy.url("/mcp"))
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-protocol-version", "2026-07-28")
+        .header("mcp-method", "tools/call")
+        .header("mcp-name", "book")
+        .body(body)
+        .send()
+        .await
+        .expect("the first call");
+    let mut seen = String::new();
+    while !seen.contains("notifications/progress") {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
+            .await
+            .expect("an event before the tool goes on")
+            .expect("the stream")
+            .expect("a chunk before the end");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    server.seen.release.notify_waiters();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
+        .await
+        .expect("the rest of the stream")
+        .expect("the stream")
+    {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(seen.contains("booked R-obs-sse #1"), "{seen}");
+    let enforced = observed.replace("      mode: observe\n", "");
+    let config = idemproxy::config::Config::from_yaml(&enforced).expect("valid");
+    assert!(matches!(
+        proxy.proxy.reload(config),
+        idemproxy::proxy::Reloaded::Applied(_)
+    ));
+    let accept = "application/json, text/event-stream";
+    let mut replayed = None;
+    for _ in 0..50 {
+        let again = raw_call(
+            &proxy,
+            "9",
+            r#"{"reference":"R-obs-sse","progress":true}"#,
+            "key-obs-sse",
+            accept,
+        )
+        .await;
+        if again.header("idempotent-replayed") == "true" {
+            replayed = Some(again);
+            break;
+        }
+        // The shadow claim saves after the answer: a repeat meanwhile is in flight.
+        assert_eq!(again.json()["error"]["code"], -32091, "{:?}", again.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = replayed.expect("replayed once the save landed");
+    assert_eq!(again.json()["id"], 9);
+    assert_eq!(
+        again.json()["result"]["content"][0]["text"],
+        "booked R-obs-sse #1"
+    );
+    assert_eq!(server.seen.bookings("R-obs-sse"), 1);
+}

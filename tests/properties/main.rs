@@ -3,3 +3,4 @@
 
 mod fuzz_regressions;
 mod generated;
+mod jsonrpc;

@@ -21,7 +21,7 @@ use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::super::context::Context;
@@ -30,12 +30,13 @@ use super::super::lease::Lease;
 use super::super::matched::{Answer, refuse};
 use super::super::replay::saved_headers;
 use super::super::settle::Settlement;
-use crate::body::{self, Body, BoxError};
+use crate::body::{Body, BoxError};
 use crate::fingerprint::Fingerprint;
 use crate::jsonrpc::{self, Call, EventStream, Found};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::SavedResponse;
+use crate::route::OnUnknownOutcome;
 use crate::upstream::{self, UpstreamError, error_chain};
 
 /// The MCP session header: a session is the client's, never part of a saved result.
@@ -45,32 +46,71 @@ const MCP_SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
 /// further (until the client takes them, or leaves).
 const STREAM_FRAMES: usize = 16;
 
-/// Sends a claimed call and settles its key from the answer; `sent` is the latest moment it
-/// can have been written upstream.
+/// Who settles a call's key once its answer says what it means: the holder of its claim (an
+/// enforced route), or the shadow claim of an observed route, which holds its own lease.
+// One a call, moved a few times at most: boxing the lease would cost an allocation a call.
+#[allow(clippy::large_enum_variant)]
+pub(in crate::proxy) enum Sink {
+    /// The claim's lease, renewed while the call runs, and the call's fingerprint.
+    Lease {
+        lease: Lease,
+        fingerprint: Fingerprint,
+    },
+    /// The observed route's shadow claim, waiting for the settlement.
+    Observed(oneshot::Sender<Settlement>),
+}
+
+impl Sink {
+    /// Runs `work`, renewing the lease meanwhile when this sink holds one.
+    async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
+        match self {
+            Sink::Lease { lease, .. } => lease.renewing(work).await,
+            Sink::Observed(_) => work.await,
+        }
+    }
+
+    /// Carries out `settlement` (a shadow claim that has ended already has nothing to save:
+    /// the send fails quietly).
+    async fn settle(self, settlement: Settlement, context: &Arc<Context>) {
+        match self {
+            Sink::Lease { lease, fingerprint } => {
+                settlement.apply(lease, fingerprint, context).await;
+            }
+            Sink::Observed(settled) => {
+                let _ = settled.send(settlement);
+            }
+        }
+    }
+}
+
+/// Sends a claimed call and settles its key from the answer through `sink`; `sent` is the
+/// latest moment it can have been written upstream.
 pub(in crate::proxy) async fn run_call(
     context: Arc<Context>,
     call: Arc<Call>,
-    mut lease: Lease,
-    fingerprint: Fingerprint,
+    mut sink: Sink,
     req: Request<Bytes>,
     sent: Instant,
 ) -> Answer {
     let up = &context.route.upstream;
     let idem = &context.policy;
-    let resp = match lease.renewing(up.send(req.map(body::full))).await {
+    // Under `release` the upstream is trusted with the forwarded key, so a call lost to the
+    // keep-alive race may be sent once more (SPEC §4.3), as on any route.
+    let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
+    let resp = match sink.renewing(up.send_buffered(req, resend)).await {
         Ok(resp) => resp,
         Err(e) => {
             let (settlement, problem, outcome) = Settlement::of_failure(&context, &e, None, sent);
             match e {
                 // Nothing was sent, or no whole request: released, as on any route.
                 UpstreamError::Connect(_) | UpstreamError::ClientBody { .. } => {
-                    settlement.apply(lease, fingerprint, &context).await;
+                    sink.settle(settlement, &context).await;
                 }
                 // No answer: the call's outcome is unknown, and what `keep` saves is the
                 // call's `-32095`, not a problem document.
                 e => {
                     let what = format!("no complete answer came: {e}");
-                    unknown(&context, lease, fingerprint, what).await;
+                    sink.settle(of_unknown(&context, what), &context).await;
                 }
             }
             return refuse(problem, outcome);
@@ -80,7 +120,7 @@ pub(in crate::proxy) async fn run_call(
     let status = parts.status;
     let empty = http_body::Body::size_hint(&incoming).exact() == Some(0);
     if let Some(settlement) = of_head(&context, &parts, empty) {
-        settlement.apply(lease, fingerprint, &context).await;
+        sink.settle(settlement, &context).await;
         let mut resp = Response::from_parts(parts, incoming);
         if status == StatusCode::ACCEPTED && empty {
             resp.extensions_mut().insert(Unanswered);
@@ -88,24 +128,24 @@ pub(in crate::proxy) async fn run_call(
         return (resp, Outcome::Forwarded);
     }
     if is_event_stream(&parts.headers) {
-        let body = stream(context, call, lease, fingerprint, &parts, incoming);
+        let body = stream(context, call, sink, &parts, incoming);
         return (Response::from_parts(parts, body), Outcome::Forwarded);
     }
     let limit = usize::try_from(idem.max_response_body).unwrap_or(usize::MAX);
-    let bytes = match lease.renewing(read_whole(incoming, limit)).await {
+    let bytes = match sink.renewing(read_whole(incoming, limit)).await {
         Read::Whole(bytes) => bytes,
         Read::Over { prefix, rest } => {
             // Too large to save: it reaches this client whole, and repeats get `-32096`
             // (`response-not-replayable`), as on any route.
-            Settlement::of_over(idem, &parts)
-                .apply(lease, fingerprint, &context)
+            sink.settle(Settlement::of_over(idem, &parts), &context)
                 .await;
             let body = upstream::chain(prefix, rest);
             return (Response::from_parts(parts, body), Outcome::Forwarded);
         }
         Read::Failed(what) => {
             // Cut: the rest of it is lost to this client too, which is told so.
-            unknown(&context, lease, fingerprint, what.clone()).await;
+            sink.settle(of_unknown(&context, what.clone()), &context)
+                .await;
             return refuse(
                 Problem::UpstreamFailed {
                     upstream: up.name().to_owned(),
@@ -115,8 +155,7 @@ pub(in crate::proxy) async fn run_call(
             );
         }
     };
-    of_body(&context, &call, &parts, &bytes)
-        .apply(lease, fingerprint, &context)
+    sink.settle(of_body(&context, &call, &parts, &bytes), &context)
         .await;
     (first_response(parts, bytes), Outcome::Forwarded)
 }
@@ -183,37 +222,6 @@ fn of_head(context: &Context, parts: &http::response::Parts, empty: bool) -> Opt
         return Some(of_unknown(context, what));
     }
     None
-}
-
-/// What a call's whole answer means for its key: the response to the call in it (an
-/// `application/json` body, or one event of an event stream read whole, as observe mode reads
-/// it) saved or released; none in it, an unknown outcome.
-pub(in crate::proxy) fn of_answer(
-    context: &Context,
-    call: &Call,
-    parts: &http::response::Parts,
-    bytes: &Bytes,
-) -> Settlement {
-    if let Some(settlement) = of_head(context, parts, bytes.is_empty()) {
-        return settlement;
-    }
-    if !is_event_stream(&parts.headers) {
-        return of_body(context, call, parts, bytes);
-    }
-    let limit = usize::try_from(context.policy.max_response_body).unwrap_or(usize::MAX);
-    let mut found = None;
-    let read = EventStream::new(limit).feed(bytes, |event| {
-        if found.is_none() {
-            found = jsonrpc::find_response(call, &event);
-        }
-    });
-    match (found, read) {
-        (Some(found), _) => of_found(context, parts.status, &parts.headers, &found),
-        (None, _) => of_unknown(
-            context,
-            "the event stream ended before the response to the call".into(),
-        ),
-    }
 }
 
 /// A `2xx` body read whole: the response to the call in it, or an unknown outcome.
@@ -289,13 +297,6 @@ fn saved(
 
 /// The call's outcome is unknown (`what` came instead of its response): `keep` saves the
 /// proxy's `-32095`, `release` frees the key.
-async fn unknown(context: &Arc<Context>, lease: Lease, fingerprint: Fingerprint, what: String) {
-    of_unknown(context, what)
-        .apply(lease, fingerprint, context)
-        .await;
-}
-
-/// The settlement of an unknown outcome: see [`unknown`].
 fn of_unknown(context: &Context, what: String) -> Settlement {
     let problem = Problem::UpstreamFailed {
         upstream: context.route.upstream.name().to_owned(),
@@ -317,8 +318,7 @@ fn of_unknown(context: &Context, what: String) -> Settlement {
 fn stream(
     context: Arc<Context>,
     call: Arc<Call>,
-    lease: Lease,
-    fingerprint: Fingerprint,
+    sink: Sink,
     parts: &http::response::Parts,
     incoming: Body,
 ) -> Body {
@@ -326,8 +326,7 @@ fn stream(
     let pump = Pump {
         context: context.clone(),
         call,
-        lease: Some(lease),
-        fingerprint,
+        sink: Some(sink),
         status: parts.status,
         headers: parts.headers.clone(),
         tx: Some(tx),
@@ -355,8 +354,7 @@ struct Pump {
     context: Arc<Context>,
     call: Arc<Call>,
     /// Held until the response to the call is settled.
-    lease: Option<Lease>,
-    fingerprint: Fingerprint,
+    sink: Option<Sink>,
     /// The answer's status and headers, for what is saved.
     status: StatusCode,
     headers: http::HeaderMap,
@@ -369,8 +367,8 @@ impl Pump {
         let limit = usize::try_from(self.context.policy.max_response_body).unwrap_or(usize::MAX);
         let mut events = Some(EventStream::new(limit));
         let end = loop {
-            let frame = match self.lease.as_mut() {
-                Some(lease) => lease.renewing(incoming.frame()).await,
+            let frame = match self.sink.as_mut() {
+                Some(sink) => sink.renewing(incoming.frame()).await,
                 None => incoming.frame().await,
             };
             let frame = match frame {
@@ -387,7 +385,7 @@ impl Pump {
             };
             let mut found = None;
             let mut read = Ok(());
-            if self.lease.is_some()
+            if self.sink.is_some()
                 && let (Some(data), Some(parser)) = (frame.data_ref(), events.as_mut())
             {
                 let call = &self.call;
@@ -405,16 +403,16 @@ impl Pump {
             }
             // Taken only with a response in hand: the lease is held until then.
             if let Some(found) = found
-                && let Some(lease) = self.lease.take()
+                && let Some(sink) = self.sink.take()
             {
-                of_found(&self.context, self.status, &self.headers, &found)
-                    .apply(lease, self.fingerprint, &self.context)
-                    .await;
+                let settlement = of_found(&self.context, self.status, &self.headers, &found);
+                sink.settle(settlement, &self.context).await;
             }
             self.pass(Ok(frame)).await;
         };
-        if let Some(lease) = self.lease.take() {
-            unknown(&self.context, lease, self.fingerprint, end).await;
+        if let Some(sink) = self.sink.take() {
+            sink.settle(of_unknown(&self.context, end), &self.context)
+                .await;
         }
     }
 
@@ -422,8 +420,8 @@ impl Pump {
     /// slow client must not let it lapse).
     async fn pass(&mut self, frame: Result<Frame<Bytes>, BoxError>) {
         let Some(tx) = &self.tx else { return };
-        let sent = match self.lease.as_mut() {
-            Some(lease) => lease.renewing(tx.send(frame)).await,
+        let sent = match self.sink.as_mut() {
+            Some(sink) => sink.renewing(tx.send(frame)).await,
             None => tx.send(frame).await,
         };
         if sent.is_err() {

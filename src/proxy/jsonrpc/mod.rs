@@ -25,7 +25,7 @@ use crate::metrics::{CallResult, Outcome};
 use crate::problem::Problem;
 use crate::route::JsonRpcSettings;
 
-pub(super) use answer::{of_answer, run_call};
+pub(super) use answer::{Sink, run_call};
 
 impl Proxy {
     /// A request on a JSON-RPC route: a call of a claimed method is run under idempotency;

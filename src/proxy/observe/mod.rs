@@ -49,7 +49,7 @@ use super::admission::{self, Admitted, KeySource, Underived};
 use super::context::Context;
 use super::detach::{self, Detachable};
 use super::exchange::first_response;
-use super::jsonrpc::of_answer;
+use super::jsonrpc::{Sink, run_call};
 use super::matched::{Answer, Route, forward_plain, refuse};
 use super::settle::Settlement;
 use super::{KeyHash, Proxy, answer_of, body_with_deadline};
@@ -240,17 +240,27 @@ impl Observation {
         // The latest moment the request can be written: the call's start plus the longest its
         // connection can take.
         let sent = Instant::now() + up.connect_timeout();
-        let result = match up.request(parts, body, context.client, context.drop_key()) {
-            Ok(req) => up.call_bounded(req, idem.max_response_body, resend).await,
-            Err(e) => Err(e),
+        let result = match (
+            up.request(parts, body, context.client, context.drop_key()),
+            call,
+        ) {
+            (Ok(req), Some(call)) => {
+                // A JSON-RPC call: its answer streamed on as enforce streams it, the response
+                // to the call handed to the shadow claim as enforce would save it.
+                let sink = Sink::Observed(settled);
+                let (resp, outcome) = run_call(context.clone(), call, sink, req, sent).await;
+                let outcome = match outcome {
+                    Outcome::Forwarded => Outcome::Passthrough,
+                    other => other,
+                };
+                return (resp, outcome);
+            }
+            (Ok(req), None) => up.call_bounded(req, idem.max_response_body, resend).await,
+            (Err(e), _) => Err(e),
         };
         let (settlement, answer) = match result {
             Ok((parts, Bounded::Complete(bytes))) => (
-                match &call {
-                    // A JSON-RPC call saves the response to the call, as enforce does.
-                    Some(call) => of_answer(&context, call, &parts, &bytes),
-                    None => Settlement::of_whole(idem, &parts, &bytes),
-                },
+                Settlement::of_whole(idem, &parts, &bytes),
                 (first_response(parts, bytes), Outcome::Passthrough),
             ),
             Ok((parts, Bounded::Over { prefix, rest })) => (

@@ -116,16 +116,22 @@ impl KeyChange {
 }
 
 /// The fields of a kept route's idempotency that changed how its records are found.
+/// `kind_changed`: the route became, or stopped being, a JSON-RPC route, which fingerprints
+/// calls, not requests (SPEC §4.10).
 fn key_changes(
     route: &str,
     old: &IdempotencySettings,
     new: &IdempotencySettings,
+    kind_changed: bool,
 ) -> Vec<KeyChange> {
     [
         ("scope", old.scope != new.scope),
         ("header", old.header != new.header),
         ("key_from", old.key_from != new.key_from),
-        ("fingerprint", old.fingerprint != new.fingerprint),
+        (
+            "fingerprint",
+            old.fingerprint != new.fingerprint || kind_changed,
+        ),
     ]
     .into_iter()
     .filter(|(_, changed)| *changed)
@@ -146,7 +152,10 @@ impl Changes {
                 Some(before) if before != *r => {
                     changes.routes_changed.push(r.name.clone());
                     if let (Some(was), Some(now)) = (&before.idempotency, &r.idempotency) {
-                        changes.key_changes.extend(key_changes(&r.name, was, now));
+                        let kind = before.jsonrpc.is_some() != r.jsonrpc.is_some();
+                        changes
+                            .key_changes
+                            .extend(key_changes(&r.name, was, now, kind));
                     }
                 }
                 Some(_) => {}

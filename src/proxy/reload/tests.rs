@@ -255,6 +255,22 @@ fn changes_name_each_kept_route_whose_key_or_fingerprint_is_made_another_way() {
     );
 }
 
+#[test]
+fn a_route_that_becomes_a_json_rpc_route_fingerprints_another_way() {
+    // The fingerprint written, so that only the route's kind changes.
+    let plain = "  - name: one\n    path: /one\n    upstream: a\n    idempotency:\n      fingerprint: [method, path]\n";
+    let jsonrpc = "  - name: one\n    path: /one\n    upstream: a\n    jsonrpc: {methods: [tools/call]}\n    idempotency:\n      fingerprint: [method, path]\n";
+    for (from, to) in [(plain, jsonrpc), (jsonrpc, plain)] {
+        let c = Changes::between(&config("", from), &config("", to));
+        let named: Vec<(&str, &str)> = c
+            .key_changes
+            .iter()
+            .map(|k| (k.route.as_str(), k.field))
+            .collect();
+        assert_eq!(named, [("one", "fingerprint")]);
+    }
+}
+
 #[tokio::test]
 async fn a_reload_that_makes_keys_another_way_is_applied_and_counted_by_route_and_field() {
     let p = proxy(config("", TWO));
