@@ -3,6 +3,7 @@
 //! gets the documented defaults; `config.example.yaml` is valid and shows those defaults.
 
 mod bounds;
+mod grpc;
 mod jsonrpc;
 mod webhook;
 

@@ -303,5 +303,9 @@ async fn the_replay_is_the_first_response_byte_for_byte_trailers_included(backen
     )
     .await;
     r.assert_problem(415, "unsupported-media-type");
-    assert_eq!(ledger.calls(), 1, "the replay and the refusal reached nothing");
+    assert_eq!(
+        ledger.calls(),
+        1,
+        "the replay and the refusal reached nothing"
+    );
 }
