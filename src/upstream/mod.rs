@@ -13,13 +13,12 @@
 
 mod gathered;
 mod h2;
+mod headers;
 mod pool;
 mod refusal;
 
 use std::net::SocketAddr;
 use std::time::Duration;
-
-use std::fmt::Write as _;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -34,6 +33,10 @@ use tokio::time::Instant;
 
 use self::gathered::Gathered;
 use self::h2::H2Pool;
+pub(crate) use self::headers::strip_hop_by_hop;
+use self::headers::{
+    X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, asks_for_trailers, host_header, push_ip,
+};
 use self::pool::{Pool, Responding, SendError};
 pub(crate) use self::refusal::refuses_head;
 use prometheus_client::metrics::histogram::Histogram;
@@ -136,109 +139,6 @@ pub(crate) struct Upstream {
     duration: Histogram,
     /// The `X-Forwarded-Proto` value: the listener's scheme, fixed at start.
     forwarded_proto: HeaderValue,
-}
-
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// The headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the
-/// `Proxy-*` family. Never forwarded, saved or replayed.
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// The `Host` header of an upstream URL, as HTTP clients set it: the host, and the port when
-/// it is not the scheme's default.
-fn host_header(scheme: &http::uri::Scheme, authority: &http::uri::Authority) -> HeaderValue {
-    let default_port = if *scheme == http::uri::Scheme::HTTPS {
-        443
-    } else {
-        80
-    };
-    let host = match authority.port_u16() {
-        Some(port) if port != default_port => format!("{}:{port}", authority.host()),
-        _ => authority.host().to_owned(),
-    };
-    // The authority was parsed from a URL, so its host is a valid header value.
-    HeaderValue::from_str(&host).unwrap_or(HeaderValue::from_static("localhost"))
-}
-
-/// Appends `ip` as `X-Forwarded-For` writes it. An IPv4 address, by far the most common, is
-/// written digit by digit: `Display` through `core::fmt` costs more than the rest of the
-/// header's building (measured with callgrind: ~950 instructions a request).
-fn push_ip(out: &mut String, ip: std::net::IpAddr) {
-    match ip {
-        std::net::IpAddr::V4(v4) => {
-            for (i, octet) in v4.octets().into_iter().enumerate() {
-                if i > 0 {
-                    out.push('.');
-                }
-                if octet >= 100 {
-                    out.push(char::from(b'0' + octet / 100));
-                }
-                if octet >= 10 {
-                    out.push(char::from(b'0' + octet / 10 % 10));
-                }
-                out.push(char::from(b'0' + octet % 10));
-            }
-        }
-        // Writing into a String cannot fail.
-        std::net::IpAddr::V6(v6) => {
-            let _ = write!(out, "{v6}");
-        }
-    }
-}
-
-/// Whether the client's `TE` asks for trailers (a gRPC client's `te: trailers`).
-fn asks_for_trailers(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
-}
-
-/// Removes hop-by-hop headers, including every header that `Connection` names.
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names is cheaper than a lookup of each.
-    let any = headers.keys().any(|name| {
-        let name = name.as_str();
-        HOP_BY_HOP.contains(&name) || name.starts_with("proxy-")
-    });
-    if !any {
-        return;
-    }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
-    }
-    let proxy: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| k.as_str().starts_with("proxy-"))
-        .cloned()
-        .collect();
-    for name in proxy {
-        headers.remove(name);
-    }
 }
 
 impl Upstream {
