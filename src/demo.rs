@@ -104,7 +104,8 @@ pub(crate) async fn run(
 
 /// The demo's configuration: the embedded store, `POST /bookings` idempotent, a Standard
 /// Webhooks route (its secret in `webhook_secrets`), an MCP route whose tool calls are claimed
-/// by the key in their `_meta`, everything else passed through to the mock booking service, and
+/// by the key in their `_meta`, the mock ledger's gRPC `Transfer` over HTTP/2 claimed by its
+/// `idempotency-key` metadata, everything else passed through to the mock booking service, and
 /// the admin listener.
 fn demo_config(
     listen: SocketAddr,
@@ -124,6 +125,9 @@ upstreams:
     url: http://{upstream}
     connect_timeout: 500ms
     timeout: 2s
+  ledger:
+    url: http://{upstream}
+    protocol: h2c
 routes:
   - name: create-booking
     methods: [POST]
@@ -156,6 +160,11 @@ routes:
       methods: [tools/call]
     idempotency:
       key_from: ["json:/params/_meta/idempotency-key"]
+  - name: ledger-transfer
+    path: /ledger.v1.Ledger/Transfer
+    upstream: ledger
+    grpc: {{}}
+    idempotency: {{}}
   - name: everything-else
     path: /*
     upstream: booking
@@ -233,6 +242,11 @@ for i in 1 2; do curl -i -X POST {p}/webhooks/standard -H 'webhook-id: evt_demo_
 #    One booking; the second answer is the first result around its own id ("id":2), with Idempotent-Replayed: true.
 curl -i -X POST {p}/mcp -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' -d '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"7C"}},"_meta":{{"idempotency-key":"agent-run-1"}}}}}}'
 curl -i -X POST {p}/mcp -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"book","arguments":{{"seat":"7C"}},"_meta":{{"idempotency-key":"agent-run-1"}}}}}}'
+
+# 9. A gRPC call over HTTP/2, the key in its idempotency-key metadata, sent twice by a small gRPC client of the mock's.
+#    One posting; the second gets the first answer, trailers and all ("idempotent-replayed: true").
+cargo run -q --bin mock-upstream -- grpc-transfer --url {p} --key demo-g1 --reference r-g1
+cargo run -q --bin mock-upstream -- grpc-transfer --url {p} --key demo-g1 --reference r-g1
 
 Ctrl-C stops both.
 "#

@@ -43,6 +43,8 @@ pub struct MockBody {
     /// the body is cut short.
     declared_left: u64,
     cut: Cut,
+    /// Sent after the data (a gRPC answer's status).
+    trailers: Option<http::HeaderMap>,
 }
 
 #[derive(Debug)]
@@ -61,6 +63,15 @@ impl MockBody {
             head: Some(bytes).filter(|b| !b.is_empty()),
             pattern_left: 0,
             cut: Cut::No,
+            trailers: None,
+        }
+    }
+
+    /// These bytes, then these trailers.
+    pub(crate) fn with_trailers(bytes: Bytes, trailers: http::HeaderMap) -> Self {
+        MockBody {
+            trailers: Some(trailers),
+            ..MockBody::full(bytes)
         }
     }
 
@@ -70,6 +81,7 @@ impl MockBody {
             pattern_left: len,
             declared_left: len,
             cut: Cut::No,
+            trailers: None,
         }
     }
 
@@ -112,7 +124,10 @@ impl Body for MockBody {
         }
         loop {
             match &mut this.cut {
-                Cut::No | Cut::Done => return Poll::Ready(None),
+                Cut::No => {
+                    return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
+                }
+                Cut::Done => return Poll::Ready(None),
                 Cut::Armed => {
                     this.cut = Cut::Pausing(Box::pin(tokio::time::sleep(PARTIAL_FLUSH_PAUSE)));
                 }
@@ -133,6 +148,7 @@ impl Body for MockBody {
     fn is_end_stream(&self) -> bool {
         self.head.as_ref().is_none_or(Bytes::is_empty)
             && self.pattern_left == 0
+            && self.trailers.is_none()
             && matches!(self.cut, Cut::No | Cut::Done)
     }
 

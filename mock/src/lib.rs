@@ -19,8 +19,9 @@
 //! | `GET /bookings/{id}` | `200` with the stored booking, or `404` | yes |
 //! | `GET /bookings/by-reference/{reference}` | `200` with the first booking whose request body's `reference` (a JSON string) is `{reference}` (percent-decoded), as `GET /bookings/{id}` answers it; `404` `{"error":"no booking with this reference","reference":…}` when there is none (yet: see `X-Mock-Commit-After`) | yes |
 //! | `POST /webhooks/{provider}` | `200` `{"received":true,"provider":…,"event_id":…,"deliveries":N}`: a webhook handler that counts deliveries per event id (`N`: this id's count so far; `event_id` `null` when the delivery has none), read where the provider puts it (`standard`: `webhook-id`; `github`: `X-GitHub-Delivery`; `shopify`: `X-Shopify-Webhook-Id`; `stripe`: the body's `id`; `slack`: the body's `event_id`; another name: `webhook-id`, else the body's `id`, else its `event_id`). It verifies no signature: the proxy does | yes |
+//! | `POST /ledger.v1.Ledger/Transfer` (gRPC over HTTP/2, `content-type: application/grpc`) | a gRPC answer: one `TransferReply {posting_id: "p_N", postings}` message and `grpc-status: 0` in the trailers, counting the postings per `reference` of the `TransferRequest {reference, amount}` (`ledger`); a body that is not one such message is a trailers-only `INVALID_ARGUMENT` | yes |
 //! | anything else outside `/_mock/` (`/echo/…`, `/payments`, …) | `200` with a JSON echo of what arrived: `{"method","path","query","headers":{name:[values]},"body"}` | yes |
-//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…},"by_reference":{"REF":N,…},"webhooks":N,"events":{"ID":N,…}}` | no |
+//! | `GET /_mock/stats` | `{"total":N,"bookings":N,"by_key":{"KEY":N,…},"by_reference":{"REF":N,…},"webhooks":N,"events":{"ID":N,…},"postings":N,"postings_by_reference":{"REF":N,…}}` | no |
 //! | `GET /_mock/calls?key=K` | `{"key":"K","calls":N}` | no |
 //! | `POST /_mock/reset` | zeroes every counter and forgets the stored bookings (ids keep growing) | no |
 //!
@@ -101,10 +102,12 @@
 //! - `body`: [`MockBody`], the response body, and [`body_pattern`].
 //! - `query`: percent-decoding a query parameter (`/_mock/calls?key=K`) and a path segment.
 //! - `webhook`: where each provider puts a webhook delivery's event id.
+//! - `ledger`: the gRPC ledger's transfer, its framing and messages written by hand.
 //! - `mcp`: `POST /mcp`, a minimal MCP server whose `book` tool makes a booking.
 
 mod body;
 mod directives;
+mod ledger;
 mod mcp;
 mod query;
 mod reply;
@@ -129,6 +132,7 @@ use query::{path_segment, query_param};
 use reply::{Reply, echo_reply, error_reply, status_reply};
 
 pub use body::{MockBody, body_pattern};
+pub use ledger::{read_reply, transfer_request};
 pub use state::{MockStats, MockUpstream, RecordedRequest};
 
 /// Request bodies above this are answered with 413 and not counted. Far above anything the
@@ -252,6 +256,12 @@ fn route(state: &MockUpstream, parts: &Parts, body: &Bytes, directives: &Directi
         }
     }
     if parts.method == Method::POST {
+        if path == ledger::TRANSFER {
+            return match ledger::read_transfer(body) {
+                Some(transfer) => state.post_transfer(transfer),
+                None => ledger::invalid(),
+            };
+        }
         if let Some(provider) = segment("/webhooks/") {
             let event_id = webhook::event_id(provider, &parts.headers, body);
             return state.receive_webhook(provider, event_id);

@@ -40,6 +40,9 @@ struct Ledger {
     /// Webhook deliveries handled, and how many carried each event id.
     webhooks: u64,
     events: BTreeMap<String, u64>,
+    /// The ledger's transfers posted (`/ledger.v1.Ledger/Transfer`), and per reference.
+    postings: u64,
+    postings_by_reference: BTreeMap<String, u64>,
     last_request: Option<RecordedRequest>,
 }
 
@@ -72,6 +75,10 @@ pub struct MockStats {
     pub webhooks: u64,
     /// Handled webhook deliveries per event id.
     pub events: BTreeMap<String, u64>,
+    /// Transfers the gRPC ledger posted (`/ledger.v1.Ledger/Transfer`).
+    pub postings: u64,
+    /// The ledger's postings per reference.
+    pub postings_by_reference: BTreeMap<String, u64>,
 }
 
 /// A counted request as the mock received it, so tests can check what the proxy forwarded
@@ -133,6 +140,8 @@ impl MockUpstream {
                 .map(|(reference, ids)| (reference.clone(), ids.len() as u64))
                 .collect(),
             webhooks: ledger.webhooks,
+            postings: ledger.postings,
+            postings_by_reference: ledger.postings_by_reference.clone(),
             events: ledger.events.clone(),
         }
     }
@@ -263,6 +272,21 @@ impl MockUpstream {
         Some(reply)
     }
 
+    /// `POST /ledger.v1.Ledger/Transfer`: one posting, counted under its reference.
+    pub(crate) fn post_transfer(&self, transfer: crate::ledger::Transfer) -> Reply {
+        let mut ledger = self.ledger();
+        ledger.postings += 1;
+        let n = ledger.postings;
+        let count = ledger
+            .postings_by_reference
+            .entry(transfer.reference)
+            .or_insert(0);
+        *count += 1;
+        let count = *count;
+        drop(ledger);
+        crate::ledger::reply(&format!("p_{n}"), count)
+    }
+
     /// `POST /webhooks/{provider}`: one handled delivery, counted under its event id (when it
     /// has one).
     pub(crate) fn receive_webhook(&self, provider: &str, event_id: Option<String>) -> Reply {
@@ -294,6 +318,8 @@ impl MockUpstream {
             "by_reference": stats.by_reference,
             "webhooks": stats.webhooks,
             "events": stats.events,
+            "postings": stats.postings,
+            "postings_by_reference": stats.postings_by_reference,
         })
     }
 }

@@ -564,6 +564,49 @@ async fn demo_serves_forward_and_replay_then_stops_on_sigterm() {
         stats.body
     );
 
+    // The gRPC pair it prints: the mock's gRPC client calls the ledger's Transfer twice with
+    // one key, over HTTP/2 through the proxy.
+    assert!(
+        out.contains(&format!(
+            "grpc-transfer --url http://{listen} --key demo-g1"
+        )),
+        "the gRPC lines:\n{out}"
+    );
+    let grpc_call = || {
+        let out = Command::new(harness::mock_binary())
+            .args([
+                "grpc-transfer",
+                "--url",
+                &format!("http://{listen}"),
+                "--key",
+                "cli-demo-g1",
+                "--reference",
+                "r-cli",
+            ])
+            .output()
+            .expect("run the mock's gRPC client");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let first = tokio::task::block_in_place(grpc_call);
+    assert!(
+        first.contains("grpc-status 0")
+            && first.contains("postings of r-cli: 1")
+            && first.contains("idempotent-replayed: -"),
+        "{first}"
+    );
+    let again = tokio::task::block_in_place(grpc_call);
+    assert!(
+        again.contains("postings of r-cli: 1") && again.contains("idempotent-replayed: true"),
+        "{again}"
+    );
+    let stats = send(client().get(format!("http://{listen}/_mock/stats"))).await;
+    assert_eq!(
+        stats.json()["postings_by_reference"]["r-cli"],
+        1,
+        "{:?}",
+        stats.body
+    );
+
     demo.signal("-TERM");
     let code = tokio::task::block_in_place(|| demo.wait(Duration::from_secs(15)));
     assert_eq!(code, Some(0), "stderr:\n{}", demo.stderr());

@@ -4,6 +4,7 @@
 
 #![warn(clippy::too_many_lines)]
 
+mod grpc;
 mod serve;
 
 use std::io::{IsTerminal, Write};
@@ -21,11 +22,43 @@ struct Args {
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
     #[arg(long, default_value = "127.0.0.1:8081", env = "MOCK_UPSTREAM_LISTEN")]
     listen: SocketAddr,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Calls the mock ledger's gRPC `Transfer` once (through the proxy, say), with the key in the
+    /// call's `idempotency-key` metadata, and prints what came back: a gRPC client for the demo
+    /// that needs no grpcurl.
+    GrpcTransfer {
+        /// The base URL to call (HTTP/2 with prior knowledge).
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        /// The `idempotency-key` metadata.
+        #[arg(long)]
+        key: String,
+        /// The transfer's reference.
+        #[arg(long, default_value = "r-1")]
+        reference: String,
+        /// The transfer's amount.
+        #[arg(long, default_value_t = 2400)]
+        amount: i64,
+    },
 }
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
+    if let Some(Command::GrpcTransfer {
+        url,
+        key,
+        reference,
+        amount,
+    }) = args.command
+    {
+        return grpc::transfer(&url, &key, &reference, amount).await;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
