@@ -1,5 +1,5 @@
-//! The load generator: HTTP/1.1 keep-alive connections (`hyper::client::conn::http1`), one per
-//! worker task, each sending its next request as soon as the last one is answered (a closed
+//! The load generator: HTTP/1.1 keep-alive connections (`hyper::client::conn::http1`), or for
+//! the gRPC rows HTTP/2 ones (`hyper::client::conn::http2`, prior knowledge), one per worker task, each sending its next request as soon as the last one is answered (a closed
 //! loop), latencies into per-worker HDR histograms that are merged at the end.
 //!
 //! Every loop is bounded twice: by time (the warm-up plus the measured window) and by a shared
@@ -16,8 +16,8 @@ use hdrhistogram::Histogram;
 use http::header::{ACCEPT, CONTENT_TYPE, HOST};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
@@ -37,7 +37,38 @@ pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempote
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A request sender on one connection.
-pub(crate) type Sender = SendRequest<Full<Bytes>>;
+pub(crate) enum Sender {
+    Http1(hyper::client::conn::http1::SendRequest<Full<Bytes>>),
+    /// HTTP/2 with prior knowledge (the gRPC rows): one request at a time on it, as on HTTP/1.1,
+    /// so the closed loop compares like with like.
+    Http2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
+}
+
+impl Sender {
+    pub(crate) fn is_closed(&self) -> bool {
+        match self {
+            Sender::Http1(s) => s.is_closed(),
+            Sender::Http2(s) => s.is_closed(),
+        }
+    }
+
+    async fn ready(&mut self) -> Result<(), hyper::Error> {
+        match self {
+            Sender::Http1(s) => s.ready().await,
+            Sender::Http2(s) => s.ready().await,
+        }
+    }
+
+    async fn send(
+        &mut self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<http::Response<Incoming>, hyper::Error> {
+        match self {
+            Sender::Http1(s) => s.send_request(request).await,
+            Sender::Http2(s) => s.send_request(request).await,
+        }
+    }
+}
 
 /// A response, read whole.
 pub(crate) struct Answer {
@@ -56,6 +87,11 @@ impl Answer {
 /// Opens a connection; its driver runs on a task of its own until the sender is dropped or the
 /// server closes the connection.
 pub(crate) async fn connect(addr: SocketAddr) -> Result<Sender, String> {
+    connect_as(addr, false).await
+}
+
+/// Opens an HTTP/1.1 connection, or an HTTP/2 one with `h2`.
+pub(crate) async fn connect_as(addr: SocketAddr, h2: bool) -> Result<Sender, String> {
     let opening = async {
         let stream = TcpStream::connect(addr)
             .await
@@ -63,18 +99,29 @@ pub(crate) async fn connect(addr: SocketAddr) -> Result<Sender, String> {
         stream
             .set_nodelay(true)
             .map_err(|e| format!("set_nodelay: {e}"))?;
-        hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        let io = TokioIo::new(stream);
+        if h2 {
+            let (sender, connection) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                    .await
+                    .map_err(|e| format!("handshake: {e}"))?;
+            tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            return Ok(Sender::Http2(sender));
+        }
+        let (sender, connection) = hyper::client::conn::http1::handshake(io)
             .await
-            .map_err(|e| format!("handshake: {e}"))
+            .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(async move {
+            // An error here is the server closing the connection; the sender sees it too.
+            let _ = connection.await;
+        });
+        Ok(Sender::Http1(sender))
     };
-    let (sender, connection) = tokio::time::timeout(CONNECT_TIMEOUT, opening)
+    tokio::time::timeout(CONNECT_TIMEOUT, opening)
         .await
-        .map_err(|_| format!("connect: no connection within {CONNECT_TIMEOUT:?}"))??;
-    tokio::spawn(async move {
-        // An error here is the server closing the connection; the sender sees it too.
-        let _ = connection.await;
-    });
-    Ok(sender)
+        .map_err(|_| format!("connect: no connection within {CONNECT_TIMEOUT:?}"))?
 }
 
 /// Sends one request on a ready connection and reads the whole answer, within
@@ -89,7 +136,7 @@ pub(crate) async fn exchange(
             .await
             .map_err(|e| format!("connection closed: {e}"))?;
         let response = sender
-            .send_request(request)
+            .send(request)
             .await
             .map_err(|e| format!("request failed: {e}"))?;
         let (parts, body) = response.into_parts();
@@ -135,7 +182,8 @@ pub(crate) async fn send_once(
     addr: SocketAddr,
     request: Request<Full<Bytes>>,
 ) -> Result<Answer, String> {
-    let mut sender = connect(addr).await?;
+    let h2 = request.uri().scheme().is_some();
+    let mut sender = connect_as(addr, h2).await?;
     exchange(&mut sender, request).await
 }
 
@@ -154,6 +202,17 @@ pub(crate) enum Key {
     /// its arguments, the request's ticket its `id` (a new id every time, as agents retry), and
     /// in `_meta` the key `prefix` (`fixed`: the same every time) or `prefix` and the ticket.
     Call { prefix: Arc<str>, fixed: bool },
+    /// A gRPC unary call over HTTP/2 (`content-type: application/grpc`, `te: trailers`, the body
+    /// one framed message), with `idempotency-key` metadata: none (`prefix` empty), `prefix`
+    /// every time (`fixed`), or `prefix` and the ticket.
+    Grpc { prefix: Arc<str>, fixed: bool },
+}
+
+impl Key {
+    /// Whether its requests go over HTTP/2.
+    pub(crate) fn h2(&self) -> bool {
+        matches!(self, Key::Grpc { .. })
+    }
 }
 
 /// What every request of a load run looks like: `POST path` with a JSON body.
@@ -191,6 +250,20 @@ impl RequestSpec {
                     headers.insert(name, value);
                 }
             }
+            Key::Grpc { prefix, fixed } => {
+                // HTTP/2 names the target in the URI (`:scheme`, `:authority`), set below.
+                headers.remove(HOST);
+                headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+                headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+                if !prefix.is_empty() {
+                    let key = if *fixed {
+                        HeaderValue::try_from(prefix.as_ref()).expect("a key is a header value")
+                    } else {
+                        unique_key(prefix, ticket)
+                    };
+                    headers.insert(IDEMPOTENCY_KEY, key);
+                }
+            }
             Key::Call { prefix, fixed } => {
                 headers.insert(
                     ACCEPT,
@@ -203,6 +276,15 @@ impl RequestSpec {
                 };
                 *request.body_mut() = Full::new(call_body(ticket, &key, &self.body));
             }
+        }
+        if self.key.h2()
+            && let Ok(uri) = Uri::try_from(format!(
+                "http://{}{}",
+                self.host.to_str().unwrap_or("127.0.0.1"),
+                self.path
+            ))
+        {
+            *request.uri_mut() = uri;
         }
         request
     }
@@ -418,7 +500,7 @@ async fn worker(
                 if previous.is_some() {
                     stats.reconnects += 1;
                 }
-                match connect(plan.addr).await {
+                match connect_as(plan.addr, plan.spec.key.h2()).await {
                     Ok(sender) => sender,
                     Err(e) => {
                         stats.error(Instant::now() >= measure_from, e);

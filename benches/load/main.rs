@@ -74,8 +74,8 @@ use client::{Expect, Key, LoadPlan, RequestSpec};
 use cores::Part;
 use pg::Postgres;
 use procs::{
-    CpuMeter, IDEMPOTENT_PATH, JSONRPC_PATH, Nginx, NginxSite, OBSERVED_PATH, PASSTHROUGH_PATH,
-    Proxy, Redis, Routes, StoreConfig, WEBHOOK_PATH,
+    CpuMeter, GRPC_PATH, IDEMPOTENT_PATH, JSONRPC_PATH, Nginx, NginxSite, OBSERVED_PATH,
+    PASSTHROUGH_PATH, Proxy, Redis, Routes, StoreConfig, WEBHOOK_PATH,
 };
 use report::{Outcome, Row};
 use scenario::{Scenario, Store, Target};
@@ -474,6 +474,14 @@ impl Bench {
             Target::Webhook(store) => self.webhook(s, store),
             Target::JsonRpcNew(store) => self.jsonrpc(s, store, false),
             Target::JsonRpcReplay(store) => self.jsonrpc(s, store, true),
+            Target::GrpcDirect => {
+                let server = Server::Other(self.upstream.part());
+                let key = grpc_key("", false);
+                self.timed(s, self.upstream.addr(), GRPC_PATH, key, server)
+            }
+            Target::GrpcPass => self.grpc(s, Store::Memory, None),
+            Target::GrpcNew(store) => self.grpc(s, store, Some(false)),
+            Target::GrpcReplay(store) => self.grpc(s, store, Some(true)),
             Target::Resolve(store) => self.resolve(s, store),
             Target::Churn(store) => self.churn(s, store),
             Target::Fill => self.fill(s),
@@ -650,8 +658,12 @@ impl Bench {
             path,
             host: HeaderValue::try_from(addr.to_string()).expect("an address is a header value"),
             headers,
+            body: match key {
+                // One framed `TransferRequest`, the mock ledger's.
+                Key::Grpc { .. } => idemproxy_mock::transfer_request("r-bench", 2400),
+                _ => Bytes::from_static(BODY),
+            },
             key,
-            body: Bytes::from_static(BODY),
         }
     }
 
@@ -685,7 +697,10 @@ impl Bench {
         key: Key,
         server: Server<'_>,
     ) -> Result<Done, String> {
-        let replayed = matches!(key, Key::Fixed(_) | Key::Call { fixed: true, .. });
+        let replayed = matches!(
+            key,
+            Key::Fixed(_) | Key::Call { fixed: true, .. } | Key::Grpc { fixed: true, .. }
+        );
         let expect = self.expect(s, replayed);
         let plan = self.plan(addr, self.spec(addr, path, key, s.big), expect);
         let server_part = match &server {
@@ -940,6 +955,52 @@ impl Bench {
                 done.failed = true;
                 done.summary.push(format!(
                     "{}: FAIL: {forwarded} upstream calls for one key",
+                    s.name
+                ));
+            }
+        }
+        Ok(done)
+    }
+
+    /// gRPC calls through the proxy over HTTP/2 to the mock ledger: through a pass-through
+    /// route (`replay` `None`), or a `grpc:` route with a new key per call (`Some(false)`) or one
+    /// finished key (`Some(true)`, which must reach the upstream once).
+    fn grpc(&self, s: &Scenario, store: Store, replay: Option<bool>) -> Result<Done, String> {
+        let Some(config) = self.store_config(s, store)? else {
+            return Ok(Done::skipped(s, store.missing()));
+        };
+        let routes = Routes {
+            grpc: Some(replay.is_some()),
+            ..Routes::plain("24h")
+        };
+        let mut proxy = self.start_proxy_with(s.name, &config, &routes)?;
+        let space = self.key_spaces.get();
+        self.key_spaces.set(space + 1);
+        let prefix = match replay {
+            None => String::new(),
+            Some(_) => format!("grpc-{:016x}-{space:06x}-", self.nonce),
+        };
+        let fixed = replay == Some(true);
+        let key = grpc_key(&prefix, fixed);
+        if fixed {
+            let spec = self.spec(proxy.addr, GRPC_PATH, key.clone(), false);
+            let first = self
+                .rt
+                .block_on(client::send_once(proxy.addr, spec.build(u64::MAX >> 16)))?;
+            self.expect(s, false)
+                .check(&first)
+                .map_err(|e| format!("the first call of the replayed key: {e}"))?;
+        }
+        let mut done = self.timed(s, proxy.addr, GRPC_PATH, key, Server::Proxy(&mut proxy))?;
+        if fixed && let Some(mock) = self.upstream.mock() {
+            let forwarded = self.rt.block_on(storm::mock_stats(mock.addr))?["postings"]
+                .as_u64()
+                .unwrap_or(0);
+            if forwarded != 1 {
+                println!("  FAIL: the ledger posted {forwarded} times for one replayed call");
+                done.failed = true;
+                done.summary.push(format!(
+                    "{}: FAIL: {forwarded} postings for one key",
                     s.name
                 ));
             }
@@ -1235,4 +1296,13 @@ fn show_failures(s: &Scenario, failures: &[String], summary: &mut Vec<String>) {
         s.name,
         failures.len()
     ));
+}
+
+/// The gRPC rows' key: `idempotency-key` metadata `prefix` (none when empty), the same every
+/// call (`fixed`) or with the call's ticket.
+fn grpc_key(prefix: &str, fixed: bool) -> Key {
+    Key::Grpc {
+        prefix: prefix.into(),
+        fixed,
+    }
 }

@@ -364,6 +364,8 @@ pub(crate) const WEBHOOK_PATH: &str = "/echo/hook";
 /// The JSON-RPC route's path: the mock's MCP server, whose `echo` tool does the echo paths'
 /// work.
 pub(crate) const JSONRPC_PATH: &str = "/mcp";
+/// The gRPC rows' method: the mock ledger's unary `Transfer`, over HTTP/2.
+pub(crate) const GRPC_PATH: &str = "/ledger.v1.Ledger/Transfer";
 /// The resolve route's path: the mock books there (`POST /reservations` books as `/bookings`
 /// does), and its lookup by reference finds the booking.
 pub(crate) const RESOLVE_PATH: &str = "/reservations";
@@ -395,6 +397,9 @@ pub(crate) struct Routes<'a> {
     pub resolve: bool,
     /// A JSON-RPC route at [`JSONRPC_PATH`] claiming `tools/call`, the key in `_meta`.
     pub jsonrpc: bool,
+    /// A route at [`GRPC_PATH`] on an `h2c` upstream (the mock again): a `grpc:` route
+    /// (`Some(true)`) or a pass-through one (`Some(false)`).
+    pub grpc: Option<bool>,
 }
 
 impl Routes<'_> {
@@ -405,6 +410,7 @@ impl Routes<'_> {
             webhook_secrets: None,
             resolve: false,
             jsonrpc: false,
+            grpc: None,
         }
     }
 }
@@ -566,6 +572,25 @@ fn extra_routes(upstream: SocketAddr, routes: &Routes<'_>) -> (String, String) {
       max_response_body: 1MiB
 ",
             secrets.display()
+        ));
+    }
+    if let Some(claimed) = routes.grpc {
+        upstreams.push_str(&format!(
+            "  mock-h2:
+    url: http://{upstream}
+    protocol: h2c
+"
+        ));
+        let kind = if claimed {
+            format!("    grpc: {{}}\n    idempotency:\n      ttl: {ttl}\n      lock_ttl: 10s\n")
+        } else {
+            String::new()
+        };
+        lines.push_str(&format!(
+            "  - name: grpc
+    path: {GRPC_PATH}
+    upstream: mock-h2
+{kind}"
         ));
     }
     if routes.jsonrpc {

@@ -375,6 +375,24 @@ const PAIRS: &[Pair] = &[
         target: Some(0.85),
     },
     Pair {
+        row: "grpc-pass/memory",
+        over: "grpc-direct",
+        named: "grpc-direct",
+        target: Some(0.8),
+    },
+    Pair {
+        row: "grpc-new/memory",
+        over: "grpc-pass/memory",
+        named: "grpc-pass/memory",
+        target: Some(0.8),
+    },
+    Pair {
+        row: "grpc-replay/memory",
+        over: "grpc-pass/memory",
+        named: "grpc-pass/memory",
+        target: None,
+    },
+    Pair {
         row: "jsonrpc-replay/memory",
         over: "replay/memory",
         named: "replay/memory",

@@ -64,6 +64,14 @@ pub(crate) enum Target {
     JsonRpcNew(Store),
     /// A JSON-RPC route: one finished call, repeated with a new `id` per request.
     JsonRpcReplay(Store),
+    /// The mock ledger's gRPC `Transfer` called directly over HTTP/2: the gRPC rows' ceiling.
+    GrpcDirect,
+    /// The same calls through the proxy's pass-through route on an `h2c` upstream.
+    GrpcPass,
+    /// The same calls on a `grpc:` route, a new key in the metadata per call.
+    GrpcNew(Store),
+    /// The same call on a `grpc:` route, one finished key.
+    GrpcReplay(Store),
     /// A route under `on_unknown_outcome: resolve`: a bounded number of requests whose answer
     /// is lost after the upstream acted, then the wait until each is resolved.
     Resolve(Store),
@@ -92,10 +100,15 @@ impl Scenario {
             }
             Target::Churn(s) | Target::Webhook(s) | Target::Resolve(s) => Some(s),
             Target::JsonRpcNew(s) | Target::JsonRpcReplay(s) => Some(s),
+            Target::GrpcNew(s) | Target::GrpcReplay(s) => Some(s),
             Target::Ceiling(_) => Some(Store::Postgres),
             Target::SqliteCeiling => Some(Store::Sqlite),
             Target::Fill => Some(Store::Memory),
-            Target::Direct | Target::Nginx | Target::Passthrough => None,
+            Target::Direct
+            | Target::Nginx
+            | Target::Passthrough
+            | Target::GrpcDirect
+            | Target::GrpcPass => None,
         }
     }
 
@@ -142,6 +155,8 @@ impl Scenario {
         match self.target {
             Webhook(store) | JsonRpcNew(store) => Some(NewKey(store)),
             JsonRpcReplay(store) => Some(Replay(store)),
+            Target::GrpcPass => Some(Target::GrpcDirect),
+            Target::GrpcNew(_) | Target::GrpcReplay(_) => Some(Target::GrpcPass),
             _ => None,
         }
     }
@@ -271,6 +286,30 @@ pub(crate) const ALL: &[Scenario] = &[
         Replay(Store::Postgres),
         false,
         "one finished key, replayed",
+    ),
+    scenario(
+        "grpc-direct",
+        Target::GrpcDirect,
+        false,
+        "gRPC unary calls straight to the mock ledger over HTTP/2: the gRPC rows' ceiling",
+    ),
+    scenario(
+        "grpc-pass/memory",
+        Target::GrpcPass,
+        false,
+        "the same calls through a pass-through route on an h2c upstream",
+    ),
+    scenario(
+        "grpc-new/memory",
+        Target::GrpcNew(Memory),
+        false,
+        "the same calls on a grpc: route, a new idempotency-key per call",
+    ),
+    scenario(
+        "grpc-replay/memory",
+        Target::GrpcReplay(Memory),
+        false,
+        "one finished call on a grpc: route, replayed",
     ),
     scenario(
         "jsonrpc-replay/memory",
