@@ -96,13 +96,19 @@ async fn readiness(proxy: &Proxy) -> Response<Body> {
     if proxy.is_draining() {
         return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
     }
-    match proxy.store().ping().await {
-        Ok(()) => text(StatusCode::OK, "ready\n"),
-        Err(e) => {
-            tracing::warn!(error = %e, "readiness: the store does not answer");
-            text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+    // Every worker's connections: one worker's broken pool is a share of the traffic failing.
+    let pings = proxy.stores().map(|store| store.ping());
+    for (worker, ping) in futures_util::future::join_all(pings)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        if let Err(e) = ping {
+            tracing::warn!(worker, error = %e, "readiness: the store does not answer");
+            return text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n");
         }
     }
+    text(StatusCode::OK, "ready\n")
 }
 
 /// Compares the bearer token in constant time (for equal lengths).

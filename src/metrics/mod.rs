@@ -577,4 +577,24 @@ mod tests {
         );
         assert!(text.contains(r#"idemproxy_lost_leases_total{route="create-booking"} 1"#));
     }
+
+    #[test]
+    fn what_no_route_matched_has_only_its_request_series() {
+        let m = Metrics::new();
+        let unrouted = m.route_of("", RouteKind::Unrouted);
+        unrouted.request(Outcome::NoRoute, Duration::from_millis(1));
+        let text = m.encode();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.contains(r#"route="""#))
+            .collect();
+        assert!(!series.is_empty(), "{text}");
+        for line in series {
+            assert!(
+                line.starts_with("idemproxy_requests_total")
+                    || line.starts_with("idemproxy_request_duration_seconds"),
+                "a route=\"\" series that no request without a route can move: {line}"
+            );
+        }
+    }
 }

@@ -252,6 +252,15 @@ impl Metrics {
             route: route.to_owned(),
         };
         let f = &self.routes;
+        // What no route matched never holds a lease, saves or derives a key: its per-route
+        // counters are kept out of the registry, so no `route=""` series sits at 0 forever.
+        let own = |family: &prometheus_client::metrics::family::Family<RouteLabel, Counter>| {
+            if kind == RouteKind::Unrouted {
+                Counter::default()
+            } else {
+                family.get_or_create(&label).clone()
+            }
+        };
         RouteMetrics(Arc::new(RouteSeries {
             name: route.to_owned(),
             requests: Outcome::ALL
@@ -270,13 +279,13 @@ impl Metrics {
                 })
                 .collect(),
             families: f.clone(),
-            lost_leases: f.lost_leases.get_or_create(&label).clone(),
-            unprotected: f.unprotected.get_or_create(&label).clone(),
-            saves_abandoned: f.saves_abandoned.get_or_create(&label).clone(),
-            results_not_kept: f.results_not_kept.get_or_create(&label).clone(),
-            lease_renewals: f.lease_renewals.get_or_create(&label).clone(),
-            lease_renewals_late: f.lease_renewals_late.get_or_create(&label).clone(),
-            derived_keys: f.derived_keys.get_or_create(&label).clone(),
+            lost_leases: own(&f.lost_leases),
+            unprotected: own(&f.unprotected),
+            saves_abandoned: own(&f.saves_abandoned),
+            results_not_kept: own(&f.results_not_kept),
+            lease_renewals: own(&f.lease_renewals),
+            lease_renewals_late: own(&f.lease_renewals_late),
+            derived_keys: own(&f.derived_keys),
         }))
     }
 }

@@ -232,6 +232,12 @@ impl Proxy {
         &self.worker(0).store
     }
 
+    /// Every worker's store, in worker order: with Redis or PostgreSQL each worker has
+    /// connections of its own, and readiness asks all of them.
+    pub(crate) fn stores(&self) -> impl Iterator<Item = &StoreHandle> {
+        self.workers.iter().map(|w| &w.store)
+    }
+
     /// The configuration in force.
     pub(crate) fn config(&self) -> Arc<Config> {
         self.current.load().config.clone()

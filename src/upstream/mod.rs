@@ -563,12 +563,19 @@ pub(crate) fn chain(prefix: Bytes, rest: Body) -> Body {
 
 /// An error with its sources, joined: hyper's top-level messages alone ("client error
 /// (Connect)") do not say what happened.
+///
+/// A cause is said once: hyper's and h2's errors often repeat their source's words in their
+/// own (`connection error: connection error: …`), so a source whose text the chain already
+/// holds is left out.
 pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
+        let text = s.to_string();
+        if !text.is_empty() && !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
         source = s.source();
     }
     out

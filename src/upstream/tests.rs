@@ -175,3 +175,32 @@ fn hop_by_hop_headers_go_including_those_connection_names() {
     let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
     assert_eq!(left, vec!["x-keep", "set-cookie"]);
 }
+
+#[test]
+fn an_error_chain_says_each_cause_once() {
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1
+                .as_deref()
+                .map(|l| l as &(dyn std::error::Error + 'static))
+        }
+    }
+    let e = Layer(
+        "connection error",
+        Some(Box::new(Layer(
+            "connection error",
+            Some(Box::new(Layer("connection reset by peer", None))),
+        ))),
+    );
+    assert_eq!(
+        error_chain(&e),
+        "connection error: connection reset by peer"
+    );
+}
