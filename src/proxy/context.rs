@@ -14,6 +14,7 @@ use super::lease::Lease;
 use super::matched::Route;
 use super::pending::PendingSaves;
 use crate::config::Limits;
+use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::route::IdempotencySettings;
 use crate::store::{Held, StoreHandle};
@@ -26,6 +27,105 @@ pub(super) struct Shared {
     pub tasks: TaskTracker,
     pub pending: Arc<PendingSaves>,
     pub detached: Gauge,
+    /// Observed keys whose first request has its answer and whose save has not landed yet,
+    /// shared by every worker (see [`Answered`]).
+    pub answered: Arc<Answered>,
+}
+
+/// The first observed request (`mode: observe`) of each key this instance is claiming, and
+/// whether it has been answered with a result to save.
+///
+/// Enforce claims before it forwards and saves before it answers, so a repeat that comes after
+/// the first's answer finds the result and replays it. Observe forwards beside its claim and
+/// saves after it answers: a repeat may find the claim still in flight, or even reach the store
+/// before the first's own claim has landed (PostgreSQL). Counted by what the store shows, it
+/// would be a `conflict` (or a `forward`) that enforce never answers (SPEC §4.7). So a request
+/// that finds an earlier one of its key here, answered, counts `replay` (or `mismatch`) at once,
+/// before it claims anything, as enforce would answer it.
+///
+/// Every change happens under one lock; an entry goes when its request's claim ends.
+#[derive(Default)]
+pub(super) struct Answered {
+    next: std::sync::atomic::AtomicU64,
+    /// By key: the first request's number, its fingerprint, and whether it is answered.
+    keys: std::sync::Mutex<std::collections::HashMap<[u8; 32], First>>,
+}
+
+#[derive(Clone, Copy)]
+struct First {
+    owner: u64,
+    fingerprint: Fingerprint,
+    answered: bool,
+}
+
+/// What an observed request finds when it starts its claim.
+pub(super) enum Found {
+    /// No earlier request of its key here: it is the first (and registered as such).
+    First,
+    /// An earlier one, answered, with this fingerprint: enforce would answer from its result.
+    Answered(Fingerprint),
+    /// An earlier one still running: the store decides, as it always did.
+    Running,
+}
+
+impl Answered {
+    /// A number for one observed request.
+    pub(super) fn owner(&self) -> u64 {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Request `owner`, of `fingerprint`, starts its claim of `key`.
+    pub(super) fn start(&self, key: &StoreKey, owner: u64, fingerprint: Fingerprint) -> Found {
+        let mut keys = self.lock();
+        match keys.entry(identity(key)) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(First {
+                    owner,
+                    fingerprint,
+                    answered: false,
+                });
+                Found::First
+            }
+            std::collections::hash_map::Entry::Occupied(first) => {
+                let first = first.get();
+                if first.answered {
+                    Found::Answered(first.fingerprint)
+                } else {
+                    Found::Running
+                }
+            }
+        }
+    }
+
+    /// Request `owner` of `key` is answered with a result to save.
+    pub(super) fn answered(&self, key: &StoreKey, owner: u64) {
+        if let Some(first) = self.lock().get_mut(&identity(key))
+            && first.owner == owner
+        {
+            first.answered = true;
+        }
+    }
+
+    /// The claim of request `owner` of `key` has ended: its entry, if it is the first, goes.
+    pub(super) fn end(&self, key: &StoreKey, owner: u64) {
+        let mut keys = self.lock();
+        let id = identity(key);
+        if keys.get(&id).is_some_and(|first| first.owner == owner) {
+            keys.remove(&id);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<[u8; 32], First>> {
+        self.keys.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A store key as one value: its route's namespace and its hash (two routes may share a hash).
+fn identity(key: &StoreKey) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(key.text().as_bytes());
+    h.finalize().into()
 }
 
 /// One request on an idempotent route, from its match to its answer (and past it, for the

@@ -159,6 +159,7 @@ impl Proxy {
             metrics.pending_saves.clone(),
             metrics.pending_save_bytes.clone(),
         ));
+        let answered = Arc::new(context::Answered::default());
         let workers: Box<[Arc<Shared>]> = std::iter::once(first)
             .chain(more)
             .map(|store| {
@@ -167,6 +168,7 @@ impl Proxy {
                     tasks: tasks.clone(),
                     pending: pending.clone(),
                     detached: metrics.detached_exchanges.clone(),
+                    answered: answered.clone(),
                 })
             })
             .collect();

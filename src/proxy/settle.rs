@@ -262,6 +262,11 @@ impl Settlement {
         }
     }
 
+    /// Whether it saves a result (rather than releasing the key or resolving it).
+    pub(super) fn completes(&self) -> bool {
+        matches!(self.action, Action::Complete(_))
+    }
+
     /// Carries it out on the held claim: completes it with the result under `fingerprint`
     /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
     /// it.

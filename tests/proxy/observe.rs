@@ -40,6 +40,7 @@ every_store!(
     a_client_that_leaves_still_gets_its_result_saved_and_the_detached_bound_holds,
     switching_to_enforce_keeps_the_records,
     switching_to_enforce_with_a_reload_keeps_the_records,
+    a_repeat_sent_as_soon_as_the_first_is_answered_counts_as_a_replay,
 );
 
 const ROUTE: &str = "create-booking";
@@ -805,4 +806,23 @@ async fn redis_an_observed_answer_does_not_wait_for_a_slow_store() {
     );
     relay.set_latency(Duration::ZERO, Duration::ZERO);
     proxy.stop().await;
+}
+
+/// Enforce saves before it answers, so a repeat sent once the first's answer has arrived is
+/// always a replay there. Observe answers first and saves after: a repeat in that gap finds the
+/// claim still in flight, and must still be counted as the replay enforce would answer, never a
+/// conflict (on PostgreSQL the gap is wide enough to hit every time).
+async fn a_repeat_sent_as_soon_as_the_first_is_answered_counts_as_a_replay(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&observing(&env, "")).await;
+    let keys = 20;
+    for n in 0..keys {
+        let key = format!("obs-gap-{n}");
+        let first = book(&proxy, &key, SEAT).await;
+        assert_eq!(first.status, 201, "{:?}", first.body);
+        // At once: no pause for the save to land.
+        let again = book(&proxy, &key, SEAT).await;
+        assert_eq!(again.status, 201, "forwarded: {:?}", again.body);
+    }
+    until_counted(&proxy, &[(Would::Forward, keys), (Would::Replay, keys)]).await;
 }

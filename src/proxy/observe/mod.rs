@@ -222,6 +222,8 @@ impl Observation {
             call,
         } = request;
         let (settled, settlement) = oneshot::channel();
+        let answered_key = key.clone();
+        let owner = context.shared.answered.owner();
         let shadow = Shadow {
             context: context.clone(),
             observed,
@@ -229,6 +231,7 @@ impl Observation {
             key,
             fingerprint,
             origin,
+            owner,
         };
         context.shared.tasks.spawn(shadow.run(settlement));
 
@@ -277,6 +280,11 @@ impl Observation {
                 (settlement, refuse(problem, outcome))
             }
         };
+        // The answer goes out now and the result is saved after it: a repeat meanwhile is
+        // counted as enforce, which saves first, would answer it (a replay).
+        if settlement.completes() {
+            context.shared.answered.answered(&answered_key, owner);
+        }
         // A claim that has already ended without the key (a duplicate, a store error) has
         // dropped its receiver: there is nothing to save, and the send fails quietly.
         let _ = settled.send(settlement);

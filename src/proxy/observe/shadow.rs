@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::super::admission::KeyOrigin;
-use super::super::context::Context;
+use super::super::context::{Context, Found};
 use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
 use super::super::settle::Settlement;
 use crate::fingerprint::Fingerprint;
@@ -59,16 +59,45 @@ pub(super) struct Shadow {
     pub fingerprint: Fingerprint,
     /// Where the key came from.
     pub origin: KeyOrigin,
+    /// This request's number among the observed requests of its key (`Answered`).
+    pub owner: u64,
 }
 
 impl Shadow {
     /// Claims the key, counts what enforce would have answered, and saves the request's result
     /// (`settlement`, sent when its upstream call has ended) if the claim is this request's.
     pub(super) async fn run(self, settlement: oneshot::Receiver<Settlement>) {
+        let (answered, key, owner) = (
+            self.context.shared.answered.clone(),
+            self.key.clone(),
+            self.owner,
+        );
+        self.claim(settlement).await;
+        // However the claim ended, it is no longer its key's first here.
+        answered.end(&key, owner);
+    }
+
+    async fn claim(self, settlement: oneshot::Receiver<Settlement>) {
         let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: self.fingerprint,
         });
+        // The first was answered and this instance is saving its result: enforce, which saves
+        // before it answers, would replay this repeat (or refuse it as a mismatch). Counted
+        // before claiming: the first's own claim may not have landed yet.
+        let found = self
+            .context
+            .shared
+            .answered
+            .start(&self.key, self.owner, self.fingerprint);
+        if let Found::Answered(first) = found {
+            let would = if first == self.fingerprint {
+                Would::Replay
+            } else {
+                Would::Mismatch
+            };
+            return self.answered_repeat(would);
+        }
         let lock_ttl = self.context.policy.lock_ttl;
         let wait_until = Instant::now() + self.context.policy.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
@@ -178,6 +207,21 @@ impl Shadow {
                 "release failed; the claim expires within lock_ttl"
             );
         }
+    }
+
+    /// A repeat of a request that was answered and whose result is being saved: counted as
+    /// enforce would answer it, and logged as a duplicate is.
+    fn answered_repeat(&self, would: Would) {
+        self.observed.would(would);
+        tracing::info!(
+            route = %self.context.route.name,
+            key = %self.key.id_hex(),
+            key_source = self.origin.as_str(),
+            client = %self.context.client.ip(),
+            would = would.as_str(),
+            first = "finished",
+            "observed a duplicate of a request answered moments ago: enforce would have answered from its saved result, not forwarded it"
+        );
     }
 
     /// A repeat that `on_conflict: wait` would hold while the held repeats are at their bound:
