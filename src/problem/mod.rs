@@ -150,10 +150,12 @@ impl Problem {
     pub(crate) fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
         let upstream = upstream.to_owned();
         match e {
-            UpstreamError::Connect(detail) => Problem::UpstreamUnavailable {
-                upstream,
-                detail: detail.clone(),
-            },
+            UpstreamError::Connect(detail) | UpstreamError::Unsent(detail) => {
+                Problem::UpstreamUnavailable {
+                    upstream,
+                    detail: detail.clone(),
+                }
+            }
             UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
             UpstreamError::Failed(detail) => Problem::UpstreamFailed {
                 upstream,

@@ -134,7 +134,10 @@ impl Exchange {
         };
         let times = ResolvableTimes {
             lease: idem.lock_ttl,
-            send_margin: context.route.upstream.connect_timeout(),
+            // No byte of the request is written once the upstream's timeout has passed since
+            // `sent`, taken before this claim went out (SPEC §4.8): the store's stamp plus it
+            // is the latest the upstream can have received any of it.
+            send_margin: context.route.upstream.timeout(),
             lifetime: resolve.give_up_after + idem.ttl,
         };
         let claimed = store
@@ -259,20 +262,31 @@ impl Exchange {
             lookup,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
+        #[cfg(feature = "test-pauses")]
+        super::pause::after_claim(parts.headers.get(&idem.header)).await;
         let mut lease = context.lease(key, held, claimed_at);
         // Under `release` the upstream is trusted to honour the forwarded key, so a request
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
-        // The latest moment the request can be written: the resolvable record's, on the
-        // store's clock (what any instance that takes it over counts from), or the call's start
-        // plus the longest its connection can take.
+        // No byte of the request is written at or after `write_by`: the upstream's timeout
+        // after an instant taken before the claim was sent, so never after the store's stamp
+        // plus it, which is what an instance that takes the claim over counts from (SPEC
+        // §4.8). A holder that stalled past it (a paused process) writes nothing.
+        let write_by = claimed_at + up.timeout();
+        // The latest moment a byte of the request can reach the upstream: the resolvable
+        // record's, on the store's clock, or `write_by`.
         let sent = match (clock, lease.held().resolvable()) {
             (Some(clock), Some(r)) => clock.local(r.sent_at),
-            _ => Instant::now() + up.connect_timeout(),
+            _ => write_by,
         };
         let result = match up.request(parts, body, context.client, context.drop_key()) {
-            Ok(req) => {
+            Ok(_) if Instant::now() >= write_by => Err(UpstreamError::Unsent(format!(
+                "the upstream's timeout ({}) had passed since the claim was sent; nothing was written",
+                humantime::format_duration(up.timeout())
+            ))),
+            Ok(mut req) => {
+                req.extensions_mut().insert(upstream::WriteBy(write_by));
                 lease
                     .renewing(up.call_bounded(req, idem.max_response_body, resend))
                     .await
@@ -301,16 +315,17 @@ fn claim_of(context: &Context, request: &Admitted) -> Held {
     let token = new_token();
     let resolve = context.policy.resolve.as_ref();
     match (resolve, &request.lookup) {
-        (Some(resolve), Some(lookup)) => {
-            Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        (Some(resolve), Some(lookup)) => Held::new(Record::Resolvable(Box::new(
+            Resolvable::claim(
                 token,
                 request.fingerprint,
                 lookup.clone(),
                 resolve.settle_after,
                 resolve.interval,
                 resolve.give_up_after,
-            ))))
-        }
+            )
+            .answered_by(&resolve.found, &resolve.absent),
+        ))),
         _ => Held::new(Record::InFlight {
             token,
             fingerprint: request.fingerprint,

@@ -32,6 +32,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
 use self::gathered::Gathered;
+pub(crate) use self::pool::WriteBy;
 use self::pool::{Pool, SendError};
 pub(crate) use self::refusal::refuses_head;
 use prometheus_client::metrics::histogram::Histogram;
@@ -49,6 +50,10 @@ pub(crate) enum UpstreamError {
     /// `timeout`: the request was not sent.
     #[error("connect failed: {0}")]
     Connect(String),
+    /// The request's send deadline passed before any byte of it was written (SPEC §4.8): it
+    /// was not sent, and the connection was reset.
+    #[error("{0}")]
+    Unsent(String),
     /// No complete response within the timeout: the upstream may have acted.
     #[error("no complete response within {0:?}")]
     Timeout(Duration),
@@ -249,6 +254,12 @@ impl Upstream {
         self.connect_timeout
     }
 
+    /// Its `timeout`: on an idempotent route no byte of a request is written once it has
+    /// passed since an instant taken before the claim ([`WriteBy`]).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Builds the upstream request from the client's: the URL rebased on the upstream,
     /// hop-by-hop headers removed, `X-Forwarded-*` set, the key header kept or dropped.
     pub(crate) fn request<B>(
@@ -392,6 +403,9 @@ impl Upstream {
             *copy.uri_mut() = req.uri().clone();
             *copy.version_mut() = req.version();
             *copy.headers_mut() = req.headers().clone();
+            if let Some(by) = req.extensions().get::<WriteBy>() {
+                copy.extensions_mut().insert(*by);
+            }
             copy
         });
         let e = match self.pool.send(req.map(body::full), deadline).await {
@@ -412,7 +426,7 @@ impl Upstream {
                         // Nothing went out the second time, but the first request may have
                         // reached the upstream before its connection failed: that failure is
                         // the one to answer with, not "the request was not sent".
-                        SendError::Connect(_) => self.classify(e),
+                        SendError::Connect(_) | SendError::Unsent(_) => self.classify(e),
                         again => self.classify(again),
                     })
             }
@@ -427,6 +441,7 @@ impl Upstream {
         match e {
             SendError::Connect(detail) => UpstreamError::Connect(detail),
             SendError::TimedOut => UpstreamError::Timeout(self.timeout),
+            SendError::Unsent(detail) => UpstreamError::Unsent(detail),
             SendError::Failed { .. } => failed(&e),
         }
     }

@@ -103,13 +103,16 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     };
 }
 
-/// Whether `v` is a resolvable claim (`'Q'`, format version 2; offsets in
+/// Whether `v` is a resolvable claim (`'Q'`, format version 3, or 2 written by an earlier
+/// proxy; offsets in
 /// [`crate::record::resolvable`], plus one: Lua counts from 1), and whether its lease, at bytes
 /// 22..29, is still live at `now`.
 macro_rules! resolvable_fns {
     () => {
         "local function is_q(v)
-  return v and #v >= 86 and string.sub(v, 1, 5) == 'IDP\\2Q'
+  if not v or #v < 86 then return false end
+  local p = string.sub(v, 1, 5)
+  return p == 'IDP\\3Q' or p == 'IDP\\2Q'
 end
 local function lease_live(v, now)
   return struct.unpack('>I8', v, 22) > now
