@@ -15,11 +15,14 @@ use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventuall
 
 #[path = "resolve/deadline.rs"]
 mod deadline;
+#[path = "resolve/stranded.rs"]
+mod stranded;
 use deadline::{
     a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,
     a_holder_stalled_past_its_deadline_writes_nothing,
     a_lookup_value_naming_another_resource_is_refused_before_the_claim,
 };
+use stranded::a_route_reloaded_from_resolve_to_keep_strands_no_key;
 
 every_store!(
     a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
@@ -36,6 +39,7 @@ every_store!(
     a_holder_stalled_past_its_deadline_writes_nothing,
     a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,
     a_lookup_value_naming_another_resource_is_refused_before_the_claim,
+    a_route_reloaded_from_resolve_to_keep_strands_no_key,
 );
 
 const ROUTE: &str = "create-booking";

@@ -46,6 +46,12 @@ pub enum Problem {
         /// When to try again.
         retry_after: Duration,
     },
+    /// The first request's outcome is unknown and is being resolved: a repeat is refused as
+    /// in flight (409, `Retry-After` when the next lookup is due), its detail saying so.
+    BeingResolvedNow {
+        /// When the next lookup is sent, from now (on the store's clock).
+        next_lookup_in: Duration,
+    },
     /// The key's first response was too large to save (409).
     NotReplayable {
         /// The status the first request got.
@@ -202,7 +208,7 @@ impl Problem {
                 S::UNPROCESSABLE_ENTITY,
                 "Idempotency key reused for a different request",
             ),
-            Problem::InProgress { .. } => (
+            Problem::InProgress { .. } | Problem::BeingResolvedNow { .. } => (
                 "request-in-progress",
                 S::CONFLICT,
                 "A request with this idempotency key is in progress",
@@ -306,6 +312,11 @@ impl Problem {
             }
             Problem::KeyReused => "This idempotency key was already used for a request with a different method, path, query, body or fingerprinted headers. Use a new key for a new operation.".into(),
             Problem::InProgress { .. } => "The first request with this idempotency key has not finished yet; retry after the time in Retry-After to get its response.".into(),
+            Problem::BeingResolvedNow { next_lookup_in } => format!(
+                "The outcome of the first request with this idempotency key is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms), and forwards nothing meanwhile. Retry after the time in Retry-After to get the result.",
+                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next_lookup_in),
+                next_lookup_in.as_millis()
+            ),
             Problem::NotReplayable { status } => format!(
                 "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",
                 status.as_u16()
@@ -374,6 +385,7 @@ impl Problem {
         let mut h = vec![content_type()];
         let retry_after = match self {
             Problem::InProgress { retry_after } => Some(*retry_after),
+            Problem::BeingResolvedNow { next_lookup_in } => Some(*next_lookup_in),
             // A store outage is usually short; a client retrying with the same key is safe.
             Problem::StoreUnavailable { .. } | Problem::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
@@ -424,6 +436,11 @@ pub(crate) enum AdminProblem {
     NoRecord,
     /// The key holds a claim in flight, which is never forgotten (409).
     RecordInFlight,
+    /// The key holds a claim whose outcome is being resolved, never forgotten (409).
+    RecordResolving {
+        /// When its next lookup is sent, from now (on the store's clock).
+        next_lookup_in: Duration,
+    },
     /// What the key holds is not a finished record of this proxy, so it is left alone (409).
     NotARecord,
     /// The store failed or did not answer in time (503).
@@ -461,7 +478,9 @@ impl AdminProblem {
                 "No such idempotent route",
             ),
             AdminProblem::NoRecord => ("no-record", S::NOT_FOUND, "No record"),
-            AdminProblem::RecordInFlight => ("record-in-flight", S::CONFLICT, "Claim in flight"),
+            AdminProblem::RecordInFlight | AdminProblem::RecordResolving { .. } => {
+                ("record-in-flight", S::CONFLICT, "Claim in flight")
+            }
             AdminProblem::NotARecord => ("not-a-record", S::CONFLICT, "Not a record"),
             AdminProblem::StoreUnavailable { .. } => (
                 "admin-store-unavailable",
@@ -486,6 +505,11 @@ impl AdminProblem {
             AdminProblem::NoIdempotentRoute => "No idempotent route has that name.".into(),
             AdminProblem::NoRecord => "No record under this key.".into(),
             AdminProblem::RecordInFlight => "A claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl.".into(),
+            AdminProblem::RecordResolving { next_lookup_in } => format!(
+                "The outcome of this key's first request is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms). A key being resolved is never forgotten: it ends found, absent or outcome-unknown (give_up_after).",
+                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next_lookup_in),
+                next_lookup_in.as_millis()
+            ),
             AdminProblem::NotARecord => "What is under this key is not a finished record of this proxy; left alone.".into(),
             AdminProblem::StoreUnavailable { detail } => {
                 format!("The idempotency store did not answer ({detail}).")

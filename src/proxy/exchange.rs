@@ -21,7 +21,7 @@ use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Record, Resolvable, new_token};
+use crate::record::{Phase, Record, Resolvable, new_token};
 use crate::route::{OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::store::{Claim, Held, ResolvableClaim, ResolvableTimes, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
@@ -90,8 +90,8 @@ impl Exchange {
             if *existing.fingerprint() != self.request.fingerprint {
                 return refuse(Problem::KeyReused, Outcome::Mismatch);
             }
-            match existing {
-                Record::Done { saved, .. } => return replay(saved),
+            match &existing {
+                Record::Done { saved, .. } => return replay(saved.clone()),
                 // A claim that can be resolved is in flight too, or being resolved: either way
                 // the operation may have run, so a repeat waits or gets 409.
                 Record::InFlight { .. } | Record::Resolvable(_) => {
@@ -101,12 +101,8 @@ impl Exchange {
                         || now >= wait_until
                         || self.attachment.is_gone()
                     {
-                        return refuse(
-                            Problem::InProgress {
-                                retry_after: RETRY_AFTER,
-                            },
-                            Outcome::Conflict,
-                        );
+                        let problem = self.in_progress(&existing).await;
+                        return refuse(problem, Outcome::Conflict);
                     }
                     // Wait for the holder to finish, then claim again: a released or expired
                     // claim is taken by this request, a finished one is replayed. Stores
@@ -121,16 +117,46 @@ impl Exchange {
         }
     }
 
+    /// The 409 for a key held by another request: in flight, or being resolved — then with
+    /// when its next lookup is due (the store's clock read once more), never "expires within
+    /// lock_ttl": a resolution outlives its lease.
+    async fn in_progress(&self, existing: &Record) -> Problem {
+        if let Record::Resolvable(r) = existing
+            && r.phase == Phase::Resolving
+            && let Ok(now) = self.context.shared.store.now(&self.request.key).await
+        {
+            return Problem::BeingResolvedNow {
+                next_lookup_in: Duration::from_millis(r.next_lookup_at.saturating_sub(now)),
+            };
+        }
+        Problem::InProgress {
+            retry_after: RETRY_AFTER,
+        }
+    }
+
     /// One claim of the key: on a `resolve` route the resolvable claim, which takes over a
     /// claim whose holder's lease lapsed. A takeover starts its resolution and is answered as
     /// the claim it took over (in flight: 409, or wait); this request forwards nothing.
+    ///
+    /// On any other route a plain claim; one that finds a claim carrying a lookup (the route
+    /// was under `resolve` when it was made) takes it over as a `resolve` route would: a
+    /// record is resolved as it says, whatever the route's policy is now, so a route reloaded
+    /// from `resolve` to `keep` strands no key (SPEC §4.8).
     async fn claim(&mut self, sent: Instant) -> Result<Claim, StoreError> {
         let context = self.context.clone();
         let (idem, store) = (&context.policy, &context.shared.store);
         let Some(resolve) = self.held.resolvable().and(idem.resolve.as_ref()) else {
-            return store
+            let claimed = store
                 .claim(&self.request.key, &self.held, idem.lock_ttl)
-                .await;
+                .await?;
+            return match claimed {
+                Claim::Existing(Record::Resolvable(found))
+                    if found.fingerprint == self.request.fingerprint =>
+                {
+                    self.take_over_found(*found, sent).await
+                }
+                claimed => Ok(claimed),
+            };
         };
         let times = ResolvableTimes {
             lease: idem.lock_ttl,
@@ -140,6 +166,50 @@ impl Exchange {
             send_margin: context.route.upstream.timeout(),
             lifetime: resolve.give_up_after + idem.ttl,
         };
+        self.claim_resolvable(times, sent).await
+    }
+
+    /// On a route not under `resolve`: `found`, a claim carrying a lookup, is claimed as a
+    /// `resolve` route claims — taken over if its holder's lease lapsed (then resolved as it
+    /// says), claimed afresh with its lookup if it is gone meanwhile, left alone if live.
+    async fn take_over_found(
+        &mut self,
+        found: Resolvable,
+        sent: Instant,
+    ) -> Result<Claim, StoreError> {
+        let context = self.context.clone();
+        let idem = &context.policy;
+        let times = ResolvableTimes {
+            lease: idem.lock_ttl,
+            send_margin: context.route.upstream.timeout(),
+            lifetime: found.give_up_after + idem.ttl,
+        };
+        let mut claim = found;
+        claim.token = new_token();
+        claim.lease_until = 0;
+        claim.phase = Phase::InFlight;
+        claim.next_lookup_at = 0;
+        claim.legacy = false;
+        let plain = std::mem::replace(
+            &mut self.held,
+            Held::new(Record::Resolvable(Box::new(claim))),
+        );
+        let claimed = self.claim_resolvable(times, sent).await;
+        if !matches!(claimed, Ok(Claim::Claimed)) {
+            // Claims from here on are this request's own, plain ones.
+            self.held = plain;
+        }
+        claimed
+    }
+
+    /// The resolvable claim of `self.held`, timed by `times`.
+    async fn claim_resolvable(
+        &mut self,
+        times: ResolvableTimes,
+        sent: Instant,
+    ) -> Result<Claim, StoreError> {
+        let context = self.context.clone();
+        let store = &context.shared.store;
         let claimed = store
             .claim_resolvable(&self.request.key, &self.held, times)
             .await?;

@@ -9,13 +9,15 @@
 //! - anything else, until `give_up_after`: then `outcome-unknown` is saved, so the operation
 //!   never runs twice.
 //!
-//! Its times count from when the request was sent, never from earlier: the latest moment it
-//! could have been written (the claim, or the call's start, plus the upstream's
-//! `connect_timeout`). On an enforced route the claim is a resolvable record, which carries
-//! those times on the store's clock with the lookup and the route's `settle_after`, `interval`
-//! and `give_up_after` as they were at the claim: a resolution runs to its end under what its
+//! Its times count from when the request was sent, never from earlier: the latest moment any
+//! byte of it could have reached the upstream (the claim plus the upstream's `timeout`, past
+//! which nothing of it is written). On an enforced route the claim is a resolvable record,
+//! which carries those times on the store's clock with the lookup (and the upstream it goes
+//! to), the route's `found` and `absent` statuses and its `settle_after`, `interval` and
+//! `give_up_after` as they were at the claim: a resolution runs to its end under what its
 //! record carries, whichever instance holds it (the one that sent the request, or one that took
-//! it over after that one's lease lapsed), whatever a reload changed meanwhile.
+//! it over after that one's lease lapsed), whatever a reload changed meanwhile — even a route
+//! no longer under `resolve`.
 //!
 //! It runs on the proxy's task tracker, so a drain waits for it up to `shutdown_timeout`; one
 //! still running then stops with the process, and its record is taken over after the restart.
@@ -164,11 +166,25 @@ impl Unknown {
         })
     }
 
+    /// The statuses that answer its lookups: its record's (a version 3 record carries the
+    /// route's as they were when the key was claimed); the route's for a record that does not
+    /// say (version 2, or an observed route's claim); none when the route no longer resolves
+    /// either.
+    fn statuses(&self) -> Option<(Vec<u16>, Vec<u16>)> {
+        if let Some(r) = self.lease.held().resolvable()
+            && !r.found.is_empty()
+        {
+            return Some((r.found.clone(), r.absent.clone()));
+        }
+        let resolve = self.context.policy.resolve.as_ref()?;
+        Some((resolve.found.clone(), resolve.absent.clone()))
+    }
+
     /// Asks until an answer settles it, or `give_up_after`.
     async fn resolve(mut self) -> Ended {
-        let (Some(times), Some(resolve)) = (self.times(), self.context.policy.resolve.clone())
-        else {
-            // Only a route under `resolve` starts one; without its block the safe end is keep's.
+        let (Some(times), Some((found, absent))) = (self.times(), self.statuses()) else {
+            // Nothing says how to read an answer (an old record on a route that no longer
+            // resolves): the safe end is keep's.
             self.give_up().await;
             return Ended {
                 result: Some(Resolution::GaveUp),
@@ -177,10 +193,16 @@ impl Unknown {
         };
         let settles_at = self.sent + times.settle_after;
         let gives_up_at = self.sent + times.give_up_after;
-        let upstream = self.context.route.resolve_upstream.clone();
+        // The upstream its record names, as configured now (its timeouts and pool).
+        let upstream = self
+            .context
+            .route
+            .upstreams
+            .get(&self.lookup.upstream)
+            .cloned();
         let statuses = Statuses {
-            found: &resolve.found,
-            absent: &resolve.absent,
+            found: &found,
+            absent: &absent,
         };
         let mut lookups = 0;
         loop {
@@ -189,7 +211,7 @@ impl Unknown {
                 break;
             }
             let answer = match &upstream {
-                Some(up) if up.name() == self.lookup.upstream => {
+                Some(up) => {
                     let policy = self.context.policy.clone();
                     let asking = ask::ask(up, &self.lookup, &statuses, &policy);
                     let answer = self
