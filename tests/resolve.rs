@@ -13,8 +13,11 @@ use idemproxy::proxy::Reloaded;
 
 use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
+#[path = "resolve/bounded.rs"]
+mod bounded;
 #[path = "resolve/deadline.rs"]
 mod deadline;
+use bounded::a_flood_of_unknown_outcomes_runs_at_most_the_bound;
 #[path = "resolve/stranded.rs"]
 mod stranded;
 use deadline::{
@@ -40,6 +43,7 @@ every_store!(
     a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,
     a_lookup_value_naming_another_resource_is_refused_before_the_claim,
     a_route_reloaded_from_resolve_to_keep_strands_no_key,
+    a_flood_of_unknown_outcomes_runs_at_most_the_bound,
 );
 
 const ROUTE: &str = "create-booking";

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -26,6 +27,11 @@ pub(super) struct Shared {
     pub tasks: TaskTracker,
     pub pending: Arc<PendingSaves>,
     pub detached: Gauge,
+    /// Resolutions running on this instance (`idemproxy_resolutions_running`), bounded by
+    /// `limits.max_resolutions`.
+    pub resolutions: Gauge,
+    /// Unknown outcomes left held at that bound (`idemproxy_resolutions_deferred_total`).
+    pub deferred: Counter,
 }
 
 /// One request on an idempotent route, from its match to its answer (and past it, for the

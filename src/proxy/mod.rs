@@ -169,6 +169,8 @@ impl Proxy {
                     tasks: tasks.clone(),
                     pending: pending.clone(),
                     detached: metrics.detached_exchanges.clone(),
+                    resolutions: metrics.resolutions_running(),
+                    deferred: metrics.resolutions_deferred(),
                 })
             })
             .collect();

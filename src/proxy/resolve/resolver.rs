@@ -108,12 +108,34 @@ impl Unknown {
     /// Starts its resolution in a task of its own, tracked so that a drain waits for it.
     /// On an observed route it counts as work after its client was answered
     /// (`idemproxy_detached_exchanges`), which observe's bound limits (SPEC §4.7).
+    ///
+    /// At most `limits.max_resolutions` run at once on this instance (SPEC §4.8, "Bounded"):
+    /// past it the key is left held in the store, its lease left to lapse (never released:
+    /// its outcome is unknown), and a repeat of the key takes it over and resolves it then.
     pub(in crate::proxy) fn spawn(self) {
-        let tasks = self.context.shared.tasks.clone();
+        let shared = &self.context.shared;
+        let bound = i64::from(self.context.limits.max_resolutions);
+        // One atomic step: the count before this one's increment says whether it fits.
+        if shared.resolutions.inc() >= bound {
+            shared.resolutions.dec();
+            shared.deferred.inc();
+            tracing::warn!(
+                route = %self.context.route.name,
+                key = %self.lease.key().id_hex(),
+                max_resolutions = bound,
+                "at limits.max_resolutions: the unknown outcome is left held in the store, its lease left to lapse; a repeat of its key takes it over and resolves it"
+            );
+            // Dropped, not released: the claim stays until its lease lapses.
+            drop(self);
+            return;
+        }
+        let running = Running(shared.resolutions.clone());
+        let tasks = shared.tasks.clone();
         let counted = (self.context.policy.mode == Mode::Observe)
             .then(|| Counted::new(self.context.shared.detached.clone()));
         tasks.spawn(async move {
             let _counted = counted;
+            let _running = running;
             self.run().await;
         });
     }
@@ -351,6 +373,16 @@ impl Unknown {
                 &shared.pending,
             )
             .await;
+    }
+}
+
+/// One running resolution, already counted in its gauge: taken off at the task's end, or its
+/// panic.
+struct Running(Gauge);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
