@@ -66,6 +66,11 @@ impl Gate {
     /// A new request goes out on the connection: no byte of it is written at or after
     /// `write_by` (none: no deadline of its own).
     pub(super) fn arm(&self, write_by: Option<Instant>) {
+        // A pass-through request on a connection never armed: nothing to reset (the hot path
+        // of plain traffic takes no lock).
+        if write_by.is_none() && !self.0.armed.load(Ordering::Acquire) {
+            return;
+        }
         let mut state = self.state();
         state.write_by = write_by;
         state.written = 0;
