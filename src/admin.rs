@@ -318,10 +318,25 @@ async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Res
             )
         }
         Ok(Forgotten::Absent) => AdminProblem::NoRecord.response(),
-        Ok(Forgotten::InFlight) => AdminProblem::RecordInFlight.response(),
+        Ok(Forgotten::InFlight) => in_flight(proxy, &key).await.response(),
         Ok(Forgotten::NotARecord) => AdminProblem::NotARecord.response(),
         Err(e) => store_unavailable(&e),
     }
+}
+
+/// Why a claim is not forgotten: in flight, or being resolved (with when its next lookup is
+/// due, on the store's clock), which its lease lapsing does not end.
+async fn in_flight(proxy: &Proxy, key: &StoreKey) -> AdminProblem {
+    let store = proxy.store();
+    if let Ok(Some(Record::Resolvable(r))) = store.get(key).await
+        && r.phase == Phase::Resolving
+        && let Ok(now) = store.now(key).await
+    {
+        return AdminProblem::RecordResolving {
+            next_lookup_in: std::time::Duration::from_millis(r.next_lookup_at.saturating_sub(now)),
+        };
+    }
+    AdminProblem::RecordInFlight
 }
 
 fn store_unavailable(e: &StoreError) -> Response<Body> {

@@ -133,12 +133,27 @@ pub fn render_lookup(
 ) -> Result<String, Unreadable> {
     let values = read(&template.parts, pattern, head, body)?;
     let mut out = String::with_capacity(64);
+    // Until the template's first `?`, a value lands in the path.
+    let mut in_path = true;
     for piece in &template.pieces {
         match piece {
-            Piece::Text(text) => out.push_str(text),
-            Piece::Key => percent_encode(key.as_bytes(), &mut out),
+            Piece::Text(text) => {
+                in_path &= !text.contains('?');
+                out.push_str(text);
+            }
+            Piece::Key => {
+                if in_path {
+                    path_value("key", key.as_bytes())?;
+                }
+                percent_encode(key.as_bytes(), &mut out);
+            }
             Piece::Part(i) => match values.get(*i) {
-                Some(Value::Text(bytes)) => percent_encode(bytes, &mut out),
+                Some(Value::Text(bytes)) => {
+                    if in_path {
+                        path_value(&template.parts[*i].describe(), bytes)?;
+                    }
+                    percent_encode(bytes, &mut out);
+                }
                 Some(Value::Number(n)) => percent_encode(n.as_bytes(), &mut out),
                 Some(Value::Bool(b)) => out.push_str(if *b { "true" } else { "false" }),
                 // `read` gives one value a part, in order.
@@ -152,6 +167,25 @@ pub fn render_lookup(
         }
     }
     Ok(out)
+}
+
+/// Refuses a value in a lookup's path that would name another resource than the one it
+/// looks up (SPEC §4.8): empty (`//`, or the collection itself), a dot segment (`.`, `..`,
+/// which an upstream normalising paths resolves), or holding a `/` or `\` (which an upstream
+/// may decode back into a separator, `%2F` or not).
+fn path_value(part: &str, bytes: &[u8]) -> Result<(), Unreadable> {
+    let why = match bytes {
+        [] => "the value is empty, in the lookup's path",
+        b"." | b".." => "the value is a dot segment (. or ..), in the lookup's path",
+        _ if bytes.iter().any(|b| matches!(b, b'/' | b'\\')) => {
+            "the value holds a / or \\, in the lookup's path"
+        }
+        _ => return Ok(()),
+    };
+    Err(Unreadable {
+        part: part.to_owned(),
+        why: why.into(),
+    })
 }
 
 /// Percent-encodes every byte but RFC 3986's unreserved ones, so a value is one path segment
@@ -452,11 +486,41 @@ mod tests {
             .body(())
             .expect("request");
         let (head, ()) = req.into_parts();
-        let body = br#"{"reference":"R/1 ?&%","n":1.50,"b":true}"#;
+        let body = br#"{"reference":"R:1 ?&%","n":1.50,"b":true}"#;
         let rendered = render_lookup(&template, &pattern, &head, body, "k 1");
         assert_eq!(
             rendered.as_deref(),
-            Ok("/by-ref/R%2F1%20%3F%26%25?k=k%201&t=a%2Fb&n=15e-1&q=%FF%201&h=v%20w&b=true")
+            Ok("/by-ref/R%3A1%20%3F%26%25?k=k%201&t=a%2Fb&n=15e-1&q=%FF%201&h=v%20w&b=true")
+        );
+        // A value that would name another resource, in the path: refused; in the query, kept.
+        let template =
+            LookupTemplate::parse("GET /by-ref/{json:/reference}", Some(&pattern)).expect("valid");
+        for (value, refused) in [
+            ("..", true),
+            (".", true),
+            ("", true),
+            ("a/b", true),
+            ("a\\b", true),
+            ("a.b", false),
+            ("...", false),
+        ] {
+            let body = serde_json::json!({ "reference": value }).to_string();
+            let rendered = render_lookup(&template, &pattern, &head, body.as_bytes(), "k");
+            assert_eq!(rendered.is_err(), refused, "{value:?}: {rendered:?}");
+        }
+        let in_query = LookupTemplate::parse("GET /by-ref?r={json:/reference}", Some(&pattern))
+            .expect("valid");
+        for value in ["..", "a/b", ""] {
+            let body = serde_json::json!({ "reference": value }).to_string();
+            assert!(
+                render_lookup(&in_query, &pattern, &head, body.as_bytes(), "k").is_ok(),
+                "{value:?} in the query"
+            );
+        }
+        let by_key = LookupTemplate::parse("GET /by-key/{key}", Some(&pattern)).expect("valid");
+        assert_eq!(
+            render_lookup(&by_key, &pattern, &head, b"{}", "..").map_err(|e| e.part),
+            Err("key".to_owned())
         );
         let missing = render_lookup(&template, &pattern, &head, b"{}", "k");
         assert_eq!(

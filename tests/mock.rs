@@ -380,6 +380,8 @@ async fn control_endpoints_are_not_counted() {
             "by_reference": {},
             "webhooks": 0,
             "events": {},
+            "postings": 0,
+            "postings_by_reference": {},
         })
     );
     let (_, _, body) = send(

@@ -13,6 +13,20 @@ use idemproxy::proxy::Reloaded;
 
 use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
+#[path = "resolve/bounded.rs"]
+mod bounded;
+#[path = "resolve/deadline.rs"]
+mod deadline;
+use bounded::a_flood_of_unknown_outcomes_runs_at_most_the_bound;
+#[path = "resolve/stranded.rs"]
+mod stranded;
+use deadline::{
+    a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,
+    a_holder_stalled_past_its_deadline_writes_nothing,
+    a_lookup_value_naming_another_resource_is_refused_before_the_claim,
+};
+use stranded::a_route_reloaded_from_resolve_to_keep_strands_no_key;
+
 every_store!(
     a_lost_response_is_resolved_to_the_booking_the_lookup_finds,
     a_final_absent_releases_the_key_and_the_retry_books_once,
@@ -25,6 +39,11 @@ every_store!(
     a_reload_during_a_resolution_leaves_it_under_what_it_started_with,
     an_observed_route_resolves_in_the_background_and_forwards_repeats,
     a_running_resolution_counts_against_the_observed_bound,
+    a_holder_stalled_past_its_deadline_writes_nothing,
+    a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,
+    a_lookup_value_naming_another_resource_is_refused_before_the_claim,
+    a_route_reloaded_from_resolve_to_keep_strands_no_key,
+    a_flood_of_unknown_outcomes_runs_at_most_the_bound,
 );
 
 const ROUTE: &str = "create-booking";
@@ -536,6 +555,16 @@ async fn two_instances_never_both_resolve_one_key(backend: Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_on_redis_never_both_resolve_one_key() {
     two_instances_never_both_resolve_one_key(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_redis_a_stalled_holder_writes_nothing() {
+    deadline::two_instances_a_stalled_holder_writes_nothing(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_postgres_a_stalled_holder_writes_nothing() {
+    deadline::two_instances_a_stalled_holder_writes_nothing(Backend::Postgres).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

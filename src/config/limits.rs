@@ -41,6 +41,11 @@ pub(crate) struct RawLimits {
     /// Open admin-listener connections at most. Default 256.
     #[serde(default = "defaults::max_admin_connections")]
     pub max_admin_connections: u32,
+    /// Resolutions (`on_unknown_outcome: resolve`) running at once on this instance, at most;
+    /// past it an unknown outcome is left held in the store, its lease left to lapse, and
+    /// resolved when a repeat of its key takes it over. Default 1024.
+    #[serde(default = "defaults::max_resolutions")]
+    pub max_resolutions: u32,
 }
 
 impl Default for RawLimits {
@@ -54,6 +59,7 @@ impl Default for RawLimits {
             max_pending_save_bytes: defaults::max_pending_save_bytes(),
             send_timeout: defaults::send_timeout(),
             max_admin_connections: defaults::max_admin_connections(),
+            max_resolutions: defaults::max_resolutions(),
         }
     }
 }
@@ -86,6 +92,9 @@ mod defaults {
     pub(super) fn max_pending_save_bytes() -> u64 {
         64 * 1024 * 1024
     }
+    pub(super) fn max_resolutions() -> u32 {
+        1024
+    }
 }
 
 /// What hostile or broken clients may hold at most (see [`RawLimits`] for each field).
@@ -107,6 +116,8 @@ pub struct Limits {
     pub send_timeout: Duration,
     /// Open admin-listener connections at most.
     pub max_admin_connections: u32,
+    /// Resolutions running at once on this instance, at most.
+    pub max_resolutions: u32,
 }
 
 impl RawLimits {
@@ -136,6 +147,7 @@ impl RawLimits {
             max_pending_save_bytes: self.max_pending_save_bytes,
             send_timeout: self.send_timeout,
             max_admin_connections: self.max_admin_connections,
+            max_resolutions: self.max_resolutions,
         }
     }
 
@@ -144,6 +156,7 @@ impl RawLimits {
             ("limits.max_connections", self.max_connections),
             ("limits.max_pending_saves", self.max_pending_saves),
             ("limits.max_admin_connections", self.max_admin_connections),
+            ("limits.max_resolutions", self.max_resolutions),
         ] {
             if value == 0 {
                 err(field.into(), "must be at least 1".into());

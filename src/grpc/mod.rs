@@ -104,6 +104,7 @@ pub fn code_of(problem: &Problem) -> u32 {
         // Not sent, released: a client's retry policy sends it again.
         Problem::UpstreamUnavailable { .. }
         | Problem::InProgress { .. }
+        | Problem::BeingResolvedNow { .. }
         | Problem::StoreUnavailable { .. }
         | Problem::Overloaded => code::UNAVAILABLE,
         Problem::KeyReused
@@ -160,7 +161,9 @@ fn headers_of(problem: &Problem) -> HeaderMap {
     if let Ok(v) = HeaderValue::from_str(&format!("urn:idemproxy:problem:{}", problem.slug())) {
         h.insert(PROBLEM_TYPE, v);
     }
-    if let (Problem::InProgress { .. }, Some(secs)) = (problem, problem.retry_after()) {
+    if let (Problem::InProgress { .. } | Problem::BeingResolvedNow { .. }, Some(secs)) =
+        (problem, problem.retry_after())
+    {
         h.insert(
             GRPC_RETRY_PUSHBACK_MS,
             HeaderValue::from(secs.saturating_mul(1000)),

@@ -436,6 +436,18 @@ impl Metrics {
         self.resolved.route(route)
     }
 
+    /// Resolutions running on this instance, at most `limits.max_resolutions`
+    /// (`idemproxy_resolutions_running`; its clones share it).
+    pub fn resolutions_running(&self) -> Gauge {
+        self.resolved.running.clone()
+    }
+
+    /// Unknown outcomes left held in the store at `limits.max_resolutions`
+    /// (`idemproxy_resolutions_deferred_total`; its clones share it).
+    pub fn resolutions_deferred(&self) -> Counter {
+        self.resolved.deferred.clone()
+    }
+
     /// Registers an upstream's call duration histogram and hands it out.
     pub fn upstream(&self, upstream: &str) -> Histogram {
         self.upstream_duration

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::register;
@@ -87,6 +88,10 @@ struct RouteAnswer {
 pub(super) struct ResolvedFamilies {
     resolutions: Family<RouteResult, Counter>,
     lookups: Family<RouteAnswer, Counter>,
+    /// Resolutions running on this instance, every route's together.
+    pub(super) running: Gauge,
+    /// Unknown outcomes left held at `limits.max_resolutions`, every route's together.
+    pub(super) deferred: Counter,
 }
 
 impl ResolvedFamilies {
@@ -103,6 +108,18 @@ impl ResolvedFamilies {
                 "idemproxy_resolve_lookups",
                 "Lookups sent to resolve unknown outcomes, by what they answered (found, absent, other: another status, failed: no answer)",
                 Family::default(),
+            ),
+            running: register(
+                r,
+                "idemproxy_resolutions_running",
+                "Resolutions of unknown outcomes running on this instance (at most limits.max_resolutions)",
+                Gauge::default(),
+            ),
+            deferred: register(
+                r,
+                "idemproxy_resolutions_deferred",
+                "Unknown outcomes left held in the store at limits.max_resolutions, their lease left to lapse: a repeat of the key takes it over and resolves it",
+                Counter::default(),
             ),
         }
     }

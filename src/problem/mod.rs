@@ -56,6 +56,12 @@ pub enum Problem {
         /// When to try again.
         retry_after: Duration,
     },
+    /// The first request's outcome is unknown and is being resolved: a repeat is refused as
+    /// in flight (409, `Retry-After` when the next lookup is due), its detail saying so.
+    BeingResolvedNow {
+        /// When the next lookup is sent, from now (on the store's clock).
+        next_lookup_in: Duration,
+    },
     /// The key's first response was too large to save (409).
     NotReplayable {
         /// The status the first request got.
@@ -160,10 +166,12 @@ impl Problem {
     pub(crate) fn of_upstream(upstream: &str, e: &UpstreamError) -> Problem {
         let upstream = upstream.to_owned();
         match e {
-            UpstreamError::Connect(detail) => Problem::UpstreamUnavailable {
-                upstream,
-                detail: detail.clone(),
-            },
+            UpstreamError::Connect(detail) | UpstreamError::Unsent(detail) => {
+                Problem::UpstreamUnavailable {
+                    upstream,
+                    detail: detail.clone(),
+                }
+            }
             UpstreamError::Timeout(_) => Problem::UpstreamTimeout { upstream },
             UpstreamError::Failed(detail) => Problem::UpstreamFailed {
                 upstream,
@@ -215,7 +223,7 @@ impl Problem {
                 S::UNPROCESSABLE_ENTITY,
                 "Idempotency key reused for a different request",
             ),
-            Problem::InProgress { .. } => (
+            Problem::InProgress { .. } | Problem::BeingResolvedNow { .. } => (
                 "request-in-progress",
                 S::CONFLICT,
                 "A request with this idempotency key is in progress",
@@ -305,9 +313,7 @@ impl Problem {
     /// The detail, for a person: what happened and what to do.
     pub fn detail(&self) -> String {
         match self {
-            Problem::UnsupportedMediaType { content_type } => format!(
-                "This route takes gRPC calls (content-type application/grpc or application/grpc+…), and this request's content type is {content_type:?}; nothing was forwarded. gRPC-Web and Connect are not translated: call it with a gRPC client over HTTP/2."
-            ),
+            Problem::UnsupportedMediaType { content_type } => not_a_grpc_call(content_type),
             Problem::NoRoute => "No configured route matches this method and path.".into(),
             Problem::MissingKey { header } => format!(
                 "This route requires the {header} header; send a unique key per operation and reuse it on retries."
@@ -324,6 +330,11 @@ impl Problem {
             Problem::KeyReused => "This idempotency key was already used for a request with a different method, path, query, body or fingerprinted headers. Use a new key for a new operation.".into(),
             Problem::EventRedeliveredDifferently => "This delivery is a redelivery of an event already handled (or being handled), with another body or other fingerprinted headers than the first delivery: it was not handled again. On a webhook route the event is the key; remove the route's fingerprint to replay the first answer to every redelivery of an event.".into(),
             Problem::InProgress { .. } => "The first request with this idempotency key has not finished yet; retry after the time in Retry-After to get its response.".into(),
+            Problem::BeingResolvedNow { next_lookup_in } => format!(
+                "The outcome of the first request with this idempotency key is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms), and forwards nothing meanwhile. Retry after the time in Retry-After to get the result.",
+                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next_lookup_in),
+                next_lookup_in.as_millis()
+            ),
             Problem::NotReplayable { status } => format!(
                 "The operation with this idempotency key was performed (the first request got status {}), but its response was too large to be saved, so it cannot be replayed. Do not retry it with a new key unless you mean to do it again.",
                 status.as_u16()
@@ -413,6 +424,7 @@ impl Problem {
     pub fn retry_after(&self) -> Option<u64> {
         let retry_after = match self {
             Problem::InProgress { retry_after } => Some(*retry_after),
+            Problem::BeingResolvedNow { next_lookup_in } => Some(*next_lookup_in),
             // A store outage is usually short; a client retrying with the same key is safe.
             Problem::StoreUnavailable { .. } | Problem::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
@@ -471,6 +483,11 @@ pub(crate) enum AdminProblem {
     NoRecord,
     /// The key holds a claim in flight, which is never forgotten (409).
     RecordInFlight,
+    /// The key holds a claim whose outcome is being resolved, never forgotten (409).
+    RecordResolving {
+        /// When its next lookup is sent, from now (on the store's clock).
+        next_lookup_in: Duration,
+    },
     /// What the key holds is not a finished record of this proxy, so it is left alone (409).
     NotARecord,
     /// The store failed or did not answer in time (503).
@@ -508,7 +525,9 @@ impl AdminProblem {
                 "No such idempotent route",
             ),
             AdminProblem::NoRecord => ("no-record", S::NOT_FOUND, "No record"),
-            AdminProblem::RecordInFlight => ("record-in-flight", S::CONFLICT, "Claim in flight"),
+            AdminProblem::RecordInFlight | AdminProblem::RecordResolving { .. } => {
+                ("record-in-flight", S::CONFLICT, "Claim in flight")
+            }
             AdminProblem::NotARecord => ("not-a-record", S::CONFLICT, "Not a record"),
             AdminProblem::StoreUnavailable { .. } => (
                 "admin-store-unavailable",
@@ -533,6 +552,11 @@ impl AdminProblem {
             AdminProblem::NoIdempotentRoute => "No idempotent route has that name.".into(),
             AdminProblem::NoRecord => "No record under this key.".into(),
             AdminProblem::RecordInFlight => "A claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl.".into(),
+            AdminProblem::RecordResolving { next_lookup_in } => format!(
+                "The outcome of this key's first request is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms). A key being resolved is never forgotten: it ends found, absent or outcome-unknown (give_up_after).",
+                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next_lookup_in),
+                next_lookup_in.as_millis()
+            ),
             AdminProblem::NotARecord => "What is under this key is not a finished record of this proxy; left alone.".into(),
             AdminProblem::StoreUnavailable { detail } => {
                 format!("The idempotency store did not answer ({detail}).")
@@ -587,3 +611,10 @@ fn respond(
 
 #[cfg(test)]
 mod tests;
+
+/// The detail of [`Problem::UnsupportedMediaType`].
+fn not_a_grpc_call(content_type: &str) -> String {
+    format!(
+        "This route takes gRPC calls (content-type application/grpc or application/grpc+…), and this request's content type is {content_type:?}; nothing was forwarded. gRPC-Web and Connect are not translated: call it with a gRPC client over HTTP/2."
+    )
+}

@@ -194,3 +194,32 @@ fn retry_after_on_409_in_progress_and_503s_only() {
         }
     }
 }
+
+#[test]
+fn a_key_being_resolved_says_so_with_its_next_lookup() {
+    let p = Problem::BeingResolvedNow {
+        next_lookup_in: Duration::from_secs(3),
+    };
+    // The kind of a claim in flight, with its own detail and Retry-After.
+    assert_eq!(p.slug(), "request-in-progress");
+    assert_eq!(p.status(), StatusCode::CONFLICT);
+    let resp = p.response();
+    assert_eq!(
+        resp.headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.as_bytes()),
+        Some(&b"3"[..])
+    );
+    let detail = p.detail();
+    assert!(detail.contains("being resolved"), "{detail}");
+    assert!(detail.contains("next at 20"), "an RFC 3339 time: {detail}");
+    assert!(!detail.contains("lock_ttl"), "{detail}");
+    let forget = AdminProblem::RecordResolving {
+        next_lookup_in: Duration::from_secs(3),
+    }
+    .detail();
+    assert!(
+        forget.contains("being resolved") && !forget.contains("lock_ttl"),
+        "{forget}"
+    );
+}

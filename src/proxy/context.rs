@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -30,6 +31,11 @@ pub(super) struct Shared {
     /// Observed keys whose first request has its answer and whose save has not landed yet,
     /// shared by every worker (see [`Answered`]).
     pub answered: Arc<Answered>,
+    /// Resolutions running on this instance (`idemproxy_resolutions_running`), bounded by
+    /// `limits.max_resolutions`.
+    pub resolutions: Gauge,
+    /// Unknown outcomes left held at that bound (`idemproxy_resolutions_deferred_total`).
+    pub deferred: Counter,
 }
 
 /// The first observed request (`mode: observe`) of each key this instance is claiming, and

@@ -22,7 +22,7 @@ use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Record, Resolvable, new_token};
+use crate::record::{Phase, Record, Resolvable, new_token};
 use crate::route::{OnConflict, OnStoreError, OnUnknownOutcome};
 use crate::store::{Claim, Held, ResolvableClaim, ResolvableTimes, StoreError};
 use crate::upstream::{self, Bounded, UpstreamError};
@@ -95,11 +95,11 @@ impl Exchange {
                 };
                 return refuse(problem, Outcome::Mismatch);
             }
-            match existing {
+            match &existing {
                 Record::Done { saved, .. } => {
                     return match &self.request.call {
-                        Some(call) => replay_call(saved, call),
-                        None => replay(saved),
+                        Some(call) => replay_call(saved.clone(), call),
+                        None => replay(saved.clone()),
                     };
                 }
                 // A claim that can be resolved is in flight too, or being resolved: either way
@@ -111,12 +111,8 @@ impl Exchange {
                         || now >= wait_until
                         || self.attachment.is_gone()
                     {
-                        return refuse(
-                            Problem::InProgress {
-                                retry_after: RETRY_AFTER,
-                            },
-                            Outcome::Conflict,
-                        );
+                        let problem = self.in_progress(&existing).await;
+                        return refuse(problem, Outcome::Conflict);
                     }
                     // Wait for the holder to finish, then claim again: a released or expired
                     // claim is taken by this request, a finished one is replayed. Stores
@@ -131,22 +127,99 @@ impl Exchange {
         }
     }
 
+    /// The 409 for a key held by another request: in flight, or being resolved — then with
+    /// when its next lookup is due (the store's clock read once more), never "expires within
+    /// lock_ttl": a resolution outlives its lease.
+    async fn in_progress(&self, existing: &Record) -> Problem {
+        if let Record::Resolvable(r) = existing
+            && r.phase == Phase::Resolving
+            && let Ok(now) = self.context.shared.store.now(&self.request.key).await
+        {
+            return Problem::BeingResolvedNow {
+                next_lookup_in: Duration::from_millis(r.next_lookup_at.saturating_sub(now)),
+            };
+        }
+        Problem::InProgress {
+            retry_after: RETRY_AFTER,
+        }
+    }
+
     /// One claim of the key: on a `resolve` route the resolvable claim, which takes over a
     /// claim whose holder's lease lapsed. A takeover starts its resolution and is answered as
     /// the claim it took over (in flight: 409, or wait); this request forwards nothing.
+    ///
+    /// On any other route a plain claim; one that finds a claim carrying a lookup (the route
+    /// was under `resolve` when it was made) takes it over as a `resolve` route would: a
+    /// record is resolved as it says, whatever the route's policy is now, so a route reloaded
+    /// from `resolve` to `keep` strands no key (SPEC §4.8).
     async fn claim(&mut self, sent: Instant) -> Result<Claim, StoreError> {
         let context = self.context.clone();
         let (idem, store) = (&context.policy, &context.shared.store);
         let Some(resolve) = self.held.resolvable().and(idem.resolve.as_ref()) else {
-            return store
+            let claimed = store
                 .claim(&self.request.key, &self.held, idem.lock_ttl)
-                .await;
+                .await?;
+            return match claimed {
+                Claim::Existing(Record::Resolvable(found))
+                    if found.fingerprint == self.request.fingerprint =>
+                {
+                    self.take_over_found(*found, sent).await
+                }
+                claimed => Ok(claimed),
+            };
         };
         let times = ResolvableTimes {
             lease: idem.lock_ttl,
-            send_margin: context.route.upstream.connect_timeout(),
+            // No byte of the request is written once the upstream's timeout has passed since
+            // `sent`, taken before this claim went out (SPEC §4.8): the store's stamp plus it
+            // is the latest the upstream can have received any of it.
+            send_margin: context.route.upstream.timeout(),
             lifetime: resolve.give_up_after + idem.ttl,
         };
+        self.claim_resolvable(times, sent).await
+    }
+
+    /// On a route not under `resolve`: `found`, a claim carrying a lookup, is claimed as a
+    /// `resolve` route claims — taken over if its holder's lease lapsed (then resolved as it
+    /// says), claimed afresh with its lookup if it is gone meanwhile, left alone if live.
+    async fn take_over_found(
+        &mut self,
+        found: Resolvable,
+        sent: Instant,
+    ) -> Result<Claim, StoreError> {
+        let context = self.context.clone();
+        let idem = &context.policy;
+        let times = ResolvableTimes {
+            lease: idem.lock_ttl,
+            send_margin: context.route.upstream.timeout(),
+            lifetime: found.give_up_after + idem.ttl,
+        };
+        let mut claim = found;
+        claim.token = new_token();
+        claim.lease_until = 0;
+        claim.phase = Phase::InFlight;
+        claim.next_lookup_at = 0;
+        claim.legacy = false;
+        let plain = std::mem::replace(
+            &mut self.held,
+            Held::new(Record::Resolvable(Box::new(claim))),
+        );
+        let claimed = self.claim_resolvable(times, sent).await;
+        if !matches!(claimed, Ok(Claim::Claimed)) {
+            // Claims from here on are this request's own, plain ones.
+            self.held = plain;
+        }
+        claimed
+    }
+
+    /// The resolvable claim of `self.held`, timed by `times`.
+    async fn claim_resolvable(
+        &mut self,
+        times: ResolvableTimes,
+        sent: Instant,
+    ) -> Result<Claim, StoreError> {
+        let context = self.context.clone();
+        let store = &context.shared.store;
         let claimed = store
             .claim_resolvable(&self.request.key, &self.held, times)
             .await?;
@@ -270,6 +343,8 @@ impl Exchange {
             call,
         } = request;
         let (up, idem) = (&context.route.upstream, &context.policy);
+        #[cfg(feature = "test-pauses")]
+        super::pause::after_claim(parts.headers.get(&idem.header)).await;
         let mut lease = context.lease(key, held, claimed_at);
         if let Some(call) = call {
             // A JSON-RPC call: its answer is read for the response to the call, which may
@@ -292,15 +367,24 @@ impl Exchange {
         // lost to the keep-alive race may be sent once more (SPEC §4.3); under `keep` it stays
         // an unknown outcome.
         let resend = idem.on_unknown_outcome == OnUnknownOutcome::Release;
-        // The latest moment the request can be written: the resolvable record's, on the
-        // store's clock (what any instance that takes it over counts from), or the call's start
-        // plus the longest its connection can take.
+        // No byte of the request is written at or after `write_by`: the upstream's timeout
+        // after an instant taken before the claim was sent, so never after the store's stamp
+        // plus it, which is what an instance that takes the claim over counts from (SPEC
+        // §4.8). A holder that stalled past it (a paused process) writes nothing.
+        let write_by = claimed_at + up.timeout();
+        // The latest moment a byte of the request can reach the upstream: the resolvable
+        // record's, on the store's clock, or `write_by`.
         let sent = match (clock, lease.held().resolvable()) {
             (Some(clock), Some(r)) => clock.local(r.sent_at),
-            _ => Instant::now() + up.connect_timeout(),
+            _ => write_by,
         };
         let result = match up.request(parts, body, context.client, context.drop_key()) {
-            Ok(req) => {
+            Ok(_) if Instant::now() >= write_by => Err(UpstreamError::Unsent(format!(
+                "the upstream's timeout ({}) had passed since the claim was sent; nothing was written",
+                humantime::format_duration(up.timeout())
+            ))),
+            Ok(mut req) => {
+                req.extensions_mut().insert(upstream::WriteBy(write_by));
                 lease
                     .renewing(up.call_bounded(req, idem.max_response_body, resend))
                     .await
@@ -329,16 +413,17 @@ fn claim_of(context: &Context, request: &Admitted) -> Held {
     let token = new_token();
     let resolve = context.policy.resolve.as_ref();
     match (resolve, &request.lookup) {
-        (Some(resolve), Some(lookup)) => {
-            Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        (Some(resolve), Some(lookup)) => Held::new(Record::Resolvable(Box::new(
+            Resolvable::claim(
                 token,
                 request.fingerprint,
                 lookup.clone(),
                 resolve.settle_after,
                 resolve.interval,
                 resolve.give_up_after,
-            ))))
-        }
+            )
+            .answered_by(&resolve.found, &resolve.absent),
+        ))),
         _ => Held::new(Record::InFlight {
             token,
             fingerprint: request.fingerprint,

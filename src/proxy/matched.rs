@@ -36,9 +36,10 @@ pub(super) struct Route {
     /// `Some` on a route under `on_unknown_outcome: resolve`: how its resolutions ended and
     /// what its lookups answered, registered when the route is built.
     pub resolved: Option<ResolvedMetrics>,
-    /// On a route under `on_unknown_outcome: resolve`, the upstream its lookups go to
-    /// (`resolve.upstream`, or the route's).
-    pub resolve_upstream: Option<Arc<Upstream>>,
+    /// Every upstream of its generation, by name: a resolution sends its lookup to the one its
+    /// record names (`resolve.upstream`, or the route's, when the key was claimed), whatever
+    /// the route says now (SPEC §4.8).
+    pub upstreams: Arc<BTreeMap<String, Arc<Upstream>>>,
     /// `key_prefix + name + ":"`: what every store key of the route starts with.
     pub namespace: Arc<str>,
     /// The number its name was given when the process first saw it, which namespaces its keys
@@ -55,6 +56,7 @@ impl Route {
         upstreams: &BTreeMap<String, Arc<Upstream>>,
         numbers: &mut RouteNumbers,
     ) -> Vec<Arc<Route>> {
+        let all = Arc::new(upstreams.clone());
         config
             .routes
             .iter()
@@ -88,12 +90,7 @@ impl Route {
                         .as_ref()
                         .filter(|i| i.on_unknown_outcome == OnUnknownOutcome::Resolve)
                         .map(|_| metrics.resolved(&r.name)),
-                    resolve_upstream: r
-                        .idempotency
-                        .as_ref()
-                        .and_then(|i| i.resolve.as_ref())
-                        .map(|res| res.upstream.as_deref().unwrap_or(r.upstream.as_str()))
-                        .and_then(|name| upstreams.get(name).cloned()),
+                    upstreams: all.clone(),
                     namespace: key::namespace(&config.store.key_prefix, &r.name),
                     number: numbers.of(&r.name),
                 }))

@@ -24,6 +24,8 @@
 //!   response to the call, the proxy's own answers rendered as JSON-RPC errors.
 //! - [`observe`]: a route in `mode: observe` — every request forwarded, the claim and the save
 //!   run beside it and after its answer, what enforce would have answered counted.
+//! - `pause` (tests' builds only, the `test-pauses` feature): a pause point between a claim
+//!   and its first write, to show what a holder that stalls there does.
 //!
 //! The rules that keep an operation from running twice, and where they live:
 //! - The claim is the only way to get permission to forward, and it is one atomic store step
@@ -37,6 +39,10 @@
 //! - The holder renews its lease every `lock_ttl/3` while the upstream call runs, and writes
 //!   the result with a compare-and-set on its token. A holder that lost its lease (it stalled
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
+//! - A holder writes no byte of its request once the upstream's `timeout` has passed since an
+//!   instant taken before its claim was sent (checked before every write, the connection reset
+//!   then): a holder that stalls and wakes after another instance took its claim over writes
+//!   nothing (SPEC §4.8).
 //! - If the completion fails because the store stalls, the client still gets the upstream's
 //!   answer and the completion is retried in the background for as long as the lease may still
 //!   be valid. Past the pending-save bounds a save drops its response but never its lease: it
@@ -59,6 +65,8 @@ mod keys;
 mod lease;
 mod matched;
 mod observe;
+#[cfg(feature = "test-pauses")]
+pub mod pause;
 mod pending;
 mod reload;
 mod replay;
@@ -169,6 +177,8 @@ impl Proxy {
                     pending: pending.clone(),
                     detached: metrics.detached_exchanges.clone(),
                     answered: answered.clone(),
+                    resolutions: metrics.resolutions_running(),
+                    deferred: metrics.resolutions_deferred(),
                 })
             })
             .collect();

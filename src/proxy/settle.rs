@@ -132,8 +132,9 @@ impl Settlement {
                     Outcome::BadRequest,
                 );
             }
-            // Nothing was sent: the operation did not happen; free the key.
-            UpstreamError::Connect(_) => {
+            // Nothing was sent (no connection, or the send deadline passed before any byte
+            // was written): the operation did not happen; free the key.
+            UpstreamError::Connect(_) | UpstreamError::Unsent(_) => {
                 Settlement::new(Action::Release, Some(Why::Connect(e.to_string())))
             }
             _ => match context.policy.on_unknown_outcome {

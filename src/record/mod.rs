@@ -26,6 +26,17 @@
 //!                  target_len:u32 target  n:u16 (name_len:u16 name value_len:u32 value)*n
 //! "IDP" 0x02  'D'  fingerprint[32]  'V' status:u16 n:u16 (…headers as 'R'…) body_len:u64 body
 //! ```
+//!
+//! Version 3 is the `'Q'` claim of version 2 (same fixed offsets) followed by the statuses
+//! that answer its lookups, and counting its `sent_at` from the claim plus the upstream's
+//! `timeout` (version 2 counted it from the claim plus `connect_timeout`):
+//! ```text
+//! "IDP" 0x03  'Q'  …as version 2…  found_n:u16 (status:u16)*found_n  absent_n:u16 (status:u16)*absent_n
+//! ```
+//! Both are read; only version 3 claims are written. A proxy that knows only version 2 reads
+//! a version 3 claim as an unknown version, a store error (`503` for that key, never a
+//! forward), until it is upgraded.
+//!
 //! `'Q'` is a claim that can be resolved: the claim of a `resolve` route, with what a lookup
 //! needs (the rendered lookup request and the route's resolve timings as they were when it was
 //! claimed), so another instance can resolve it after its holder died. Its times are
@@ -53,8 +64,11 @@ pub use resolvable::{Lookup, Phase, Resolvable};
 
 const MAGIC: &[u8; 3] = b"IDP";
 const VERSION: u8 = 1;
-/// The version of the records of a `resolve` route.
+/// The version of the finished records of a `resolve` route (and of the claims earlier
+/// proxies wrote on one).
 const VERSION_2: u8 = 2;
+/// The version of the claims of a `resolve` route.
+const VERSION_3: u8 = 3;
 
 /// A claim's fencing token: random, so only the claimant can complete or release the claim.
 pub(crate) type Token = [u8; 16];
@@ -173,12 +187,12 @@ impl Record {
         out.freeze()
     }
 
-    /// The format version this record is written in: 2 for the records of a `resolve` route,
-    /// 1 for every other.
+    /// The format version this record is written in: 3 for the claims of a `resolve` route
+    /// (2 for one read from version 2), 2 for its resolved results, 1 for every other.
     fn version(&self) -> u8 {
         match self {
-            Record::Resolvable(_)
-            | Record::Done {
+            Record::Resolvable(r) => r.version(),
+            Record::Done {
                 saved: Saved::Resolved(_),
                 ..
             } => VERSION_2,
@@ -233,14 +247,14 @@ impl Record {
             return Err(DecodeError("not an idemproxy record"));
         }
         let version = b[3];
-        if version != VERSION && version != VERSION_2 {
+        if !matches!(version, VERSION | VERSION_2 | VERSION_3) {
             return Err(DecodeError("unknown record format version"));
         }
         b.advance(4);
         let record = match (version, take_u8(&mut b)?) {
-            (VERSION_2, b'Q') => {
-                Record::Resolvable(Box::new(Resolvable::decode_after_state(&mut b, bytes)?))
-            }
+            (VERSION_2 | VERSION_3, b'Q') => Record::Resolvable(Box::new(
+                Resolvable::decode_after_state(&mut b, bytes, version)?,
+            )),
             (VERSION, b'P') => {
                 let token = take_array::<16>(&mut b)?;
                 let fingerprint = take_array::<32>(&mut b)?;

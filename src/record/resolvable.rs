@@ -1,7 +1,15 @@
-//! A claim that can be resolved (`'Q'`, format version 2): its fields, and the fixed offsets of
-//! its encoding, which the stores read and patch in place (Lua, SQL, the memory and SQLite
-//! stores' Rust): the token and the four times sit at the same place in every such record. Lua
-//! and SQL count from 1: add one to these offsets.
+//! A claim that can be resolved (`'Q'`, format versions 2 and 3): its fields, and the fixed
+//! offsets of its encoding, which the stores read and patch in place (Lua, SQL, the memory and
+//! SQLite stores' Rust): the token and the four times sit at the same place in every such
+//! record, of either version. Lua and SQL count from 1: add one to these offsets.
+//!
+//! Version 3 is what this proxy writes: its `sent_at` is the claim plus the upstream's
+//! `timeout` (SPEC §4.8, "When the request was sent"), and it carries the `found` and `absent`
+//! statuses the route had, so that it is resolved as it says whatever the route says later.
+//! Version 2, written by earlier proxies, counted `sent_at` from the claim plus
+//! `connect_timeout` and carries no statuses: it is read as counting from the claim plus the
+//! claiming route's upstream `timeout` ([`crate::store::StoreHandle::claim_resolvable`]), and
+//! resolved by the route's statuses.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -62,10 +70,11 @@ pub struct Resolvable {
     pub lease_until: u64,
     /// When the key was claimed.
     pub claimed_at: u64,
-    /// The earliest the request can have been sent: the claim plus the upstream's
-    /// `connect_timeout` (the claim is committed before the request is sent, and the request
-    /// cannot be written later than its connect allows). `settle_after` and `give_up_after`
-    /// count from it; the record lives until `give_up_after` + `ttl` after it.
+    /// The latest any byte of the request can have reached the upstream: the claim plus the
+    /// upstream's `timeout` (the proxy writes nothing once `timeout` has passed since an
+    /// instant taken before it sent the claim, and resets the connection then).
+    /// `settle_after` and `give_up_after` count from it; the record lives until
+    /// `give_up_after` + `ttl` after it.
     pub sent_at: u64,
     pub phase: Phase,
     /// While resolving: when the holder sends its next lookup (0 while in flight).
@@ -79,6 +88,14 @@ pub struct Resolvable {
     /// The route's `resolve.give_up_after` when the key was claimed.
     pub give_up_after: Duration,
     pub lookup: Lookup,
+    /// The route's `resolve.found` when the key was claimed (empty in a version 2 record,
+    /// which does not say: the route's are used).
+    pub found: Vec<u16>,
+    /// The route's `resolve.absent` when the key was claimed (empty in a version 2 record).
+    pub absent: Vec<u16>,
+    /// Read from a version 2 record: its `sent_at` counted from the claim plus the upstream's
+    /// `connect_timeout`, and it carries no statuses. Written back in version 2.
+    pub legacy: bool,
 }
 
 impl Resolvable {
@@ -104,7 +121,17 @@ impl Resolvable {
             interval,
             give_up_after,
             lookup,
+            found: Vec::new(),
+            absent: Vec::new(),
+            legacy: false,
         }
+    }
+
+    /// With the statuses that answer its lookups: the route's `found` and `absent`.
+    pub fn answered_by(mut self, found: &[u16], absent: &[u16]) -> Resolvable {
+        self.found = found.to_vec();
+        self.absent = absent.to_vec();
+        self
     }
 
     /// When an `absent` answer becomes final: a lookup sent at or after this (store clock)
@@ -136,6 +163,15 @@ impl Resolvable {
         out.put_u32(u32::try_from(lookup.target.len()).unwrap_or(u32::MAX));
         out.put_slice(&lookup.target.as_bytes()[..lookup.target.len().min(u32::MAX as usize)]);
         put_headers(out, &lookup.headers);
+        if !self.legacy {
+            put_statuses(out, &self.found);
+            put_statuses(out, &self.absent);
+        }
+    }
+
+    /// The format version it is written in: 3, or 2 for a record read from version 2.
+    pub(super) fn version(&self) -> u8 {
+        if self.legacy { 2 } else { 3 }
     }
 
     pub(super) fn encoded_len_hint(&self) -> usize {
@@ -149,12 +185,15 @@ impl Resolvable {
             + self.lookup.target.len()
             + 2
             + headers_len(&self.lookup.headers)
+            + 4
+            + 2 * (self.found.len() + self.absent.len())
     }
 
-    /// Decodes what follows the state byte.
+    /// Decodes what follows the state byte of a record of format `version` (2 or 3).
     pub(super) fn decode_after_state(
         b: &mut &[u8],
         bytes: &Bytes,
+        version: u8,
     ) -> Result<Resolvable, DecodeError> {
         let token = take_array::<16>(b)?;
         let lease_until = take_u64(b)?;
@@ -178,6 +217,12 @@ impl Resolvable {
         let n = take_u32(b)? as usize;
         let target = take_text(b, n)?;
         let headers = take_headers(b, bytes)?;
+        let legacy = version < 3;
+        let (found, absent) = if legacy {
+            (Vec::new(), Vec::new())
+        } else {
+            (take_statuses(b)?, take_statuses(b)?)
+        };
         Ok(Resolvable {
             token,
             lease_until,
@@ -195,12 +240,30 @@ impl Resolvable {
                 target,
                 headers,
             },
+            found,
+            absent,
+            legacy,
         })
     }
 }
 
-/// The first bytes of every claim that can be resolved.
-pub const PREFIX: &[u8] = b"IDP\x02Q";
+/// A list of statuses: `n:u16 (status:u16)*n`.
+fn put_statuses(out: &mut BytesMut, statuses: &[u16]) {
+    out.put_u16(u16::try_from(statuses.len()).unwrap_or(u16::MAX));
+    for status in statuses.iter().take(usize::from(u16::MAX)) {
+        out.put_u16(*status);
+    }
+}
+
+fn take_statuses(b: &mut &[u8]) -> Result<Vec<u16>, DecodeError> {
+    let n = take_u16(b)?;
+    (0..n).map(|_| take_u16(b)).collect()
+}
+
+/// The first bytes of every claim that can be resolved that this proxy writes (version 3).
+pub const PREFIX: &[u8] = b"IDP\x03Q";
+/// The first bytes of one written by an earlier proxy (version 2), still read.
+pub const PREFIX_2: &[u8] = b"IDP\x02Q";
 pub const TOKEN: Range<usize> = 5..21;
 pub const LEASE_UNTIL: Range<usize> = 21..29;
 pub const CLAIMED_AT: Range<usize> = 29..37;
@@ -213,7 +276,7 @@ pub const FIXED: usize = 54 + 32;
 /// Whether encoded bytes are a claim that can be resolved (long enough to hold the fixed
 /// part; the rest is checked when it is decoded).
 pub fn is(bytes: &[u8]) -> bool {
-    bytes.len() >= FIXED && bytes.starts_with(PREFIX)
+    bytes.len() >= FIXED && (bytes.starts_with(PREFIX) || bytes.starts_with(PREFIX_2))
 }
 
 /// The `u64` at `at`.
@@ -239,7 +302,7 @@ pub fn lease_until(bytes: &[u8]) -> Option<u64> {
 }
 
 /// Stamps a new claim's times: claimed `now`, leased until `now + lease`, sent at the
-/// latest `now + send_margin`, in flight (for the stores that write in Rust; Lua and SQL do
+/// latest `now + send_margin` (the upstream's `timeout`), in flight (for the stores that write in Rust; Lua and SQL do
 /// the same in place).
 pub fn stamp_claim(bytes: &mut [u8], now: u64, lease: u64, send_margin: u64) {
     write(bytes, LEASE_UNTIL, now.saturating_add(lease));

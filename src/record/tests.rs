@@ -55,10 +55,10 @@ fn damage_is_detected() {
     let mut extra = bytes.to_vec();
     extra.push(0);
     assert!(Record::decode(&extra).is_err());
-    let mut v3 = bytes.to_vec();
-    v3[3] = 3;
+    let mut v4 = bytes.to_vec();
+    v4[3] = 4;
     assert_eq!(
-        Record::decode(&v3),
+        Record::decode(&v4),
         Err(DecodeError("unknown record format version"))
     );
     assert!(Record::decode(b"garbage").is_err());
@@ -80,7 +80,8 @@ fn resolvable() -> Resolvable {
         Duration::from_secs(60),
         Duration::from_secs(5),
         Duration::from_secs(600),
-    );
+    )
+    .answered_by(&[200, 201], &[404]);
     r.lease_until = 1_764_656_010_123;
     r.claimed_at = 1_764_656_000_123;
     r.sent_at = 1_764_656_002_123;
@@ -105,9 +106,12 @@ fn resolved() -> Record {
 
 #[test]
 fn version_2_round_trips_and_version_1_is_unchanged() {
-    for e in [Record::Resolvable(Box::new(resolvable())), resolved()] {
+    for (e, version) in [
+        (Record::Resolvable(Box::new(resolvable())), 3),
+        (resolved(), 2),
+    ] {
         let bytes = e.encode();
-        assert_eq!(bytes[3], 2, "{e:?}");
+        assert_eq!(bytes[3], version, "{e:?}");
         assert_eq!(Record::decode(&bytes), Ok(e));
     }
     // Every other record is still written as version 1, as before.
@@ -183,10 +187,10 @@ fn version_2_damage_and_unknown_versions_are_errors() {
     for cut in 0..bytes.len() {
         assert!(Record::decode(&bytes[..cut]).is_err(), "cut at {cut}");
     }
-    let mut v3 = bytes.to_vec();
-    v3[3] = 3;
+    let mut v4 = bytes.to_vec();
+    v4[3] = 4;
     assert_eq!(
-        Record::decode(&v3),
+        Record::decode(&v4),
         Err(DecodeError("unknown record format version"))
     );
     let mut phase = bytes.to_vec();
@@ -208,4 +212,40 @@ fn version_2_damage_and_unknown_versions_are_errors() {
     let mut v1 = resolved().encode().to_vec();
     v1[3] = 1;
     assert!(Record::decode(&v1).is_err());
+}
+
+/// A claim an earlier proxy wrote (format version 2: no statuses after its headers) is still
+/// read, marked as such, and written back as it was; a version 3 claim carries its statuses.
+#[test]
+fn a_version_2_claim_is_read_and_version_3_carries_its_statuses() {
+    let v3 = resolvable();
+    let bytes = Record::Resolvable(Box::new(v3.clone())).encode();
+    assert_eq!(&bytes[..5], resolvable::PREFIX);
+    let Ok(Record::Resolvable(read)) = Record::decode(&bytes) else {
+        panic!("a version 3 claim decodes");
+    };
+    assert_eq!(
+        (read.found.as_slice(), read.absent.as_slice(), read.legacy),
+        (&[200, 201][..], &[404][..], false)
+    );
+    // The same claim as version 2 wrote it: the prefix's version byte, no statuses.
+    let mut v2 = bytes[..bytes.len() - (2 + 4 + 2 + 2)].to_vec();
+    v2[3] = 2;
+    assert!(resolvable::is(&v2));
+    assert_eq!(resolvable::token(&v2), Some(&v3.token[..]));
+    let Ok(Record::Resolvable(old)) = Record::decode(&v2) else {
+        panic!("a version 2 claim decodes");
+    };
+    assert!(old.legacy);
+    assert!(old.found.is_empty() && old.absent.is_empty());
+    assert_eq!((old.sent_at, &old.lookup), (v3.sent_at, &v3.lookup));
+    assert_eq!(
+        Record::Resolvable(old).encode().as_ref(),
+        &v2[..],
+        "written back as read"
+    );
+    // Statuses after a version 2 claim are trailing bytes.
+    let mut extra = v2.clone();
+    extra.extend_from_slice(&bytes[bytes.len() - 10..]);
+    assert!(Record::decode(&extra).is_err());
 }

@@ -50,6 +50,14 @@ impl LookupTemplate {
                 "{text:?} is not METHOD /path; write it as in GET /bookings/by-reference/{{json:/reference}}"
             )
         })?;
+        // Methods are case-sensitive (RFC 9110 §9.1): `get` is another method than `GET`,
+        // one an upstream refuses.
+        if method.bytes().any(|b| b.is_ascii_lowercase()) {
+            return Err(format!(
+                "the method {method:?} must be written in capitals ({:?})",
+                method.to_ascii_uppercase()
+            ));
+        }
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| format!("invalid method {method:?}"))?;
         let target = target.trim();
@@ -210,6 +218,8 @@ mod tests {
             "GET /bookings/a b",
             "GET /bookings/#{key}",
             "G(T /bookings/{key}",
+            "get /bookings/{key}",
+            "Get /bookings/{key}",
         ] {
             assert!(
                 LookupTemplate::parse(bad, Some(&route)).is_err(),

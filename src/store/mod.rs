@@ -117,9 +117,9 @@ pub enum Claim {
 pub struct ResolvableTimes {
     /// The lease (`lock_ttl`): a claim after it has lapsed takes the record over.
     pub lease: Duration,
-    /// How long after the claim the request can have been sent at the latest: the upstream's
-    /// `connect_timeout` (the claim is committed before the request is sent, and nothing is
-    /// written to the upstream after its connect gave up). `sent_at` = claim + this.
+    /// How long after the claim a byte of the request can have been written at the latest:
+    /// the upstream's `timeout` (counted from an instant taken before the claim was sent, no
+    /// byte is written after it). `sent_at` = claim + this.
     pub send_margin: Duration,
     /// How long the key lives after `sent_at`: `give_up_after` + `ttl`.
     pub lifetime: Duration,
@@ -391,14 +391,14 @@ impl StoreHandle {
             )
             .await?;
         let ours = |value: &Bytes| -> Result<Held, StoreError> {
-            let record = Record::decode_shared(value)?;
-            if !matches!(record, Record::Resolvable(_)) {
+            let Record::Resolvable(mut r) = Record::decode_shared(value)? else {
                 return Err(StoreError::Corrupt(DecodeError(
                     "a resolvable claim was answered with another kind of record",
                 )));
-            }
+            };
+            counted_from_timeout(&mut r, times);
             Ok(Held {
-                record,
+                record: Record::Resolvable(r),
                 encoded: value.clone(),
             })
         };
@@ -413,7 +413,10 @@ impl StoreHandle {
             }),
             ResolvableFound::TakenOver { value, now } => Ok(taken_over(ours(&value)?, now)),
             ResolvableFound::Existing { value } => {
-                let record = Record::decode_shared(&value)?;
+                let mut record = Record::decode_shared(&value)?;
+                if let Record::Resolvable(r) = &mut record {
+                    counted_from_timeout(r, times);
+                }
                 match (&record, held.record.token()) {
                     (Record::Resolvable(r), Some(token)) if r.token == *token => {
                         let now = r.claimed_at.max(r.next_lookup_at);
@@ -479,6 +482,19 @@ impl StoreHandle {
     /// See [`Store::forget`].
     pub(crate) async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
         self.timed(StoreOp::Forget, self.inner.forget(key)).await
+    }
+}
+
+/// A claim an earlier proxy wrote (format version 2) counted its `sent_at` from the claim plus
+/// the upstream's `connect_timeout`; a request could be written later than that (its body,
+/// bounded only by `timeout`). It is read as counting from the claim plus the claiming route's
+/// upstream `timeout` (`times.send_margin`), never earlier than it says (SPEC §4.8).
+fn counted_from_timeout(r: &mut crate::record::Resolvable, times: ResolvableTimes) {
+    if r.legacy {
+        let by_timeout = r
+            .claimed_at
+            .saturating_add(u64::try_from(times.send_margin.as_millis()).unwrap_or(u64::MAX));
+        r.sent_at = r.sent_at.max(by_timeout);
     }
 }
 

@@ -14,7 +14,9 @@
 //!   with an error code reaching the stream, the connection's loss) may have been received: an
 //!   unknown outcome.
 //!
-//! **Deadlines.** Making the connection (TCP connect, the TLS handshake with ALPN `h2`, the
+//! **Deadlines.** On an idempotent route a request carries its send deadline ([`WriteBy`]):
+//! past it the request is not sent at all, and a stream with no response head by then is
+//! reset. Making the connection (TCP connect, the TLS handshake with ALPN `h2`, the
 //! HTTP/2 preface) is bounded by `connect_timeout` and by the request's deadline, and is a
 //! [`SendError::Connect`] when it does not finish. At the deadline the response future is
 //! dropped, which resets the stream (`RST_STREAM` with `CANCEL`): the upstream is told at once,
@@ -29,7 +31,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::pool::{Connector, Responding, SendError};
+use super::pool::{Connector, Responding, SendError, WriteBy};
 use crate::body::{self, Body};
 
 /// The HTTP/2 connection of one upstream on one worker.
@@ -189,6 +191,17 @@ impl Inner {
     /// One try of `req` on `sender`, its response head awaited until `deadline` (then the
     /// response future is dropped, which resets the stream).
     async fn try_send(&self, conn: Conn, req: Request<Body>, deadline: Instant) -> Attempt {
+        // The send deadline of an idempotent route's request (SPEC §4.8): nothing of it is
+        // written at or after it, and a stream with no response head by then is reset (the
+        // response future dropped), so no byte still held back by flow control goes out late.
+        let write_by = req.extensions().get::<WriteBy>().map(|by| by.0);
+        if write_by.is_some_and(|by| Instant::now() >= by) {
+            return Attempt::Done(Err(SendError::Unsent(
+                "the request's send deadline (its claim's time plus the upstream's timeout) passed before it was written: nothing was sent"
+                    .into(),
+            )));
+        }
+        let deadline = write_by.map_or(deadline, |by| by.min(deadline));
         let Conn { id, mut sender } = conn;
         match tokio::time::timeout_at(deadline, sender.try_send_request(req)).await {
             Err(_) => Attempt::Done(Err(SendError::TimedOut)),

@@ -37,6 +37,7 @@ pub(crate) use self::headers::strip_hop_by_hop;
 use self::headers::{
     X_FORWARDED_FOR, X_FORWARDED_HOST, X_FORWARDED_PROTO, asks_for_trailers, host_header, push_ip,
 };
+pub(crate) use self::pool::WriteBy;
 use self::pool::{Pool, Responding, SendError};
 pub(crate) use self::refusal::refuses_head;
 use prometheus_client::metrics::histogram::Histogram;
@@ -54,6 +55,10 @@ pub(crate) enum UpstreamError {
     /// `timeout`: the request was not sent.
     #[error("connect failed: {0}")]
     Connect(String),
+    /// The request's send deadline passed before any byte of it was written (SPEC §4.8): it
+    /// was not sent, and the connection was reset.
+    #[error("{0}")]
+    Unsent(String),
     /// No complete response within the timeout: the upstream may have acted.
     #[error("no complete response within {0:?}")]
     Timeout(Duration),
@@ -203,14 +208,15 @@ impl Upstream {
         &self.name
     }
 
-    /// Its `timeout`: the whole response arrives within it of its call's start.
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// Its `connect_timeout`: a request is written within it of its call's start, or never.
     pub(crate) fn connect_timeout(&self) -> Duration {
         self.connect_timeout
+    }
+
+    /// Its `timeout`: on an idempotent route no byte of a request is written once it has
+    /// passed since an instant taken before the claim ([`WriteBy`]).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Builds the upstream request from the client's: the URL rebased on the upstream,
@@ -404,6 +410,9 @@ impl Upstream {
             *copy.uri_mut() = req.uri().clone();
             *copy.version_mut() = req.version();
             *copy.headers_mut() = req.headers().clone();
+            if let Some(by) = req.extensions().get::<WriteBy>() {
+                copy.extensions_mut().insert(*by);
+            }
             copy
         });
         // An HTTP/2 stream the upstream refused was not processed: sent once more, on a fresh
@@ -446,7 +455,7 @@ impl Upstream {
                         // Nothing went out the second time, but the first request may have
                         // reached the upstream before its connection failed: that failure is
                         // the one to answer with, not "the request was not sent".
-                        SendError::Connect(_) => self.classify(e),
+                        SendError::Connect(_) | SendError::Unsent(_) => self.classify(e),
                         again => self.classify(again),
                     })
             }
@@ -463,6 +472,7 @@ impl Upstream {
             SendError::TimedOut => UpstreamError::Timeout(self.timeout),
             // Not processed (RFC 9113 §8.7): as for a request never sent.
             SendError::Refused(_) => UpstreamError::Connect(error_chain(&e)),
+            SendError::Unsent(detail) => UpstreamError::Unsent(detail),
             SendError::Failed { .. } => failed(&e),
         }
     }

@@ -10,12 +10,14 @@
 //! - [`postgres`] — the PostgreSQL store.
 //! - [`sqlite`] — the SQLite store.
 //! - [`resolvable`] — the claim of a `resolve` route: takeover, lifetime, fencing.
+//! - [`renewals`] — what renewing such a claim writes, whatever its lookup's size.
 
 mod cluster;
 mod contract;
 mod faults;
 mod postgres;
 mod redis;
+mod renewals;
 mod resolvable;
 mod sqlite;
 mod wait_replicas;

@@ -302,7 +302,8 @@ async fn postgres_the_documented_query_reads_the_lease() {
     let read = pg.server().sql(&format!(
         "SELECT ('x' || encode(substring(value FROM 22 FOR 8), 'hex'))::bit(64)::bigint
          FROM {}.records
-         WHERE substring(value FROM 1 FOR 5) = '\\x4944500251'::bytea AND key = '{}'",
+         WHERE substring(value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)
+           AND key = '{}'",
         pg.schema,
         k.text()
     ));
@@ -391,7 +392,67 @@ async fn redis_a_claim_too_few_replicas_acknowledge_is_released_and_a_takeover_k
     replica.resume();
 }
 
+/// A claim an earlier proxy wrote (format version 2, its `sent_at` the claim plus the
+/// upstream's `connect_timeout`) is still taken over, once its lease lapses, and read as
+/// counting from the claim plus the taker's upstream `timeout`; the store keeps its bytes as
+/// they were (only the token, the lease and the phase change).
+async fn a_version_2_claim_is_taken_over_and_counts_from_the_timeout(backend: Backend) {
+    let env = Env::new(backend).await;
+    let s = store_checks::handle(env.store().await);
+    let k = key(5);
+    let old = {
+        let mut r = stamped(&resolvable(Duration::from_secs(30))).clone();
+        r.legacy = true;
+        Held::new(Record::Resolvable(Box::new(r)))
+    };
+    assert_eq!(&old.encoded[..5], b"IDP\x02Q", "written as version 2");
+    let connect = Duration::from_millis(250);
+    let (old, _) = ours(
+        s.claim_resolvable(&k, &old, times(connect, Duration::from_secs(60)))
+            .await
+            .expect("claim"),
+    );
+    let claimed_at = stamped(&old).claimed_at;
+    assert_eq!(
+        stamped(&old).sent_at,
+        claimed_at + 250,
+        "stamped as an earlier proxy did"
+    );
+    until_lapsed(&s, &k, &old).await;
+    let timeout = Duration::from_secs(2);
+    let taker = resolvable(Duration::from_secs(30));
+    let taken = s
+        .claim_resolvable(&k, &taker, times(timeout, Duration::from_secs(60)))
+        .await
+        .expect("takeover");
+    let ResolvableClaim::TakenOver { held, gave_up, .. } = taken else {
+        panic!("expected a takeover, got {taken:?}");
+    };
+    let r = stamped(&held);
+    assert!(r.legacy && !gave_up);
+    assert_eq!(r.token, stamped(&taker).token);
+    assert_eq!(r.phase, Phase::Resolving);
+    assert_eq!(
+        r.sent_at,
+        claimed_at + 2000,
+        "counted from the claim plus the timeout, not the connect_timeout"
+    );
+    assert_eq!(r.settles_at(), claimed_at + 2000 + 60_000);
+    assert_eq!(
+        &held.encoded[..5],
+        b"IDP\x02Q",
+        "its bytes kept as they were"
+    );
+    // Its new holder completes it.
+    assert!(
+        s.complete(&k, &held, &found(), Duration::from_secs(60))
+            .await
+            .expect("complete")
+    );
+}
+
 harness::every_store!(
+    a_version_2_claim_is_taken_over_and_counts_from_the_timeout,
     a_lapsed_claim_is_taken_over_by_exactly_one_of_many,
     a_claim_lives_its_lifetime_whatever_its_lease,
     a_claim_is_released_and_a_resolved_record_forgotten,

@@ -364,6 +364,11 @@ routes:
                 "names no segment",
             ),
             (
+                RESOLVE.replace("GET /bookings", "get /bookings"),
+                format!("{base}.resolve.request"),
+                "must be written in capitals",
+            ),
+            (
                 format!("{RESOLVE}        found: []\n"),
                 format!("{base}.resolve.found"),
                 "is empty",

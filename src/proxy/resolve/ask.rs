@@ -13,6 +13,10 @@ use crate::record::{Saved, SavedResponse};
 use crate::route::{IdempotencySettings, PathPattern, ResolveSettings};
 use crate::upstream::{Bounded, Upstream};
 
+/// The most a rendered lookup may hold, its path and query and copied headers (names and
+/// values) together (SPEC §4.8): every claim of the route carries it in the store.
+pub(crate) const MAX_LOOKUP: usize = 16 * 1024;
+
 /// Renders `resolve`'s lookup for a request on a route whose path is `pattern` and whose
 /// upstream is `route_upstream`; `key` is the key as the upstream gets it. A part that can't
 /// be read is the error, before anything is claimed. The lookup is what it takes to ask about
@@ -26,7 +30,7 @@ pub(crate) fn render(
     key: &str,
 ) -> Result<Lookup, Unreadable> {
     let target = key_from::render_lookup(&resolve.request, pattern, head, body, key)?;
-    let headers = resolve
+    let headers: Vec<(http::HeaderName, http::HeaderValue)> = resolve
         .headers
         .iter()
         .flat_map(|name| {
@@ -36,6 +40,19 @@ pub(crate) fn render(
                 .map(move |v| (name.clone(), v.clone()))
         })
         .collect();
+    let size = target.len()
+        + headers
+            .iter()
+            .map(|(n, v): &(http::HeaderName, http::HeaderValue)| n.as_str().len() + v.len())
+            .sum::<usize>();
+    if size > MAX_LOOKUP {
+        return Err(Unreadable {
+            part: "resolve.request".into(),
+            why: format!(
+                "the rendered lookup (path, query and copied headers) is {size} bytes, over {MAX_LOOKUP}: a claim carries it in the store"
+            ),
+        });
+    }
     Ok(Lookup {
         upstream: resolve
             .upstream

@@ -9,13 +9,15 @@
 //! - anything else, until `give_up_after`: then `outcome-unknown` is saved, so the operation
 //!   never runs twice.
 //!
-//! Its times count from when the request was sent, never from earlier: the latest moment it
-//! could have been written (the claim, or the call's start, plus the upstream's
-//! `connect_timeout`). On an enforced route the claim is a resolvable record, which carries
-//! those times on the store's clock with the lookup and the route's `settle_after`, `interval`
-//! and `give_up_after` as they were at the claim: a resolution runs to its end under what its
+//! Its times count from when the request was sent, never from earlier: the latest moment any
+//! byte of it could have reached the upstream (the claim plus the upstream's `timeout`, past
+//! which nothing of it is written). On an enforced route the claim is a resolvable record,
+//! which carries those times on the store's clock with the lookup (and the upstream it goes
+//! to), the route's `found` and `absent` statuses and its `settle_after`, `interval` and
+//! `give_up_after` as they were at the claim: a resolution runs to its end under what its
 //! record carries, whichever instance holds it (the one that sent the request, or one that took
-//! it over after that one's lease lapsed), whatever a reload changed meanwhile.
+//! it over after that one's lease lapsed), whatever a reload changed meanwhile — even a route
+//! no longer under `resolve`.
 //!
 //! It runs on the proxy's task tracker, so a drain waits for it up to `shutdown_timeout`; one
 //! still running then stops with the process, and its record is taken over after the restart.
@@ -106,12 +108,34 @@ impl Unknown {
     /// Starts its resolution in a task of its own, tracked so that a drain waits for it.
     /// On an observed route it counts as work after its client was answered
     /// (`idemproxy_detached_exchanges`), which observe's bound limits (SPEC §4.7).
+    ///
+    /// At most `limits.max_resolutions` run at once on this instance (SPEC §4.8, "Bounded"):
+    /// past it the key is left held in the store, its lease left to lapse (never released:
+    /// its outcome is unknown), and a repeat of the key takes it over and resolves it then.
     pub(in crate::proxy) fn spawn(self) {
-        let tasks = self.context.shared.tasks.clone();
+        let shared = &self.context.shared;
+        let bound = i64::from(self.context.limits.max_resolutions);
+        // One atomic step: the count before this one's increment says whether it fits.
+        if shared.resolutions.inc() >= bound {
+            shared.resolutions.dec();
+            shared.deferred.inc();
+            tracing::warn!(
+                route = %self.context.route.name,
+                key = %self.lease.key().id_hex(),
+                max_resolutions = bound,
+                "at limits.max_resolutions: the unknown outcome is left held in the store, its lease left to lapse; a repeat of its key takes it over and resolves it"
+            );
+            // Dropped, not released: the claim stays until its lease lapses.
+            drop(self);
+            return;
+        }
+        let running = Running(shared.resolutions.clone());
+        let tasks = shared.tasks.clone();
         let counted = (self.context.policy.mode == Mode::Observe)
             .then(|| Counted::new(self.context.shared.detached.clone()));
         tasks.spawn(async move {
             let _counted = counted;
+            let _running = running;
             self.run().await;
         });
     }
@@ -164,11 +188,25 @@ impl Unknown {
         })
     }
 
+    /// The statuses that answer its lookups: its record's (a version 3 record carries the
+    /// route's as they were when the key was claimed); the route's for a record that does not
+    /// say (version 2, or an observed route's claim); none when the route no longer resolves
+    /// either.
+    fn statuses(&self) -> Option<(Vec<u16>, Vec<u16>)> {
+        if let Some(r) = self.lease.held().resolvable()
+            && !r.found.is_empty()
+        {
+            return Some((r.found.clone(), r.absent.clone()));
+        }
+        let resolve = self.context.policy.resolve.as_ref()?;
+        Some((resolve.found.clone(), resolve.absent.clone()))
+    }
+
     /// Asks until an answer settles it, or `give_up_after`.
     async fn resolve(mut self) -> Ended {
-        let (Some(times), Some(resolve)) = (self.times(), self.context.policy.resolve.clone())
-        else {
-            // Only a route under `resolve` starts one; without its block the safe end is keep's.
+        let (Some(times), Some((found, absent))) = (self.times(), self.statuses()) else {
+            // Nothing says how to read an answer (an old record on a route that no longer
+            // resolves): the safe end is keep's.
             self.give_up().await;
             return Ended {
                 result: Some(Resolution::GaveUp),
@@ -177,10 +215,16 @@ impl Unknown {
         };
         let settles_at = self.sent + times.settle_after;
         let gives_up_at = self.sent + times.give_up_after;
-        let upstream = self.context.route.resolve_upstream.clone();
+        // The upstream its record names, as configured now (its timeouts and pool).
+        let upstream = self
+            .context
+            .route
+            .upstreams
+            .get(&self.lookup.upstream)
+            .cloned();
         let statuses = Statuses {
-            found: &resolve.found,
-            absent: &resolve.absent,
+            found: &found,
+            absent: &absent,
         };
         let mut lookups = 0;
         loop {
@@ -189,7 +233,7 @@ impl Unknown {
                 break;
             }
             let answer = match &upstream {
-                Some(up) if up.name() == self.lookup.upstream => {
+                Some(up) => {
                     let policy = self.context.policy.clone();
                     let asking = ask::ask(up, &self.lookup, &statuses, &policy);
                     let answer = self
@@ -329,6 +373,16 @@ impl Unknown {
                 &shared.pending,
             )
             .await;
+    }
+}
+
+/// One running resolution, already counted in its gauge: taken off at the task's end, or its
+/// panic.
+struct Running(Gauge);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

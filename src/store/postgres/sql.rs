@@ -235,9 +235,10 @@ impl Statements {
 
 /// The server's clock in milliseconds since the epoch: the clock of a resolvable record's times.
 const NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
-/// `r.value` is a resolvable claim (format version 2, state 'Q').
-const IS_RESOLVABLE: &str =
-    "octet_length(r.value) >= 86 AND substring(r.value FROM 1 FOR 5) = '\\x4944500251'::bytea";
+/// `r.value` is a resolvable claim (format version 3, or 2 written by an earlier proxy; state
+/// 'Q').
+const IS_RESOLVABLE: &str = "octet_length(r.value) >= 86
+    AND substring(r.value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)";
 
 impl ResolvableStatements {
     fn new(t: &str) -> ResolvableStatements {

@@ -103,13 +103,16 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     };
 }
 
-/// Whether `v` is a resolvable claim (`'Q'`, format version 2; offsets in
+/// Whether `v` is a resolvable claim (`'Q'`, format version 3, or 2 written by an earlier
+/// proxy; offsets in
 /// [`crate::record::resolvable`], plus one: Lua counts from 1), and whether its lease, at bytes
 /// 22..29, is still live at `now`.
 macro_rules! resolvable_fns {
     () => {
         "local function is_q(v)
-  return v and #v >= 86 and string.sub(v, 1, 5) == 'IDP\\2Q'
+  if not v or #v < 86 then return false end
+  local p = string.sub(v, 1, 5)
+  return p == 'IDP\\3Q' or p == 'IDP\\2Q'
 end
 local function lease_live(v, now)
   return struct.unpack('>I8', v, 22) > now
@@ -153,24 +156,28 @@ return {3, now, v}"
 /// ARGV[2]; with ARGV[3] not empty, also marks it resolving, its next lookup at now + ARGV[3].
 /// The key's lifetime is never shortened (only lengthened, should the lease outlast it).
 /// Answers `{1 | 0 (lost, nothing written), now}`.
+///
+/// Only the bytes that change are read and written (`GETRANGE`, `SETRANGE`): the rest of the
+/// value — the lookup, up to 16 KiB — is never rewritten, so a renewal costs the same memory
+/// traffic, replication stream and AOF bytes whatever the lookup's size (SPEC §4.8, "Bounded").
 pub(crate) const RENEW_RESOLVABLE: &str = concat!(
     now_ms!(),
-    resolvable_fns!(),
     r"
-local v = redis.call('GET', KEYS[1])
-if not is_q(v) or string.sub(v, 6, 21) ~= ARGV[1] or not lease_live(v, now) then
+if redis.call('STRLEN', KEYS[1]) < 86 then
+  return {0, now}
+end
+local head = redis.call('GETRANGE', KEYS[1], 0, 28)
+local p = string.sub(head, 1, 5)
+if (p ~= 'IDP\3Q' and p ~= 'IDP\2Q') or string.sub(head, 6, 21) ~= ARGV[1]
+  or struct.unpack('>I8', head, 22) <= now then
   return {0, now}
 end
 local lease_until = now + tonumber(ARGV[2])
-local value
-if ARGV[3] == '' then
-  value = string.sub(v, 1, 21) .. struct.pack('>I8', lease_until) .. string.sub(v, 30)
-else
-  value = string.sub(v, 1, 21) .. struct.pack('>I8', lease_until) .. string.sub(v, 30, 45)
-    .. 'R' .. struct.pack('>I8', now + tonumber(ARGV[3])) .. string.sub(v, 55)
+redis.call('SETRANGE', KEYS[1], 21, struct.pack('>I8', lease_until))
+if ARGV[3] ~= '' then
+  redis.call('SETRANGE', KEYS[1], 45, 'R' .. struct.pack('>I8', now + tonumber(ARGV[3])))
 end
 local expires = redis.call('PEXPIRETIME', KEYS[1])
-redis.call('SET', KEYS[1], value, 'KEEPTTL')
 if expires >= 0 and expires < lease_until then
   redis.call('PEXPIREAT', KEYS[1], lease_until)
 end

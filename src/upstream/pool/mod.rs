@@ -25,6 +25,12 @@
 //! connect, TLS handshake) must be made within `connect_timeout` and before that deadline; if
 //! it is not, nothing was sent, and that is a [`SendError::Connect`] whichever ran out. Once a
 //! connection took the request, a deadline that passes is a [`SendError::TimedOut`].
+//!
+//! A request that carries a [`WriteBy`] (every request of an idempotent route) has a send
+//! deadline as well: no byte of it is written at or after that instant (checked by the socket
+//! before every write, see [`watched`]), and if no response head has come by then the
+//! connection is reset, so nothing still queued reaches the upstream late. A request cut
+//! before any of its bytes was written is [`SendError::Unsent`]: its outcome is known.
 
 mod watched;
 
@@ -45,7 +51,7 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use self::watched::{Received, Watched};
+use self::watched::{Gate, Received, Watched};
 use crate::body::Body;
 
 /// The connector under every pool: TCP, and TLS for an https upstream.
@@ -64,6 +70,10 @@ pub(crate) enum SendError {
     /// did not process it (RFC 9113 §8.7): not received, so it may be sent again.
     #[error("the upstream refused the stream (REFUSED_STREAM): {0}")]
     Refused(#[source] hyper::Error),
+    /// The request's send deadline ([`WriteBy`]) passed before any byte of it was written:
+    /// nothing was sent, and the connection was reset.
+    #[error("{0}")]
+    Unsent(String),
     /// The connection failed while the request was sent or its response awaited.
     #[error("{error}")]
     Failed {
@@ -83,7 +93,10 @@ impl SendError {
     /// answer.
     pub(crate) fn unanswered_on_reused(&self) -> bool {
         match self {
-            SendError::Connect(_) | SendError::TimedOut | SendError::Refused(_) => false,
+            SendError::Connect(_)
+            | SendError::TimedOut
+            | SendError::Refused(_)
+            | SendError::Unsent(_) => false,
             SendError::Failed {
                 error,
                 reused,
@@ -108,6 +121,13 @@ fn connection_failed(error: &hyper::Error) -> bool {
     }
     false
 }
+
+/// The send deadline of a request, carried in its extensions: no byte of it is written at or
+/// after this instant, and its connection is reset then if no response head has come (SPEC
+/// §4.8). The exchange of an idempotent route sets it to an instant taken before its claim was
+/// sent plus the upstream's `timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WriteBy(pub Instant);
 
 /// A response head on its way.
 pub(crate) type Responding<'a> =
@@ -143,6 +163,8 @@ struct Idle {
 struct Conn {
     sender: SendRequest<Body>,
     received: Received,
+    /// The send deadline of the request it carries.
+    gate: Gate,
 }
 
 impl Pool {
@@ -179,6 +201,7 @@ impl Pool {
                 match lent.try_send(req, deadline).await {
                     Sent::Answered(resp) => return Ok(resp),
                     Sent::TimedOut => return Err(SendError::TimedOut),
+                    Sent::Unsent(detail) => return Err(SendError::Unsent(detail)),
                     Sent::Failed { error, answered } => {
                         return Err(SendError::Failed {
                             error,
@@ -201,6 +224,7 @@ impl Pool {
             match lent.try_send(req, deadline).await {
                 Sent::Answered(resp) => Ok(resp),
                 Sent::TimedOut => Err(SendError::TimedOut),
+                Sent::Unsent(detail) => Err(SendError::Unsent(detail)),
                 Sent::Failed { error, answered } => Err(SendError::Failed {
                     error,
                     reused: false,
@@ -233,6 +257,9 @@ enum Sent {
     TimedOut,
     /// The connection closed before taking the request; here it is back.
     NotTaken(Request<Body>),
+    /// The request's send deadline passed before any byte of it was written; the connection
+    /// was reset.
+    Unsent(String),
 }
 
 impl Lent {
@@ -240,7 +267,20 @@ impl Lent {
         // Whatever the upstream sent before this request belonged to earlier responses, all
         // read to their end: anything more is this request's answer.
         let before = self.conn.received.get();
+        let write_by = req.extensions().get::<WriteBy>().map(|w| w.0);
+        self.conn.gate.arm(write_by);
+        let deadline = write_by.map_or(deadline, |by| by.min(deadline));
         let sent = tokio::time::timeout_at(deadline, self.conn.sender.try_send_request(req)).await;
+        if write_by.is_some() && (sent.is_err() || self.conn.gate.was_cut()) {
+            // No head by the send deadline: reset the connection now, even while it waits
+            // on a slow reader, so no byte still queued for it reaches the upstream late.
+            self.conn.gate.cut();
+            if self.conn.gate.written() == 0 {
+                return Sent::Unsent(
+                    "the request's deadline (upstreams.*.timeout, counted from before its claim) passed before any byte of it was written; the connection was reset".to_owned(),
+                );
+            }
+        }
         match sent {
             Err(_) => Sent::TimedOut,
             Ok(Ok(resp)) => {
@@ -266,6 +306,8 @@ impl Lent {
     /// The response whose head arrived at `head_at` has ended: the connection goes back to its
     /// pool if it can serve again.
     fn give_back(self, head_at: Instant) {
+        // Its request has been answered whole: no deadline of its own any more.
+        self.conn.gate.arm(None);
         if let Some(pool) = self.pool.upgrade() {
             pool.put(self.conn, head_at);
         }
@@ -321,7 +363,12 @@ impl Inner {
             .await
             .map_err(|e| SendError::Connect(crate::upstream::error_chain(&*e)))?;
         let received = Received::default();
-        let io = TokioIo::new(Watched::new(TokioIo::new(io), received.clone()));
+        let gate = Gate::default();
+        let io = TokioIo::new(Watched::new(
+            TokioIo::new(io),
+            received.clone(),
+            gate.clone(),
+        ));
         let (sender, conn) = http1::Builder::new()
             .handshake(io)
             .await
@@ -332,7 +379,11 @@ impl Inner {
             }
         });
         Ok(Lent {
-            conn: Conn { sender, received },
+            conn: Conn {
+                sender,
+                received,
+                gate,
+            },
             pool: Arc::downgrade(self),
         })
     }

@@ -309,3 +309,111 @@ async fn a_connect_that_hangs_is_a_connect_error_at_the_first_deadline() {
         "at the deadline"
     );
 }
+
+/// What a raw upstream saw on one connection after its first answer: the bytes that came, and
+/// how the connection ended.
+#[derive(Debug, Default)]
+struct Seen {
+    after_answer: usize,
+    reset: bool,
+}
+
+/// An upstream that answers the first request head it reads with an empty `200` (when
+/// `answer_first`) and then, after `stall`, reads everything else the connection brings, to
+/// its end.
+async fn raw_upstream(
+    answer_first: bool,
+    stall: Duration,
+) -> (Uri, tokio::sync::oneshot::Receiver<Seen>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let Ok((mut tcp, _)) = listener.accept().await else {
+            return;
+        };
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if tcp.read(&mut byte).await.unwrap_or(0) == 0 {
+                return;
+            }
+            head.push(byte[0]);
+        }
+        if answer_first {
+            let _ = tcp
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await;
+        }
+        tokio::time::sleep(stall).await;
+        let mut seen = Seen::default();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match tcp.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => seen.after_answer += n,
+                Err(e) => {
+                    seen.reset = e.kind() == std::io::ErrorKind::ConnectionReset;
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(seen);
+    });
+    (format!("http://{addr}/").parse().expect("uri"), rx)
+}
+
+fn post_by(size: usize, write_by: Instant) -> Request<Body> {
+    let mut req = Request::new(crate::body::full(Bytes::from(vec![b'y'; size])));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = "/book".parse().expect("uri");
+    req.extensions_mut().insert(WriteBy(write_by));
+    req
+}
+
+/// A request whose send deadline has passed when it goes out on a pooled connection writes
+/// nothing: it is `Unsent`, and the connection is reset.
+#[tokio::test]
+async fn past_its_send_deadline_a_request_writes_nothing_and_resets_the_connection() {
+    let (target, seen) = raw_upstream(true, Duration::ZERO).await;
+    let pool = pool(target, Duration::from_secs(60));
+    let first = pool.send(get(0), far()).await.expect("the first answer");
+    first.into_body().collect().await.expect("its body");
+    match pool.send(post_by(1024, Instant::now()), far()).await {
+        Err(SendError::Unsent(detail)) => assert!(detail.contains("deadline"), "{detail}"),
+        other => panic!("expected Unsent, got {other:?}"),
+    }
+    let seen = tokio::time::timeout(Duration::from_secs(5), seen)
+        .await
+        .expect("the upstream's connection ended")
+        .expect("seen");
+    assert_eq!(seen.after_answer, 0, "not a byte of the second request");
+    assert!(seen.reset, "reset, not closed: {seen:?}");
+}
+
+/// A body still being written to an upstream that does not read when the send deadline passes
+/// is cut off: the connection is reset, so what the kernel still held never arrives.
+#[tokio::test]
+async fn a_body_cut_off_at_its_send_deadline_never_arrives_whole() {
+    const SIZE: usize = 32 * 1024 * 1024;
+    let (target, seen) = raw_upstream(false, Duration::from_secs(1)).await;
+    let pool = pool(target, Duration::from_secs(60));
+    let write_by = Instant::now() + Duration::from_millis(300);
+    match pool.send(post_by(SIZE, write_by), far()).await {
+        Err(SendError::TimedOut | SendError::Failed { .. }) => {}
+        other => panic!("expected an unknown outcome, got {other:?}"),
+    }
+    assert!(
+        Instant::now() < write_by + Duration::from_millis(500),
+        "cut at the deadline"
+    );
+    let seen = tokio::time::timeout(Duration::from_secs(10), seen)
+        .await
+        .expect("the upstream's connection ended")
+        .expect("seen");
+    assert!(
+        seen.after_answer < SIZE,
+        "the body never arrived whole: {seen:?}"
+    );
+    assert!(seen.reset, "reset, not closed: {seen:?}");
+}

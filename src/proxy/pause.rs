@@ -1,0 +1,41 @@
+//! Pause points, compiled only into the tests' builds (the `test-pauses` feature, which the
+//! test harness turns on): a test arms one for a key, and the exchange that claims that key
+//! stalls there as a paused process would, so a test can show what a holder that wakes late
+//! does (SPEC §4.8, "When the request was sent"). SIGSTOP stops a whole process; this stops one
+//! exchange between its claim and its first write, where the race lives.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use http::HeaderValue;
+
+/// Armed pauses: the key header's value, and how long its exchange stalls.
+static ARMED: Mutex<Vec<(String, Duration)>> = Mutex::new(Vec::new());
+
+/// Makes the next exchange whose key header is `key` stall for `pause` right after its claim,
+/// before anything is written upstream (in any proxy of this process).
+pub fn arm_after_claim(key: &str, pause: Duration) {
+    ARMED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((key.to_owned(), pause));
+}
+
+/// The pause point after a claim: stalls if a pause was armed for `key`, once.
+pub(super) async fn after_claim(key: Option<&HeaderValue>) {
+    let Some(key) = key.and_then(|k| k.to_str().ok()) else {
+        return;
+    };
+    let pause = {
+        let mut armed = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+        let at = armed.iter().position(|(k, _)| k == key);
+        at.map(|at| armed.remove(at).1)
+    };
+    if let Some(pause) = pause {
+        tracing::warn!(
+            pause_ms = pause.as_millis(),
+            "test pause point: stalling after the claim"
+        );
+        tokio::time::sleep(pause).await;
+    }
+}
