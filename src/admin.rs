@@ -27,7 +27,7 @@ use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
 use crate::proxy::{Proxy, RecordLookup, RecordLookupError};
-use crate::record::{Phase, Record, Resolvable, Saved};
+use crate::record::{DELIVERY_LABEL, Phase, Record, Resolvable, Saved};
 use crate::store::{Forgotten, StoreError};
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -251,9 +251,14 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
                     doc["headers"] = json!(
                         r.headers
                             .iter()
+                            .filter(|(n, _)| *n != DELIVERY_LABEL)
                             .map(|(n, _)| n.as_str().to_owned())
                             .collect::<Vec<_>>()
                     );
+                    // A webhook delivery's unsigned id: which delivery ran the event.
+                    if let Some((_, label)) = r.headers.iter().find(|(n, _)| *n == DELIVERY_LABEL) {
+                        doc["delivery"] = json!(String::from_utf8_lossy(label.as_bytes()));
+                    }
                     doc["body_bytes"] = json!(r.body.len());
                     if with_body {
                         match std::str::from_utf8(&r.body) {

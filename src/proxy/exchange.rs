@@ -18,6 +18,7 @@ use super::matched::{Answer, forward_plain, refuse};
 use super::replay::{replay, replay_call};
 use super::resolve::{Lookup, StoreClock, take_over};
 use super::settle::Settlement;
+use super::webhook::DeliveryLabel;
 use crate::body::{self, Body};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Outcome;
@@ -378,6 +379,8 @@ impl Exchange {
             (Some(clock), Some(r)) => clock.local(r.sent_at),
             _ => write_by,
         };
+        // A webhook delivery's unsigned id, kept with its result for the key tooling.
+        let label = parts.extensions.get::<DeliveryLabel>().cloned();
         let result = match up.request(parts, body, context.client, context.drop_key()) {
             Ok(_) if Instant::now() >= write_by => Err(UpstreamError::Unsent(format!(
                 "the upstream's timeout ({}) had passed since the claim was sent; nothing was written",
@@ -397,6 +400,7 @@ impl Exchange {
             lease,
             lookup,
             sent,
+            label,
         };
         match result {
             Ok((parts, Bounded::Complete(bytes))) => decision.whole(parts, bytes).await,
@@ -441,6 +445,8 @@ struct Decision {
     lookup: Option<Lookup>,
     /// The latest moment the request could have been written upstream.
     sent: Instant,
+    /// A webhook delivery's unsigned id, saved with its result (never replayed).
+    label: Option<DeliveryLabel>,
 }
 
 impl Decision {
@@ -457,7 +463,10 @@ impl Decision {
                 Err(unknown) => self.failed(unknown).await,
             };
         }
-        let settlement = Settlement::of_whole(&self.context.policy, &parts, &bytes);
+        let mut settlement = Settlement::of_whole(&self.context.policy, &parts, &bytes);
+        if let Some(DeliveryLabel(label)) = &self.label {
+            settlement.label(label);
+        }
         self.settle(settlement).await;
         (first_response(parts, bytes), Outcome::Forwarded)
     }

@@ -9,7 +9,7 @@ use crate::body::{self, Body};
 use crate::jsonrpc::{self, Call};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Saved, SavedResponse};
+use crate::record::{DELIVERY_LABEL, Saved, SavedResponse};
 use crate::route::IdempotencySettings;
 
 /// The header added to every replayed response.
@@ -124,7 +124,10 @@ fn response_of(saved: SavedResponse) -> Response<Body> {
     let headers = resp.headers_mut();
     headers.reserve(saved.headers.len() + 2);
     for (name, value) in saved.headers {
-        headers.append(name, value);
+        // Kept for the key tooling, never sent (a webhook delivery's label).
+        if name != DELIVERY_LABEL {
+            headers.append(name, value);
+        }
     }
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     resp

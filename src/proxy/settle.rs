@@ -23,7 +23,7 @@ use crate::fingerprint::Fingerprint;
 use crate::grpc;
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::record::{Finished, Saved, SavedResponse};
+use crate::record::{DELIVERY_LABEL, Finished, Saved, SavedResponse};
 use crate::route::GrpcSettings;
 use crate::route::{IdempotencySettings, Mode, OnUnknownOutcome};
 use crate::upstream::{self, UpstreamError};
@@ -260,6 +260,16 @@ impl Settlement {
                 Action::Complete(Saved::Response(error)),
                 Some(Why::CallUnknown { what, kept: true }),
             ),
+        }
+    }
+
+    /// Keeps a webhook delivery's unsigned id with the result it saves, if it saves a response
+    /// (see [`DELIVERY_LABEL`]).
+    pub(super) fn label(&mut self, label: &str) {
+        if let Action::Complete(Saved::Response(r)) = &mut self.action
+            && let Ok(value) = http::HeaderValue::from_str(label)
+        {
+            r.headers.push((DELIVERY_LABEL, value));
         }
     }
 

@@ -76,10 +76,15 @@ impl Proxy {
             };
             return (resp, outcome);
         };
-        let admitted = match admission::webhook_delivery(context, parts, body, event, &key_text) {
+        let mut admitted = match admission::webhook_delivery(context, parts, body, event, &key_text)
+        {
             Ok(admitted) => admitted,
             Err(problem) => return refuse(problem, Outcome::InvalidKey),
         };
+        if let Some(label) = &label {
+            // Saved with the event's result, for the key tooling (never replayed).
+            admitted.parts.extensions.insert(label.clone());
+        }
         let (mut resp, outcome) = match &route.observed {
             Some(observed) => self.observe_admitted(context, observed, admitted).await,
             None => self.run_admitted(context.clone(), admitted).await,

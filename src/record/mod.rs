@@ -70,6 +70,11 @@ const VERSION_2: u8 = 2;
 /// The version of the claims of a `resolve` route.
 const VERSION_3: u8 = 3;
 
+/// A saved header that is not the upstream's: the unsigned delivery id a webhook provider sent
+/// beside a body it signed alone (`X-GitHub-Delivery`, say), kept with the event's result so
+/// the key tooling can show which delivery ran it. Never replayed, never shown as a header.
+pub const DELIVERY_LABEL: HeaderName = HeaderName::from_static("idemproxy-delivery-label");
+
 /// A claim's fencing token: random, so only the claimant can complete or release the claim.
 pub(crate) type Token = [u8; 16];
 

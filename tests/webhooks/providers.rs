@@ -6,6 +6,7 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use harness::{Backend, Env, Reply, TestProxy, client, every_store, send};
+use sha2::Digest as _;
 
 use crate::support::{Secret, SecretsFile, now};
 
@@ -329,6 +330,29 @@ async fn the_key_tooling_finds_a_record_by_its_signed_event_id() {
         .assert_problem(404, "no-record");
     let refused = get("/keys/pushes?key=d-1").await;
     assert_eq!(refused.status, 400, "{:?}", refused.body);
+    // A GitHub event is found by its key's hash; its record names the delivery that ran it,
+    // and the label never goes out with a replay.
+    let push = r#"{"ref":"refs/heads/main"}"#;
+    let first = github(&stripe_proxy, push, "push", Some("d-label")).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let text = format!(
+        "webhook-body:{}:{}",
+        hex::encode(<[u8; 32]>::from(sha2::Sha256::digest(push.as_bytes()))),
+        hex::encode("push")
+    );
+    let hash = hex::encode(idemproxy::key::key_id(&[], &http::HeaderMap::new(), &text));
+    let shown = get(&format!("/keys/pushes/{hash}")).await;
+    assert_eq!(shown.status, 200, "{:?}", shown.body);
+    assert_eq!(shown.json()["delivery"], "d-label", "{:?}", shown.body);
+    let headers = shown.json()["headers"].to_string();
+    assert!(!headers.contains("idemproxy-delivery-label"), "{headers}");
+    let again = github(&stripe_proxy, push, "push", Some("d-other")).await;
+    assert_eq!(again.header("idempotent-replayed"), "true");
+    assert_eq!(
+        again.header("idemproxy-delivery-label"),
+        "",
+        "never replayed"
+    );
     let text = String::from_utf8_lossy(&refused.body).into_owned();
     assert!(text.contains("key hash"), "{text}");
     let _ = stop.send(());
