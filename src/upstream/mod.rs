@@ -480,19 +480,42 @@ impl Upstream {
     /// Sends a request and waits for the response head until `deadline`.
     async fn head(
         &self,
-        req: Request<Body>,
+        mut req: Request<Body>,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        self.pool
+        let span = self.span(&mut req);
+        let resp = self
+            .pool
             .send(req, deadline)
             .await
-            .map_err(|e| self.classify(e))
+            .map_err(|e| self.classify(e));
+        span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
+        resp
+    }
+
+    /// The call's client span (only when the request is traced), whose context goes to the
+    /// upstream in `traceparent` and `tracestate`.
+    fn span<B>(&self, req: &mut Request<B>) -> crate::traces::Child {
+        let method = req.method().clone();
+        crate::traces::Child::upstream(req.headers_mut(), &method, self.authority.host())
     }
 
     /// [`Upstream::head`] for a buffered request that may be sent once more, on a fresh
     /// connection, when it got no response on a reused one (the keep-alive race; SPEC §4.3
     /// allows it under `on_unknown_outcome: release` only, which is what `resend` says).
     async fn head_resending(
+        &self,
+        mut req: Request<Bytes>,
+        resend: bool,
+        deadline: Instant,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let span = self.span(&mut req);
+        let resp = self.head_resending_untraced(req, resend, deadline).await;
+        span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
+        resp
+    }
+
+    async fn head_resending_untraced(
         &self,
         req: Request<Bytes>,
         resend: bool,
