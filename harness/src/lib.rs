@@ -23,6 +23,7 @@
 //! - [`cluster::RedisCluster`]: a Redis Cluster on loopback — primaries and replicas, with
 //!   slot migration and coordinated failover, or a single node serving every slot;
 //!   [`secured::SecuredRedis`]: a Redis that wants TLS (a test CA) and/or a password.
+//! - [`otlp::OtlpReceiver`]: an OTLP/HTTP trace receiver decoding the spans the proxy exports.
 //! - [`mock::start`]: the mock booking service on a free port, with its counters.
 //! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
 //! - [`store_checks`]: the store contract, checked on a store handle of any backend.
@@ -33,6 +34,7 @@ pub mod cluster;
 pub mod env;
 pub mod grpc;
 pub mod mock;
+pub mod otlp;
 pub mod pki;
 pub mod postgres;
 pub mod prometheus;

@@ -1,0 +1,234 @@
+//! The spans each kind of request gives, their attributes and their parents.
+
+use std::time::Duration;
+
+use harness::otlp::OtlpReceiver;
+use harness::{Backend, Env, client, send};
+
+use crate::support::{assert_nowhere, book, children, names, servers, traced};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn a_first_request_and_its_replay_give_their_spans() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "1"))
+        .await;
+    let key = "trace-first-9f1c2e";
+    let first = book(&proxy, key, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let spans = receiver
+        .wait_for(WAIT, |s| servers(s).len() == 1 && s.len() >= 4)
+        .await;
+    let server = *servers(&spans).first().expect("a server span");
+    assert_eq!(server.name, "POST create-booking");
+    assert_eq!(server.service_name, "booking-proxy");
+    assert_eq!(server.attr("http.request.method"), "POST");
+    assert_eq!(server.attr("http.route"), "create-booking");
+    assert_eq!(server.attr("http.response.status_code"), "201");
+    assert_eq!(server.attr("idemproxy.outcome"), "forwarded");
+    assert_eq!(server.attr("idemproxy.replayed"), "false");
+    let hashed = server.attr("idemproxy.key");
+    assert_eq!(hashed.len(), 16, "{hashed}");
+    assert!(hashed.bytes().all(|b| b.is_ascii_hexdigit()), "{hashed}");
+    assert!(
+        server.parent_span_id.is_empty(),
+        "a request without traceparent starts a trace"
+    );
+    let under = children(&spans, server);
+    assert_eq!(
+        names(&under),
+        ["POST", "idemproxy.store.claim", "idemproxy.store.save"],
+        "{spans:#?}"
+    );
+    let call = under.iter().find(|s| s.kind == 3).expect("a client span");
+    assert_eq!(call.attr("server.address"), "127.0.0.1");
+    assert_eq!(call.attr("http.response.status_code"), "201");
+
+    let replay = book(&proxy, key, &[]).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), "true");
+    let spans = receiver.wait_for(WAIT, |s| servers(s).len() == 2).await;
+    let again = servers(&spans)
+        .into_iter()
+        .find(|s| s.attr("idemproxy.outcome") == "replayed")
+        .expect("the replay's server span");
+    assert_eq!(again.attr("idemproxy.replayed"), "true");
+    assert_eq!(
+        again.attr("idemproxy.key"),
+        hashed,
+        "the same key, the same hash"
+    );
+    let under = children(&spans, again);
+    assert_eq!(
+        names(&under),
+        ["idemproxy.store.claim"],
+        "a replay has no upstream span"
+    );
+    assert_nowhere(&spans, key);
+    assert_nowhere(&spans, "/bookings");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_conflict_is_a_server_span_with_its_outcome_and_no_upstream_span() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "1"))
+        .await;
+    let key = "trace-conflict-41d0";
+    let slow = {
+        let url = proxy.url("/bookings");
+        tokio::spawn(async move {
+            send(
+                client()
+                    .post(url)
+                    .header("idempotency-key", key)
+                    .header("x-mock-delay", "1s")
+                    .header("content-type", "application/json")
+                    .body(r#"{"guest":"ada","room":"12"}"#),
+            )
+            .await
+        })
+    };
+    // The first claim is in: its upstream call waits a second.
+    let mut conflict = None;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let reply = book(&proxy, key, &[]).await;
+        if reply.status == 409 {
+            conflict = Some(reply);
+            break;
+        }
+    }
+    assert!(
+        conflict.is_some(),
+        "the repeat while the first runs is a conflict"
+    );
+    assert_eq!(slow.await.expect("the first").status, 201);
+    let spans = receiver
+        .wait_for(WAIT, |s| {
+            servers(s)
+                .iter()
+                .any(|s| s.attr("idemproxy.outcome") == "conflict")
+                && servers(s)
+                    .iter()
+                    .any(|s| s.attr("idemproxy.outcome") == "forwarded")
+        })
+        .await;
+    let conflict = servers(&spans)
+        .into_iter()
+        .find(|s| s.attr("idemproxy.outcome") == "conflict")
+        .expect("the conflict's span");
+    assert_eq!(conflict.attr("http.response.status_code"), "409");
+    assert!(
+        children(&spans, conflict).iter().all(|s| s.kind != 3),
+        "a conflict calls no upstream: {spans:#?}"
+    );
+    assert_nowhere(&spans, key);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_clients_traceparent_is_the_parent_and_the_upstream_gets_the_upstream_span() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    // Ratio 0: only the client's sampled flag records these.
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "0"))
+        .await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent = "00f067aa0ba902b7";
+    let sampled = format!("00-{trace}-{parent}-01");
+    let reply = book(
+        &proxy,
+        "trace-parent-1",
+        &[("traceparent", &sampled), ("tracestate", "k=v")],
+    )
+    .await;
+    assert_eq!(reply.status, 201);
+    let spans = receiver
+        .wait_for(WAIT, |s| servers(s).len() == 1 && s.len() >= 4)
+        .await;
+    let server = *servers(&spans).first().expect("a server span");
+    assert_eq!(server.trace_id, trace);
+    assert_eq!(server.parent_span_id, parent);
+    let call = children(&spans, server)
+        .into_iter()
+        .find(|s| s.kind == 3)
+        .expect("the upstream span");
+    let sent = env.mock.last_request().expect("the upstream's request");
+    let got = sent
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    assert_eq!(
+        got,
+        format!("00-{trace}-{}-01", call.span_id),
+        "the upstream's parent is the upstream span"
+    );
+    assert_eq!(
+        sent.headers.get("tracestate").and_then(|v| v.to_str().ok()),
+        Some("k=v")
+    );
+
+    // Not sampled: nothing recorded, the trace id and the flag still go upstream.
+    let before = receiver.spans().len();
+    let unsampled = format!("00-{trace}-{parent}-00");
+    let reply = book(&proxy, "trace-parent-2", &[("traceparent", &unsampled)]).await;
+    assert_eq!(reply.status, 201);
+    let sent = env.mock.last_request().expect("the upstream's request");
+    let got = sent
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    assert!(
+        got.starts_with(&format!("00-{trace}-")) && got.ends_with("-00"),
+        "{got}"
+    );
+    // And a request with none, at ratio 0: not recorded either, but it starts a trace upstream.
+    let reply = book(&proxy, "trace-parent-3", &[]).await;
+    assert_eq!(reply.status, 201);
+    let sent = env.mock.last_request().expect("the upstream's request");
+    assert!(sent.headers.contains_key("traceparent"));
+    proxy.stop().await;
+    assert_eq!(
+        receiver.spans().len(),
+        before,
+        "nothing recorded for unsampled requests"
+    );
+}
+
+#[tokio::test]
+async fn a_pass_through_request_is_traced_and_propagated_too() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "1"))
+        .await;
+    let reply = send(client().get(proxy.url("/bookings/secret-path-77"))).await;
+    assert!(reply.status < 500, "{reply:?}");
+    let spans = receiver.wait_for(WAIT, |s| s.len() >= 2).await;
+    let server = *servers(&spans).first().expect("a server span");
+    assert_eq!(server.attr("http.route"), "rest");
+    assert_eq!(server.attr("idemproxy.outcome"), "passthrough");
+    let call = children(&spans, server)
+        .into_iter()
+        .find(|s| s.kind == 3)
+        .expect("the upstream span");
+    let sent = env.mock.last_request().expect("the upstream's request");
+    let got = sent
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    assert!(got.contains(&call.span_id), "{got}");
+    assert_nowhere(&spans, "secret-path-77");
+    proxy.stop().await;
+}
