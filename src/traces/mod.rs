@@ -22,12 +22,14 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
-    Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
+    Link, Span as _, SpanKind, Status, TraceContextExt, TraceId, Tracer as _, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{
+    Sampler, SamplingDecision, SamplingResult, SdkTracer, SdkTracerProvider, ShouldSample,
+};
 use prometheus_client::metrics::counter::Counter;
 
 pub use opentelemetry::context::FutureExt;
@@ -43,6 +45,41 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Traces {
     tracer: SdkTracer,
     provider: SdkTracerProvider,
+}
+
+/// The span of a resolution that outlives its request ([`detached`]).
+const DETACHED: &str = "idemproxy.resolve";
+
+/// Parent-based sampling, and one rule more: a [`DETACHED`] span, a root linked to its request,
+/// is recorded when its request is.
+#[derive(Clone, Debug)]
+struct Sampling(Sampler);
+
+impl ShouldSample for Sampling {
+    fn should_sample(
+        &self,
+        parent: Option<&Context>,
+        trace_id: TraceId,
+        name: &str,
+        kind: &SpanKind,
+        attributes: &[KeyValue],
+        links: &[Link],
+    ) -> SamplingResult {
+        let root = parent.is_none_or(|cx| !cx.has_active_span());
+        if let (true, DETACHED, Some(link)) = (root, name, links.first()) {
+            return SamplingResult {
+                decision: if link.span_context.is_sampled() {
+                    SamplingDecision::RecordAndSample
+                } else {
+                    SamplingDecision::Drop
+                },
+                attributes: Vec::new(),
+                trace_state: link.span_context.trace_state().clone(),
+            };
+        }
+        self.0
+            .should_sample(parent, trace_id, name, kind, attributes, links)
+    }
 }
 
 /// Set in a request's [`Context`] beside its span: the tracer its child spans come from.
@@ -64,8 +101,9 @@ impl Traces {
         let processor = export::Bounded::start(settings, &resource, dropped)?;
         // Parent-based: a client's `traceparent` decides, sampled or not; the ratio decides
         // for a request that brings none.
-        let sampler =
-            Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(settings.sample_ratio)));
+        let sampler = Sampling(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            settings.sample_ratio,
+        ))));
         let provider = SdkTracerProvider::builder()
             .with_span_processor(processor)
             .with_sampler(sampler)
@@ -162,8 +200,9 @@ impl Child {
     /// The upstream call: a client span under the current request's span, whose context
     /// goes to the upstream in `traceparent` and `tracestate` (replacing the client's: the
     /// upstream's parent is this span). Nothing without a traced request.
-    pub(crate) fn upstream(headers: &mut HeaderMap, method: &Method, server: &str) -> Child {
+    pub(crate) fn upstream<B>(req: &mut http::Request<B>, server: &str) -> Child {
         Child(Context::map_current(|cx| {
+            let method = req.method();
             let Active(tracer) = cx.get::<Active>()?;
             let span = tracer
                 .span_builder(method.as_str().to_owned())
@@ -174,7 +213,8 @@ impl Child {
                 ])
                 .start_with_context(tracer, cx);
             let sent = Context::new().with_remote_span_context(span.span_context().clone());
-            TraceContextPropagator::new().inject_context(&sent, &mut HeaderInjector(headers));
+            TraceContextPropagator::new()
+                .inject_context(&sent, &mut HeaderInjector(req.headers_mut()));
             Some(span)
         }))
     }
@@ -203,6 +243,60 @@ impl Child {
             span.set_status(Status::error(why.to_owned()));
         }
     }
+}
+
+/// Runs `work` in a span named `name` under the current request's span, so that the spans it
+/// opens (an upstream call's) are its children; runs it as it is without a traced request.
+pub(crate) async fn within<F: Future>(name: &'static str, work: F) -> F::Output {
+    let cx = Context::map_current(|cx| {
+        let Active(tracer) = cx.get::<Active>()?;
+        Some(cx.with_span(tracer.start_with_context(name, cx)))
+    });
+    let Some(cx) = cx else {
+        return work.await;
+    };
+    let out = work.with_context(cx.clone()).await;
+    cx.span().end();
+    out
+}
+
+/// A span of its own for work that outlives the current request (a resolution),
+/// linked to the request's span and recorded if the request is; the context to run it in. End
+/// it with [`end_detached`].
+pub(crate) fn detached(route: &str) -> Option<Context> {
+    Context::map_current(|cx| {
+        let Active(tracer) = cx.get::<Active>()?;
+        let request = cx.span().span_context().clone();
+        // A root span: `Sampling` records it if its request is recorded.
+        let span = tracer
+            .span_builder(DETACHED)
+            .with_attributes([KeyValue::new("http.route", route.to_owned())])
+            .with_links(vec![Link::with_context(request)])
+            .start_with_context(tracer, &Context::new());
+        Some(
+            Context::new()
+                .with_span(span)
+                .with_value(Active(tracer.clone())),
+        )
+    })
+}
+
+/// Ends a span [`detached`] started.
+pub(crate) fn end_detached(cx: &Context) {
+    cx.span().end();
+}
+
+/// Marks the current span (a resolution's) resolved, with how: `idemproxy.resolved` and
+/// `idemproxy.resolution`. Nothing without one.
+pub(crate) fn resolved(how: &'static str) {
+    Context::map_current(|cx| {
+        if cx.get::<Active>().is_some() {
+            cx.span().set_attributes([
+                KeyValue::new("idemproxy.resolved", true),
+                KeyValue::new("idemproxy.resolution", how),
+            ]);
+        }
+    });
 }
 
 /// Whether the current request is traced (its context attached): for the steps that move a

@@ -483,7 +483,7 @@ impl Upstream {
         mut req: Request<Body>,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        let span = self.span(&mut req);
+        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
         let resp = self
             .pool
             .send(req, deadline)
@@ -491,13 +491,6 @@ impl Upstream {
             .map_err(|e| self.classify(e));
         span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
         resp
-    }
-
-    /// The call's client span (only when the request is traced), whose context goes to the
-    /// upstream in `traceparent` and `tracestate`.
-    fn span<B>(&self, req: &mut Request<B>) -> crate::traces::Child {
-        let method = req.method().clone();
-        crate::traces::Child::upstream(req.headers_mut(), &method, self.authority.host())
     }
 
     /// [`Upstream::head`] for a buffered request that may be sent once more, on a fresh
@@ -509,7 +502,7 @@ impl Upstream {
         resend: bool,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        let span = self.span(&mut req);
+        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
         let resp = self.head_resending_untraced(req, resend, deadline).await;
         span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
         resp
