@@ -232,3 +232,125 @@ async fn a_pass_through_request_is_traced_and_propagated_too() {
     assert_nowhere(&spans, "secret-path-77");
     proxy.stop().await;
 }
+
+/// The usual configuration with `create-booking` under `on_unknown_outcome: resolve`, asking
+/// the mock's lookup by reference, traced at ratio 1.
+fn resolving(env: &Env, endpoint: &str) -> String {
+    let yaml = traced(env, "on_unknown_outcome: resolve\nresolve:", endpoint, "1");
+    let block = "        request: GET /bookings/by-reference/{json:/reference}\n        settle_after: 5s\n        interval: 200ms\n";
+    yaml.replacen("      resolve:\n", &format!("      resolve:\n{block}"), 1)
+}
+
+#[tokio::test]
+async fn a_resolution_is_a_span_of_its_own_linked_to_its_request_with_its_lookups() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env.proxy(&resolving(&env, &receiver.endpoint())).await;
+    let body = r#"{"seat":"12A","reference":"R-traced"}"#;
+    let first = harness::book_with(
+        &proxy.url(""),
+        "trace-resolve-1",
+        body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    assert_eq!(first.status, 502, "{first:?}");
+    let spans = receiver
+        .wait_for(WAIT, |s| {
+            s.iter().any(|s| s.name == "idemproxy.resolve")
+                && s.iter().any(|s| s.name == "idemproxy.resolve.lookup")
+        })
+        .await;
+    let request = *servers(&spans).first().expect("the request's span");
+    assert_eq!(request.attr("http.response.status_code"), "502");
+    let resolution = spans
+        .iter()
+        .find(|s| s.name == "idemproxy.resolve")
+        .expect("the resolution's span");
+    assert!(resolution.parent_span_id.is_empty(), "a span of its own");
+    assert_eq!(
+        resolution.links,
+        [(request.trace_id.clone(), request.span_id.clone())],
+        "linked to its request"
+    );
+    assert_eq!(resolution.attr("http.route"), "create-booking");
+    assert_eq!(resolution.attr("idemproxy.resolved"), "true");
+    assert_eq!(resolution.attr("idemproxy.resolution"), "found");
+    let under = children(&spans, resolution);
+    let lookups: Vec<_> = under
+        .iter()
+        .filter(|s| s.name == "idemproxy.resolve.lookup")
+        .collect();
+    assert!(!lookups.is_empty(), "{spans:#?}");
+    assert!(
+        under.iter().any(|s| s.name == "idemproxy.store.save"),
+        "the found answer saved under the resolution: {spans:#?}"
+    );
+    let asked = children(&spans, lookups[0]);
+    assert!(
+        asked
+            .iter()
+            .any(|s| s.kind == 3 && s.attr("http.response.status_code") == "200"),
+        "the lookup's upstream call: {spans:#?}"
+    );
+    assert_nowhere(&spans, "trace-resolve-1");
+    assert_nowhere(&spans, "R-traced");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_webhook_delivery_is_a_server_span_with_its_key_hash_and_upstream_span() {
+    use base64::Engine as _;
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let key = b"trace-webhook-secret-0123456789";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let secrets = dir.path().join("secrets");
+    let written = base64::engine::general_purpose::STANDARD.encode(key);
+    std::fs::write(&secrets, format!("whsec_{written}\n")).expect("write the secret");
+    let yaml = format!(
+        "listen: 127.0.0.1:0\ntracing: {{otlp_endpoint: {endpoint}, sample_ratio: 1}}\n{store}upstreams:\n  mock:\n    url: {up}\nroutes:\n  - name: events\n    methods: [POST]\n    path: /webhooks/standard\n    upstream: mock\n    webhook:\n      provider: standard\n      secrets_file: {file}\n",
+        endpoint = receiver.endpoint(),
+        store = env.store_yaml(""),
+        up = env.mock.url(),
+        file = secrets.display(),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let id = "msg_trace_2bd1";
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let body = r#"{"type":"booking.paid","data":{"id":"b1"}}"#;
+    let tag = ring::hmac::sign(
+        &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key),
+        format!("{id}.{stamp}.{body}").as_bytes(),
+    );
+    let signature = format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(tag.as_ref())
+    );
+    let reply = send(
+        client()
+            .post(proxy.url("/webhooks/standard"))
+            .header("content-type", "application/json")
+            .header("webhook-id", id)
+            .header("webhook-timestamp", stamp.to_string())
+            .header("webhook-signature", &signature)
+            .body(body),
+    )
+    .await;
+    assert!(reply.status < 300, "{reply:?}");
+    let spans = receiver
+        .wait_for(WAIT, |s| servers(s).len() == 1 && s.len() >= 4)
+        .await;
+    let server = *servers(&spans).first().expect("the delivery's span");
+    assert_eq!(server.name, "POST events");
+    assert_eq!(server.attr("idemproxy.outcome"), "forwarded");
+    assert_eq!(server.attr("idemproxy.key").len(), 16);
+    let under = children(&spans, server);
+    assert!(under.iter().any(|s| s.name == "idemproxy.store.claim"));
+    assert!(under.iter().any(|s| s.kind == 3), "{spans:#?}");
+    assert_nowhere(&spans, id);
+    assert_nowhere(&spans, &signature);
+    proxy.stop().await;
+}
