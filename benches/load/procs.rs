@@ -395,6 +395,8 @@ pub(crate) struct Routes<'a> {
     pub resolve: bool,
     /// A JSON-RPC route at [`JSONRPC_PATH`] claiming `tools/call`, the key in `_meta`.
     pub jsonrpc: bool,
+    /// A `tracing:` section (whole lines), for the rows that measure what traces cost.
+    pub tracing: Option<&'a str>,
 }
 
 impl Routes<'_> {
@@ -405,6 +407,7 @@ impl Routes<'_> {
             webhook_secrets: None,
             resolve: false,
             jsonrpc: false,
+            tracing: None,
         }
     }
 }
@@ -512,9 +515,10 @@ fn proxy_yaml(
         .map_or(String::new(), |a| format!("admin_listen: {a}\n"));
     let (extra_upstreams, extra_routes) = extra_routes(upstream, routes);
     let (listen, ttl) = (listen.addr, routes.ttl);
+    let tracing = routes.tracing.unwrap_or_default();
     format!(
         "listen: {listen}
-{admin}shutdown_timeout: 1s
+{admin}{tracing}shutdown_timeout: 1s
 store:
 {store}  key_prefix: \"idemproxy-load:\"
 upstreams:

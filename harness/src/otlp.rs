@@ -65,6 +65,10 @@ impl ReceivedSpan {
 #[derive(Default)]
 struct Received {
     spans: Mutex<Vec<ReceivedSpan>>,
+    /// Spans decoded, kept or not.
+    counted: AtomicU64,
+    /// Decode and count only (a bench's long runs): keep nothing.
+    count_only: bool,
     requests: AtomicU64,
     mode: AtomicU8,
 }
@@ -79,9 +83,22 @@ pub struct OtlpReceiver {
 impl OtlpReceiver {
     /// Binds `127.0.0.1:0` and serves on the current Tokio runtime.
     pub async fn start() -> OtlpReceiver {
+        OtlpReceiver::serve(false).await
+    }
+
+    /// [`OtlpReceiver::start`] for a load: spans decoded and counted ([`OtlpReceiver::counted`]),
+    /// none kept.
+    pub async fn counting() -> OtlpReceiver {
+        OtlpReceiver::serve(true).await
+    }
+
+    async fn serve(count_only: bool) -> OtlpReceiver {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let received = Arc::new(Received::default());
+        let received = Arc::new(Received {
+            count_only,
+            ..Received::default()
+        });
         let state = received.clone();
         let task = tokio::spawn(async move {
             loop {
@@ -122,6 +139,11 @@ impl OtlpReceiver {
     /// Export requests received (answered or not).
     pub fn requests(&self) -> u64 {
         self.received.requests.load(Ordering::SeqCst)
+    }
+
+    /// Spans decoded so far, kept or not.
+    pub fn counted(&self) -> u64 {
+        self.received.counted.load(Ordering::SeqCst)
     }
 
     /// Every span received so far.
@@ -176,7 +198,13 @@ async fn answer(
         Ok(bytes) => match ExportTraceServiceRequest::decode(bytes) {
             Err(_) => StatusCode::BAD_REQUEST,
             Ok(export) => {
-                state.spans.lock().expect("spans").extend(spans_of(export));
+                let spans = spans_of(export);
+                state
+                    .counted
+                    .fetch_add(spans.len() as u64, Ordering::SeqCst);
+                if !state.count_only {
+                    state.spans.lock().expect("spans").extend(spans);
+                }
                 StatusCode::OK
             }
         },
