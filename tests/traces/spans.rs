@@ -354,3 +354,67 @@ async fn a_webhook_delivery_is_a_server_span_with_its_key_hash_and_upstream_span
     assert_nowhere(&spans, &signature);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_wait_under_on_conflict_wait_is_a_span_of_the_waiting_request() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let yaml = traced(
+        &env,
+        "on_conflict: wait\nwait_timeout: 5s",
+        &receiver.endpoint(),
+        "1",
+    );
+    let proxy = env.proxy(&yaml).await;
+    let key = "trace-wait-5e2a";
+    let first = {
+        let url = proxy.url("/bookings");
+        tokio::spawn(async move {
+            send(
+                client()
+                    .post(url)
+                    .header("idempotency-key", key)
+                    .header("x-mock-delay", "600ms")
+                    .header("content-type", "application/json")
+                    .body(r#"{"guest":"ada","room":"12"}"#),
+            )
+            .await
+        })
+    };
+    // Until the first claim is in, a repeat would claim the key itself: wait for its upstream
+    // call to start.
+    let mut started = false;
+    for _ in 0..100 {
+        if env.mock.calls(key) > 0 {
+            started = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(started, "the first request reached the upstream");
+    let repeat = book(&proxy, key, &[]).await;
+    assert_eq!(repeat.status, 201, "the waiter gets the first's answer");
+    assert_eq!(repeat.header("idempotent-replayed"), "true");
+    assert_eq!(first.await.expect("the first").status, 201);
+    let spans = receiver
+        .wait_for(WAIT, |s| {
+            servers(s)
+                .iter()
+                .any(|s| s.attr("idemproxy.outcome") == "replayed")
+        })
+        .await;
+    let waiter = servers(&spans)
+        .into_iter()
+        .find(|s| s.attr("idemproxy.outcome") == "replayed")
+        .expect("the waiter's span");
+    let under = children(&spans, waiter);
+    assert!(
+        under.iter().any(|s| s.name == "idemproxy.wait"),
+        "{spans:#?}"
+    );
+    assert!(
+        under.iter().all(|s| s.kind != 3),
+        "a waiter calls no upstream"
+    );
+    proxy.stop().await;
+}
