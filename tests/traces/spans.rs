@@ -418,3 +418,48 @@ async fn a_wait_under_on_conflict_wait_is_a_span_of_the_waiting_request() {
     );
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_json_rpc_call_is_traced_and_its_upstream_gets_the_upstream_span() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0\ntracing: {{otlp_endpoint: {endpoint}, sample_ratio: 1}}\n{store}upstreams:\n  tools:\n    url: {up}\nroutes:\n  - name: mcp-tools\n    path: /mcp\n    upstream: tools\n    jsonrpc: {{methods: [tools/call]}}\n    idempotency: {{key_from: [\"json:/params/_meta/idempotency-key\"]}}\n",
+        endpoint = receiver.endpoint(),
+        store = env.store_yaml(""),
+        up = env.mock.url(),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"book","arguments":{"guest":"ada","room":"12"},"_meta":{"idempotency-key":"trace-mcp-77"}}}"#;
+    let reply = send(
+        client()
+            .post(proxy.url("/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(call),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let spans = receiver
+        .wait_for(WAIT, |s| servers(s).len() == 1 && s.len() >= 4)
+        .await;
+    let server = *servers(&spans).first().expect("the call's span");
+    assert_eq!(server.attr("http.route"), "mcp-tools");
+    assert_eq!(server.attr("idemproxy.outcome"), "forwarded");
+    let upstream = children(&spans, server)
+        .into_iter()
+        .find(|s| s.kind == 3)
+        .expect("the upstream span");
+    let sent = env.mock.last_request().expect("the upstream's request");
+    let got = sent
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    assert_eq!(
+        got,
+        format!("00-{}-{}-01", server.trace_id, upstream.span_id)
+    );
+    assert_nowhere(&spans, "trace-mcp-77");
+    proxy.stop().await;
+}
