@@ -463,3 +463,42 @@ async fn a_json_rpc_call_is_traced_and_its_upstream_gets_the_upstream_span() {
     assert_nowhere(&spans, "trace-mcp-77");
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_grpc_call_is_a_server_span_with_its_upstream_span() {
+    use harness::grpc::{Ledger, LedgerClient, TRANSFER, TransferRequest};
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let ledger = Ledger::start().await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0\ntracing: {{otlp_endpoint: {endpoint}, sample_ratio: 1}}\n{store}upstreams:\n  ledger:\n    url: {url}\n    protocol: h2c\nroutes:\n  - name: ledger-transfer\n    path: {TRANSFER}\n    upstream: ledger\n    grpc: {{}}\n    idempotency: {{}}\n",
+        endpoint = receiver.endpoint(),
+        store = env.store_yaml(""),
+        url = ledger.url(),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let mut client = LedgerClient::new(proxy.url("").trim_end_matches('/'));
+    let mut req = tonic::Request::new(TransferRequest {
+        reference: "trace-ref-1".into(),
+        amount: 5,
+    });
+    req.metadata_mut()
+        .insert("idempotency-key", "trace-grpc-1".parse().expect("metadata"));
+    client.transfer(req).await.expect("the transfer");
+    let spans = receiver
+        .wait_for(WAIT, |s| servers(s).len() == 1 && s.len() >= 4)
+        .await;
+    let server = *servers(&spans).first().expect("the call's span");
+    assert_eq!(server.name, "POST ledger-transfer");
+    assert_eq!(server.attr("idemproxy.outcome"), "forwarded");
+    let under = children(&spans, server);
+    assert!(
+        under
+            .iter()
+            .any(|s| s.kind == 3 && s.attr("http.response.status_code") == "200"),
+        "{spans:#?}"
+    );
+    assert_nowhere(&spans, "trace-grpc-1");
+    assert_nowhere(&spans, TRANSFER);
+    proxy.stop().await;
+}
