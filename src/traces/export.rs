@@ -8,8 +8,9 @@
 //! export bounded in time. A collector that is down, slow or refusing costs the request path
 //! nothing but those drops, and memory nothing beyond the queue.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -44,6 +45,9 @@ pub(super) struct Bounded {
     queue: SyncSender<Message>,
     dropped: Counter,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set at shutdown: the thread stops after the export it is in, whatever is still queued
+    /// (a collector that hangs would otherwise hold the exit for one export a batch).
+    stopping: Arc<AtomicBool>,
 }
 
 impl Bounded {
@@ -69,25 +73,29 @@ impl Bounded {
             .map_err(|e| TracesError(e.to_string()))?;
         exporter.set_resource(resource);
         let (queue, spans) = mpsc::sync_channel(QUEUE);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| TracesError(format!("the exporter's runtime: {e}")))?;
         let thread = std::thread::Builder::new()
             .name("idemproxy-traces".into())
-            .spawn(move || export_loop(&runtime, &exporter, &spans))
+            .spawn(move || export_loop(&runtime, &exporter, &spans, &stop))
             .map_err(|e| TracesError(format!("the exporter's thread: {e}")))?;
         Ok(Bounded {
             queue,
             dropped,
             thread: Mutex::new(Some(thread)),
+            stopping,
         })
     }
 
-    /// Sends `message` and waits up to `timeout` for the thread's answer.
+    /// Sends `message` if the queue has room, and waits up to `timeout` for the thread's
+    /// answer. Never blocks on a full queue.
     fn ask(&self, message: impl FnOnce(mpsc::Sender<()>) -> Message, timeout: Duration) -> bool {
         let (done, answered) = mpsc::channel();
-        if self.queue.send(message(done)).is_err() {
+        if self.queue.try_send(message(done)).is_err() {
             return false;
         }
         answered.recv_timeout(timeout).is_ok()
@@ -118,15 +126,17 @@ impl SpanProcessor for Bounded {
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.stopping.store(true, Ordering::Release);
         let stopped = self.ask(Message::Stop, timeout);
         let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
-        if stopped {
-            if let Some(thread) = thread {
+        match thread {
+            // Stopped, or stopping after the export it is in (bounded by its timeout).
+            Some(thread) if stopped || thread.is_finished() => {
                 let _ = thread.join();
+                Ok(())
             }
-            Ok(())
-        } else {
-            Err(OTelSdkError::Timeout(timeout))
+            // Left to end on its own: the process does not wait for it.
+            _ => Err(OTelSdkError::Timeout(timeout)),
         }
     }
 }
@@ -137,6 +147,7 @@ fn export_loop(
     runtime: &tokio::runtime::Runtime,
     exporter: &opentelemetry_otlp::SpanExporter,
     spans: &Receiver<Message>,
+    stopping: &AtomicBool,
 ) {
     let mut batch: Vec<SpanData> = Vec::with_capacity(BATCH);
     let mut since: Option<Instant> = None;
@@ -156,12 +167,14 @@ fn export_loop(
             Err(RecvTimeoutError::Timeout) => (true, None, false),
             Err(RecvTimeoutError::Disconnected) => (true, None, true),
         };
+        let mut failed = false;
         if send && !batch.is_empty() {
             let spans = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
             since = None;
             let sent = runtime.block_on(async {
                 tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(spans)).await
             });
+            failed = !matches!(sent, Ok(Ok(())));
             match sent {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(error = %e, "tracing: an export failed"),
@@ -171,7 +184,8 @@ fn export_loop(
         if let Some(reply) = reply {
             let _ = reply.send(());
         }
-        if stop {
+        // Shutting down and the collector fails: what is still queued is not worth the wait.
+        if stop || (failed && stopping.load(Ordering::Acquire)) {
             return;
         }
     }

@@ -87,3 +87,25 @@ async fn with_tracing_absent_nothing_is_propagated_or_counted() {
     assert_eq!(proxy.metric("idemproxy_spans_dropped_total", &[]), 0.0);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_hanging_collector_holds_the_exit_one_export_timeout_at_most() {
+    let receiver = OtlpReceiver::start().await;
+    receiver.set_mode(Mode::Hang);
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "1"))
+        .await;
+    slowest(&proxy, "exit", 200).await;
+    // Wait for the first export to hang.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while receiver.requests() == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(receiver.requests() > 0, "no export arrived");
+    let start = Instant::now();
+    proxy.stop().await;
+    let took = start.elapsed();
+    // The export timeout is 10s; the queued spans are not waited for one batch at a time.
+    assert!(took < Duration::from_secs(15), "the stop took {took:?}");
+}
