@@ -110,6 +110,11 @@ impl Traces {
             .with_resource(resource)
             .build();
         let tracer = provider.tracer("idemproxy");
+        tracing::info!(
+            endpoint = %settings.otlp_endpoint,
+            sample_ratio = settings.sample_ratio,
+            "traces: exporting spans over OTLP/HTTP"
+        );
         Ok(Traces { tracer, provider })
     }
 
