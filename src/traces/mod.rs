@@ -159,6 +159,8 @@ pub(crate) struct Ending<'a> {
     pub status: u16,
     pub outcome: &'a str,
     pub replayed: bool,
+    /// A replay of a result a resolution found (`Idempotent-Resolved`).
+    pub resolved: bool,
     /// The hashed store key, if the request had one.
     pub key: Option<&'a [u8]>,
 }
@@ -173,6 +175,7 @@ pub(crate) fn end_request(cx: &Context, ending: &Ending<'_>) {
         KeyValue::new("http.response.status_code", i64::from(ending.status)),
         KeyValue::new("idemproxy.outcome", ending.outcome.to_owned()),
         KeyValue::new("idemproxy.replayed", ending.replayed),
+        KeyValue::new("idemproxy.resolved", ending.resolved),
     ];
     if let Some(key) = ending.key {
         attributes.push(KeyValue::new("idemproxy.key", short_key(key)));

@@ -293,6 +293,16 @@ async fn a_resolution_is_a_span_of_its_own_linked_to_its_request_with_its_lookup
             .any(|s| s.kind == 3 && s.attr("http.response.status_code") == "200"),
         "the lookup's upstream call: {spans:#?}"
     );
+    // The retry replays what the resolution found, and says so.
+    let retry = harness::book_with(&proxy.url(""), "trace-resolve-1", body, &[]).await;
+    assert_eq!(retry.header("idempotent-resolved"), "true", "{retry:?}");
+    let spans = receiver.wait_for(WAIT, |s| servers(s).len() == 2).await;
+    let replay = servers(&spans)
+        .into_iter()
+        .find(|s| s.attr("idemproxy.outcome") == "replayed")
+        .expect("the retry's span");
+    assert_eq!(replay.attr("idemproxy.resolved"), "true");
+    assert_eq!(request.attr("idemproxy.resolved"), "false");
     assert_nowhere(&spans, "trace-resolve-1");
     assert_nowhere(&spans, "R-traced");
     proxy.stop().await;
