@@ -29,6 +29,8 @@
 //! - [`config`]: the YAML file, one module a section, validated and compiled into routes.
 //! - [`metrics`]: the Prometheus series, by route, upstream and store operation; each store adds
 //!   its own when it is opened.
+//! - [`traces`]: OpenTelemetry spans — each request's, its store operations', its upstream
+//!   call's — and their bounded export over OTLP/HTTP.
 //! - [`tls`]: certificates and keys read at load, the listener's and each upstream's roots.
 //! - [`reload`]: what triggers a reload (SIGHUP rereads the file).
 //! - [`pid_file`]: where the process id is written, for `idemproxy reload` to signal.
@@ -58,6 +60,7 @@ pub mod server;
 pub mod shutdown;
 pub mod store;
 pub mod tls;
+pub mod traces;
 pub mod upstream;
 pub mod webhook;
 

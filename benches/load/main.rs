@@ -159,6 +159,11 @@ struct Bench {
     /// The proxy binary the next proxies start from: this build's, or `--compare-binary`'s
     /// while a scenario runs again on it.
     proxy_bin: RefCell<PathBuf>,
+    /// The `tracing:` section the next proxies start with: none, but while a scenario runs
+    /// again traced ([`Bench::traced`]).
+    tracing: RefCell<Option<String>>,
+    /// The OTLP receiver the traced rows export to.
+    collector: harness::otlp::OtlpReceiver,
     nginx: Option<Nginx>,
     redis: Option<Redis>,
     postgres: Option<Postgres>,
@@ -271,12 +276,16 @@ fn run(args: Args) -> Result<bool, String> {
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
+    // Served on the run's runtime, whose workers run it while the load runs.
+    let collector = rt.block_on(harness::otlp::OtlpReceiver::counting());
     let bench = Bench {
         args,
         rt,
         nonce,
         key_spaces: Cell::new(0),
         proxy_bin: RefCell::new(PathBuf::from(env!("CARGO_BIN_EXE_idemproxy"))),
+        tracing: RefCell::new(None),
+        collector,
         nginx,
         redis,
         postgres,
@@ -312,6 +321,21 @@ fn run(args: Args) -> Result<bool, String> {
                 bench.proxy_bin.replace(own);
                 for mut row in done.rows {
                     row.name = format!("{} {COMPARE}", row.name);
+                    all.rows.push(row);
+                }
+                all.summary.extend(done.summary);
+                all.failed |= done.failed;
+            }
+            for ratio in bench.traced(s) {
+                println!("[{}/{}] {} trace={ratio}", i + 1, selected.len(), s.name);
+                bench.tracing.replace(Some(format!(
+                    "tracing: {{otlp_endpoint: {}, sample_ratio: {ratio}}}\n",
+                    bench.collector.endpoint()
+                )));
+                let done = bench.scenario_or_failure(s);
+                bench.tracing.replace(None);
+                for mut row in done.rows {
+                    row.name = format!("{} trace={ratio}", row.name);
                     all.rows.push(row);
                 }
                 all.summary.extend(done.summary);
@@ -376,6 +400,15 @@ impl Bench {
     fn compared(&self, s: &Scenario) -> Option<PathBuf> {
         let other = self.args.compare_binary.clone()?;
         matches!(s.target, Target::Passthrough | Target::NewKey(_)).then_some(other)
+    }
+
+    /// The `sample_ratio`s `s` runs again at with tracing on (rows `NAME trace=RATIO`): the
+    /// pass-through route and new keys on memory, against the same rows untraced.
+    fn traced(&self, s: &Scenario) -> &'static [&'static str] {
+        match s.target {
+            Target::Passthrough | Target::NewKey(Store::Memory) if !s.big => &["0", "0.01", "1"],
+            _ => &[],
+        }
     }
 
     /// [`Bench::scenario`], an error made a failed row of its own.
@@ -590,6 +623,11 @@ impl Bench {
         routes: &Routes<'_>,
     ) -> Result<Proxy, String> {
         let bin = self.proxy_bin.borrow().clone();
+        let tracing = self.tracing.borrow().clone();
+        let routes = &Routes {
+            tracing: tracing.as_deref(),
+            ..*routes
+        };
         Proxy::start(
             &bin,
             self.dir.path(),

@@ -400,6 +400,8 @@ pub(crate) struct Routes<'a> {
     /// A route at [`GRPC_PATH`] on an `h2c` upstream (the mock again): a `grpc:` route
     /// (`Some(true)`) or a pass-through one (`Some(false)`).
     pub grpc: Option<bool>,
+    /// A `tracing:` section (whole lines), for the rows that measure what traces cost.
+    pub tracing: Option<&'a str>,
 }
 
 impl Routes<'_> {
@@ -411,6 +413,7 @@ impl Routes<'_> {
             resolve: false,
             jsonrpc: false,
             grpc: None,
+            tracing: None,
         }
     }
 }
@@ -518,9 +521,10 @@ fn proxy_yaml(
         .map_or(String::new(), |a| format!("admin_listen: {a}\n"));
     let (extra_upstreams, extra_routes) = extra_routes(upstream, routes);
     let (listen, ttl) = (listen.addr, routes.ttl);
+    let tracing = routes.tracing.unwrap_or_default();
     format!(
         "listen: {listen}
-{admin}shutdown_timeout: 1s
+{admin}{tracing}shutdown_timeout: 1s
 store:
 {store}  key_prefix: \"idemproxy-load:\"
 upstreams:

@@ -23,6 +23,7 @@
 //! - [`cluster::RedisCluster`]: a Redis Cluster on loopback — primaries and replicas, with
 //!   slot migration and coordinated failover, or a single node serving every slot;
 //!   [`secured::SecuredRedis`]: a Redis that wants TLS (a test CA) and/or a password.
+//! - [`otlp::OtlpReceiver`]: an OTLP/HTTP trace receiver decoding the spans the proxy exports.
 //! - [`mock::start`]: the mock booking service on a free port, with its counters.
 //! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
 //! - [`store_checks`]: the store contract, checked on a store handle of any backend.
@@ -33,6 +34,7 @@ pub mod cluster;
 pub mod env;
 pub mod grpc;
 pub mod mock;
+pub mod otlp;
 pub mod pki;
 pub mod postgres;
 pub mod prometheus;
@@ -331,6 +333,9 @@ pub struct ProxyProcess {
     pub addr: SocketAddr,
     child: Option<Child>,
     pub stderr: Arc<Mutex<String>>,
+    /// The thread reading its stderr: joined once the process has exited, so the lines it
+    /// wrote last are in [`ProxyProcess::log`] when [`ProxyProcess::wait`] returns.
+    reader: Option<std::thread::JoinHandle<()>>,
     _config: tempfile::NamedTempFile,
 }
 
@@ -355,7 +360,7 @@ impl ProxyProcess {
             .spawn()
             .expect("spawn idemproxy");
         let stderr = Arc::new(Mutex::new(String::new()));
-        if let Some(err) = child.stderr.take() {
+        let reader = child.stderr.take().map(|err| {
             let sink = stderr.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(err).lines().map_while(Result::ok) {
@@ -364,8 +369,8 @@ impl ProxyProcess {
                         s.push('\n');
                     }
                 }
-            });
-        }
+            })
+        });
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
@@ -385,6 +390,7 @@ impl ProxyProcess {
             addr,
             child: Some(child),
             stderr,
+            reader,
             _config: file,
         }
     }
@@ -435,6 +441,10 @@ impl ProxyProcess {
         loop {
             if let Ok(Some(status)) = child.try_wait() {
                 self.child = None;
+                // Its stderr is closed: the reader ends with the last line read.
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
                 return status.code();
             }
             if Instant::now() >= deadline {

@@ -13,7 +13,7 @@
 //! - `load`: the YAML pass, which sets aside a value that does not deserialize and reads on.
 //! - `units`: durations and sizes as written, and the [`bounds`] of every section.
 //! - `secret`: the admin token and the Redis password, read from a file or the environment.
-//! - `limits`, `store`, `upstream`, `routes`: the sections of the same names.
+//! - `limits`, `store`, `upstream`, `routes`, `tracing`: the sections of the same names.
 //!
 //! Config reads no other part of the product but [`crate::route`] (the compiled types, whose
 //! `key_from` parts are [`crate::route::KeyPart`]) and [`crate::tls`]: the store, the upstream
@@ -38,6 +38,7 @@ mod load;
 mod routes;
 mod secret;
 mod store;
+mod tracing;
 mod units;
 mod upstream;
 
@@ -48,6 +49,7 @@ pub use secret::Secret;
 use secret::secret;
 pub(crate) use store::RawStore;
 pub use store::{BackendSettings, PostgresSettings, RedisAccess, SqliteSync, StoreSettings};
+pub use tracing::TracingSettings;
 use units::{at_most, duration};
 pub use units::{bounds, parse_duration, parse_size};
 pub(crate) use upstream::RawUpstream;
@@ -176,6 +178,9 @@ pub(crate) struct RawConfig {
     /// Bounds on what clients may hold: connections, slow requests, detached work.
     #[serde(default)]
     pub limits: RawLimits,
+    /// OpenTelemetry traces. Default: none (nothing recorded).
+    #[serde(default)]
+    pub tracing: Option<tracing::RawTracing>,
 }
 
 /// `tls:` as written: the listener's certificate chain and key, both PEM files.
@@ -254,6 +259,8 @@ pub struct Config {
     pub routes: Vec<RouteSettings>,
     /// Bounds on what clients may hold.
     pub limits: Limits,
+    /// OpenTelemetry traces, if configured.
+    pub tracing: Option<TracingSettings>,
 }
 
 impl Config {
@@ -320,6 +327,7 @@ impl RawConfig {
         let pid_file = self.pid_file(&mut err);
         let limits = self.limits.validate(&mut err);
         let store = self.store.validate(&mut err);
+        let tracing = self.tracing.as_ref().and_then(|t| t.validate(&mut err));
         let upstreams = upstream::validate(&self.upstreams, &forwarded_proto, &mut err);
         let routes = routes::validate(
             &self.routes,
@@ -349,6 +357,7 @@ impl RawConfig {
                 upstreams,
                 routes,
                 limits,
+                tracing,
             }),
             _ => Err(ConfigErrors::one("", "invalid configuration")),
         }

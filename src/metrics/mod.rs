@@ -298,6 +298,24 @@ pub struct Metrics {
     worker_connections: Family<WorkerLabel, Counter>,
     /// Connections open on the main listener, every worker's together.
     pub open_connections: Gauge,
+    /// Spans dropped because the export queue was full (`tracing:`).
+    pub spans_dropped: Counter,
+}
+
+/// Registers what is dropped rather than wait: log lines (the process's one counter) and
+/// spans (`tracing:`), whose counter it hands back.
+fn dropped_counters(r: &mut Registry) -> Counter {
+    r.register(
+        "idemproxy_log_lines_dropped",
+        "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
+        LOG_LINES_DROPPED.clone(),
+    );
+    register(
+        r,
+        "idemproxy_spans_dropped",
+        "Spans dropped because the export queue was full (the collector slow, down or refusing)",
+        Counter::default(),
+    )
 }
 
 /// Registers `metric` under `name` and hands it back: its clones share its value.
@@ -364,11 +382,7 @@ impl Metrics {
             "Applied reloads that changed how a kept route's key or fingerprint is made (scope, header, key_from, fingerprint): its earlier records are out of reach, or answer 422",
             Family::default(),
         );
-        r.register(
-            "idemproxy_log_lines_dropped",
-            "Log lines dropped because the log's destination (stderr) did not take them, a closed pipe say",
-            LOG_LINES_DROPPED.clone(),
-        );
+        let spans_dropped = dropped_counters(r);
         for result in ReloadResult::ALL {
             let _ = config_reloads.get_or_create(&ResultLabel {
                 result: result.as_str(),
@@ -411,6 +425,7 @@ impl Metrics {
                 "Connections open on the main listener, every worker's together",
                 Gauge::default(),
             ),
+            spans_dropped,
             routes,
             jsonrpc: jsonrpc::JsonRpcFamilies::register(r),
             observed: observed::ObservedFamilies::register(r),

@@ -119,6 +119,7 @@ impl Exchange {
                     // claim is taken by this request, a finished one is replayed. Stores
                     // that cannot wake us (Redis: the holder may be another instance) are
                     // polled, backing off so a thousand waiters do not flood them.
+                    let _waiting = crate::traces::Child::start("idemproxy.wait");
                     store
                         .wait_change(&self.request.key, poll.min(wait_until - now))
                         .await;

@@ -93,6 +93,7 @@ use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::route;
 use crate::store::StoreHandle;
+use crate::traces::{self, FutureExt as _, Traces};
 
 use self::context::{Context, Shared};
 use self::detach::{Detachable, Panicked};
@@ -126,6 +127,8 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     /// Set when shutdown starts: readiness answers 503 from then on.
     draining: AtomicBool,
+    /// The tracer (`tracing:`); `None`: nothing is recorded, and nothing is spent on it.
+    traces: Option<Traces>,
 }
 
 /// Logs what a configuration about to be served does that may not be meant
@@ -189,7 +192,19 @@ impl Proxy {
             workers,
             metrics,
             draining: AtomicBool::new(false),
+            traces: None,
         }
+    }
+
+    /// The tracer, if requests are traced.
+    pub(crate) fn traces(&self) -> Option<&Traces> {
+        self.traces.as_ref()
+    }
+
+    /// The proxy with requests traced by `traces`.
+    pub(crate) fn traced(mut self, traces: Option<Traces>) -> Proxy {
+        self.traces = traces;
+        self
     }
 
     /// How many workers it serves.
@@ -283,27 +298,41 @@ impl Proxy {
             tracing::debug!(%method, path = uri.path(), "no route");
             return Problem::NoRoute.response();
         };
+        // Only with `tracing:`: the request's span, and the context its future runs in.
+        let traced = self
+            .traces
+            .as_ref()
+            .map(|traces| traces.request(req.headers(), &method, &route.settings.name));
         let (parts, incoming) = req.into_parts();
         let limits = generation.config.limits;
-        let (resp, outcome) = match &route.idempotency {
-            None => {
-                let body = body_with_deadline(incoming, &limits);
-                forward_plain(route, parts, body, client, None).await
+        let answering = async {
+            match &route.idempotency {
+                None => {
+                    let body = body_with_deadline(incoming, &limits);
+                    forward_plain(route, parts, body, client, None).await
+                }
+                Some(policy) => {
+                    let context = Arc::new(Context {
+                        route: route.clone(),
+                        policy: policy.clone(),
+                        shared: shared.clone(),
+                        client,
+                        limits,
+                        start,
+                    });
+                    self.idempotent(context, parts, incoming).await
+                }
             }
-            Some(policy) => {
-                let context = Arc::new(Context {
-                    route: route.clone(),
-                    policy: policy.clone(),
-                    shared: shared.clone(),
-                    client,
-                    limits,
-                    start,
-                });
-                self.idempotent(context, parts, incoming).await
-            }
+        };
+        let (resp, outcome) = match &traced {
+            None => answering.await,
+            Some(cx) => answering.with_context(cx.clone()).await,
         };
         let took = start.elapsed();
         route.metrics.request(outcome, took);
+        if let Some(cx) = &traced {
+            end_span(cx, &resp, outcome);
+        }
         // One event per request: never the raw key, a scope value or a body; the key's hash
         // is what the admin key tooling takes.
         tracing::info!(
@@ -396,9 +425,13 @@ impl Proxy {
         // Run here, in the request's task (no spawn, no hop to another thread); if the client
         // leaves first, the exchange moves to a task of its own and runs to its end. Either
         // way shutdown waits for it (the tracker).
+        let traced = traces::current();
         let exchange = Detachable::new(shared.tasks.track_future(async move {
             let _ended = ended;
-            exchange.claim_and_run().await
+            match traced {
+                None => exchange.claim_and_run().await,
+                Some(cx) => exchange.claim_and_run().with_context(cx).await,
+            }
         }));
         // Dropped with this future when the client leaves: counts the exchange as detached.
         let _watch = watch;
@@ -407,6 +440,18 @@ impl Proxy {
         resp.extensions_mut().insert(key_hash);
         (resp, outcome)
     }
+}
+
+/// Ends a traced request's span with what became of it.
+fn end_span(cx: &opentelemetry::Context, resp: &Response<Body>, outcome: Outcome) {
+    let ending = traces::Ending {
+        status: resp.status().as_u16(),
+        outcome: outcome.as_str(),
+        replayed: outcome == Outcome::Replayed,
+        resolved: resp.headers().contains_key(replay::RESOLVED),
+        key: resp.extensions().get::<KeyHash>().map(|k| &k.id[..]),
+    };
+    traces::end_request(cx, &ending);
 }
 
 /// A client's streamed request body, cut off at `limits.body_read_timeout`, its failures

@@ -27,6 +27,9 @@ pub enum RunError {
         what: &'static str,
         error: std::io::Error,
     },
+    /// The trace exporter could not start.
+    #[error("{0}")]
+    Traces(crate::traces::TracesError),
     /// A worker's thread ended before it said whether it could start (it panicked).
     #[error("worker {0} ended while starting")]
     WorkerLost(usize),

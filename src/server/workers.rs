@@ -34,6 +34,7 @@ use crate::config::{BackendSettings, Config};
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{Store, StoreHandle};
+use crate::traces::Traces;
 
 /// The proxy's workers, serving. [`Workers::drain`] ends them; dropped, they stop accepting
 /// and drain on their own.
@@ -60,6 +61,9 @@ impl Workers {
         metrics: Arc<Metrics>,
     ) -> Result<Workers, RunError> {
         let workers = config.workers.max(1);
+        // Before anything serves: every request finds the tracer in place. The exporter's
+        // thread lives as long as the proxy; [`Workers::stop`] flushes its queue.
+        let traces = Traces::configured(&config, &metrics).map_err(RunError::Traces)?;
         let addr = listener.local_addr()?;
         // Every worker's series from the start, at 0.
         for worker in 0..workers {
@@ -118,7 +122,8 @@ impl Workers {
         let handle = |store: Arc<dyn Store>| StoreHandle::new(store, timeout, metrics.clone());
         let more = more.into_iter().map(handle).collect();
         let first = handle(first);
-        let proxy = Arc::new(Proxy::with_workers(config, first, more, metrics.clone()));
+        let proxy =
+            Arc::new(Proxy::with_workers(config, first, more, metrics.clone()).traced(traces));
         let mut others = Vec::with_capacity(starting.len());
         for s in starting {
             // A worker gone meanwhile reports it through its `done`.
@@ -193,6 +198,11 @@ impl Workers {
             tracing::warn!("shutdown_timeout reached with work still in flight; exiting anyway");
         }
         proxy.log_pending_saves();
+        // Last, so that the drain's spans go too; bounded (a collector that is down delays
+        // the exit by one export timeout at most), off the runtime's thread.
+        if let Some(traces) = proxy.traces().cloned() {
+            let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+        }
     }
 }
 

@@ -274,6 +274,19 @@ impl Forgotten {
     }
 }
 
+/// The span of a store operation (`tracing:`); a completion is the save.
+fn span_name(op: StoreOp) -> &'static str {
+    match op {
+        StoreOp::Claim => "idemproxy.store.claim",
+        StoreOp::Renew => "idemproxy.store.renew",
+        StoreOp::Complete => "idemproxy.store.save",
+        StoreOp::Release => "idemproxy.store.release",
+        StoreOp::Get => "idemproxy.store.get",
+        StoreOp::Ping => "idemproxy.store.ping",
+        StoreOp::Forget => "idemproxy.store.forget",
+    }
+}
+
 /// A backend behind a deadline, with every call timed and counted.
 #[derive(Clone)]
 pub struct StoreHandle {
@@ -298,6 +311,7 @@ impl StoreHandle {
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let start = tokio::time::Instant::now();
+        let mut span = crate::traces::Child::start(span_name(op));
         let deadline = self.inner.deadline(op, self.timeout);
         let result = match tokio::time::timeout(deadline, fut).await {
             Ok(r) => r,
@@ -307,6 +321,9 @@ impl StoreHandle {
             }),
         };
         self.metrics.store_op(op, start.elapsed(), result.is_err());
+        if result.is_err() {
+            span.failed("store error");
+        }
         result
     }
 

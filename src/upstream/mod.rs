@@ -11,6 +11,7 @@
 //! response's head, are dropped, never reused (SPEC §4.3): an upstream that closes idle
 //! connections would otherwise race the proxy's next request.
 
+mod failure;
 mod gathered;
 mod h2;
 mod headers;
@@ -31,6 +32,8 @@ use hyper::body::Frame;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
+pub(crate) use self::failure::error_chain;
+use self::failure::failed;
 use self::gathered::Gathered;
 use self::h2::H2Pool;
 pub(crate) use self::headers::strip_hop_by_hop;
@@ -386,19 +389,35 @@ impl Upstream {
     /// Sends a request and waits for the response head until `deadline`.
     async fn head(
         &self,
-        req: Request<Body>,
+        mut req: Request<Body>,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        self.pool
+        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
+        let resp = self
+            .pool
             .send(req, deadline)
             .await
-            .map_err(|e| self.classify(e))
+            .map_err(|e| self.classify(e));
+        span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
+        resp
     }
 
     /// [`Upstream::head`] for a buffered request that may be sent once more, on a fresh
     /// connection, when it got no response on a reused one (the keep-alive race; SPEC §4.3
     /// allows it under `on_unknown_outcome: release` only, which is what `resend` says).
     async fn head_resending(
+        &self,
+        mut req: Request<Bytes>,
+        resend: bool,
+        deadline: Instant,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
+        let resp = self.head_resending_untraced(req, resend, deadline).await;
+        span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
+        resp
+    }
+
+    async fn head_resending_untraced(
         &self,
         req: Request<Bytes>,
         resend: bool,
@@ -549,46 +568,11 @@ impl Upstream {
     }
 }
 
-/// A failed connection: the client's body failing on its way, or the upstream's failure.
-fn failed(e: &SendError) -> UpstreamError {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(s) = source {
-        if let Some(client) = s.downcast_ref::<body::ClientBodyError>() {
-            return UpstreamError::ClientBody {
-                detail: client.detail(),
-                timed_out: client.timed_out,
-            };
-        }
-        source = s.source();
-    }
-    UpstreamError::Failed(error_chain(e))
-}
-
 /// A body of `prefix` followed by the rest of an upstream body, streamed.
 pub(crate) fn chain(prefix: Bytes, rest: Body) -> Body {
     let head =
         futures_util::stream::once(async move { Ok::<_, body::BoxError>(Frame::data(prefix)) });
     body::boxed(StreamBody::new(head.chain(BodyStream::new(rest))))
-}
-
-/// An error with its sources, joined: hyper's top-level messages alone ("client error
-/// (Connect)") do not say what happened.
-///
-/// A cause is said once: hyper's and h2's errors often repeat their source's words in their
-/// own (`connection error: connection error: …`), so a source whose text the chain already
-/// holds is left out.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !text.is_empty() && !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 #[cfg(test)]

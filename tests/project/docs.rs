@@ -201,6 +201,7 @@ store:
   max_entries: 5000
 log_format: json
 pid_file: {pid}
+tracing: {{otlp_endpoint: http://127.0.0.1:9}}
 limits:
   max_connections: 5000
   max_admin_connections: 100
@@ -229,7 +230,7 @@ limits:
     let named = between(line, "reload refused: ", refused);
     let code: BTreeSet<String> = named.split(", ").map(str::to_owned).collect();
     assert!(
-        code.contains("listen") && code.contains("workers") && code.len() >= 9,
+        code.contains("listen") && code.contains("workers") && code.len() >= 10,
         "the file was meant to change every such field: {code:?}"
     );
 

@@ -280,6 +280,8 @@ fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
         ("store", old.store != new.store),
         ("log_format", old.log_format != new.log_format),
         ("pid_file", old.pid_file != new.pid_file),
+        // The exporter is started once, with the process.
+        ("tracing", old.tracing != new.tracing),
         (
             "limits.max_connections",
             old.limits.max_connections != new.limits.max_connections,

@@ -104,14 +104,16 @@ pub(crate) async fn ask(
     statuses: &Statuses<'_>,
     idem: &IdempotencySettings,
 ) -> Answer {
-    let sent = upstream
-        .ask(
+    let sent = crate::traces::within(
+        "idemproxy.resolve.lookup",
+        upstream.ask(
             lookup.method.clone(),
             &lookup.target,
             &lookup.headers,
             idem.max_response_body,
-        )
-        .await;
+        ),
+    )
+    .await;
     let (parts, body) = match sent {
         Ok(answer) => answer,
         Err(e) => return Answer::Failed(e.to_string()),

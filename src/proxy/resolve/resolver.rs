@@ -39,6 +39,7 @@ use crate::proxy::lease::Lease;
 use crate::record::{Finished, Saved};
 use crate::route::Mode;
 use crate::store::Held;
+use crate::traces::FutureExt as _;
 
 /// A key to resolve: its held claim, and what asking about it takes.
 pub(in crate::proxy) struct Unknown {
@@ -133,10 +134,18 @@ impl Unknown {
         let tasks = shared.tasks.clone();
         let counted = (self.context.policy.mode == Mode::Observe)
             .then(|| Counted::new(self.context.shared.detached.clone()));
+        // Outlives the request: a span of its own, linked to the request's.
+        let traced = crate::traces::detached(&self.context.route.name);
         tasks.spawn(async move {
             let _counted = counted;
             let _running = running;
-            self.run().await;
+            match traced {
+                None => self.run().await,
+                Some(cx) => {
+                    self.run().with_context(cx.clone()).await;
+                    crate::traces::end_detached(&cx);
+                }
+            }
         });
     }
 
@@ -151,6 +160,7 @@ impl Unknown {
                 if let Some(metrics) = &route.resolved {
                     metrics.resolution(result);
                 }
+                crate::traces::resolved(result.as_str());
                 tracing::info!(
                     route = %route.name,
                     key = %key,
