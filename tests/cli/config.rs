@@ -79,11 +79,19 @@ fn path(p: &str) -> String {
     VALID.replace("path: /bookings", &format!("path: {p}"))
 }
 
-fn errors(yaml: &str) -> ConfigErrors {
+/// The errors of a file that must be refused (a panic if it is accepted).
+pub(crate) fn errors(yaml: &str) -> ConfigErrors {
     match Config::from_yaml(yaml) {
         Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
         Err(e) => e,
     }
+}
+
+/// Whether some error sits at `path` and contains every one of `words`.
+pub(crate) fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
+    errs.0
+        .iter()
+        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
 }
 
 /// A readable file that holds no PEM at all.

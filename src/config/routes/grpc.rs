@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::RawRoute;
 use crate::config::upstream::RawUpstream;
-use crate::route::{FingerprintPart, GrpcSettings, IdempotencySettings, OnUnknownOutcome};
+use crate::route::{FingerprintPart, GrpcSettings, OnUnknownOutcome};
 
 /// `routes[i].grpc:` as written.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -113,14 +113,7 @@ impl RawRoute {
     }
 }
 
-/// A gRPC route's fingerprint when none is written: `[path, body]`, the method and the request's
-/// message bytes as sent.
-pub(super) fn default_fingerprint(route: &RawRoute, idempotency: &mut IdempotencySettings) {
-    let written = route
-        .idempotency
-        .as_ref()
-        .is_some_and(|i| i.fingerprint.is_some());
-    if !written {
-        idempotency.fingerprint = vec![FingerprintPart::Path, FingerprintPart::Body];
-    }
-}
+/// A gRPC route's fingerprint when none is written: `[path, body]`, the method and the
+/// request's message bytes as sent.
+pub(super) const DEFAULT_FINGERPRINT: [FingerprintPart; 2] =
+    [FingerprintPart::Path, FingerprintPart::Body];

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::RawRoute;
-use crate::route::{FingerprintPart, IdempotencySettings, JsonRpcSettings, OnUnknownOutcome};
+use crate::route::{FingerprintPart, JsonRpcSettings, OnUnknownOutcome};
 
 /// `routes[i].jsonrpc:` as written.
 #[derive(Debug, Clone, Deserialize)]
@@ -104,16 +104,8 @@ impl RawRoute {
 
 /// A JSON-RPC route's fingerprint when none is written: `[method, path, query]`, besides the
 /// call itself.
-pub(super) fn default_fingerprint(route: &RawRoute, idempotency: &mut IdempotencySettings) {
-    let written = route
-        .idempotency
-        .as_ref()
-        .is_some_and(|i| i.fingerprint.is_some());
-    if !written {
-        idempotency.fingerprint = vec![
-            FingerprintPart::Method,
-            FingerprintPart::Path,
-            FingerprintPart::Query,
-        ];
-    }
-}
+pub(super) const DEFAULT_FINGERPRINT: [FingerprintPart; 3] = [
+    FingerprintPart::Method,
+    FingerprintPart::Path,
+    FingerprintPart::Query,
+];

@@ -16,7 +16,7 @@ use super::limits::RawLimits;
 use super::store::{RawStore, StoreSettings};
 use super::upstream::RawUpstream;
 use super::{ConfigWarning, SecretsEnv};
-use crate::route::{PathPattern, RouteSettings};
+use crate::route::{FingerprintPart, IdempotencySettings, PathPattern, RouteSettings};
 use grpc::RawGrpc;
 pub(crate) use idempotency::RawIdempotency;
 use jsonrpc::RawJsonRpc;
@@ -139,11 +139,8 @@ impl RawRoute {
                     is_webhook,
                     err,
                 );
-                if let (Some(compiled), Some(_)) = (&mut compiled, &self.jsonrpc) {
-                    jsonrpc::default_fingerprint(self, compiled);
-                }
-                if let (Some(compiled), Some(_)) = (&mut compiled, &self.grpc) {
-                    grpc::default_fingerprint(self, compiled);
+                if let Some(compiled) = &mut compiled {
+                    self.kind_fingerprint(compiled);
                 }
                 ok &= compiled.is_some();
                 compiled
@@ -190,6 +187,22 @@ impl RawRoute {
                 grpc,
             }),
             _ => None,
+        }
+    }
+
+    /// A JSON-RPC or gRPC route's own default fingerprint, where none is written.
+    fn kind_fingerprint(&self, compiled: &mut IdempotencySettings) {
+        let kind_default: Option<&[FingerprintPart]> = match (&self.jsonrpc, &self.grpc) {
+            (Some(_), _) => Some(&jsonrpc::DEFAULT_FINGERPRINT),
+            (None, Some(_)) => Some(&grpc::DEFAULT_FINGERPRINT),
+            (None, None) => None,
+        };
+        let written = self
+            .idempotency
+            .as_ref()
+            .is_some_and(|i| i.fingerprint.is_some());
+        if let (Some(parts), false) = (kind_default, written) {
+            compiled.fingerprint = parts.to_vec();
         }
     }
 

@@ -7,21 +7,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use harness::{Backend, Env, ProxyProcess, binary, client, send, write_config};
-use idemproxy::config::{Config, ConfigErrors};
+use idemproxy::config::Config;
 
-fn errors(yaml: &str) -> ConfigErrors {
-    match Config::from_yaml(yaml) {
-        Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
-        Err(e) => e,
-    }
-}
-
-/// Whether some error sits at `path` and contains every one of `words`.
-fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
-    errs.0
-        .iter()
-        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
-}
+use super::{errors, has};
 
 /// `routes[0]` has a duration that does not parse, `routes[1]` names an undefined upstream.
 const TTL_AND_UPSTREAM: &str = "\

@@ -4,7 +4,9 @@
 //! not fit the URL's scheme, each at its field; a gRPC route is idempotent without an
 //! `idempotency:` block, and fingerprints `[path, body]`.
 
-use idemproxy::config::{Config, ConfigErrors, FingerprintPart, Protocol};
+use idemproxy::config::{Config, FingerprintPart, Protocol};
+
+use super::{errors, has};
 
 /// A file with one upstream of `protocol` at `url` and one route whose lines after `upstream:`
 /// are `extra`, already indented.
@@ -21,19 +23,6 @@ routes:
     upstream: ledger
 {extra}"
     )
-}
-
-fn errors(yaml: &str) -> ConfigErrors {
-    match Config::from_yaml(yaml) {
-        Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
-        Err(e) => e,
-    }
-}
-
-fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
-    errs.0
-        .iter()
-        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
 }
 
 #[test]

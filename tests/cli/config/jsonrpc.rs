@@ -3,7 +3,9 @@
 //! without an `idempotency:` block, and its fingerprint defaults to `[method, path, query]`
 //! besides the call.
 
-use idemproxy::config::{Config, ConfigErrors, FingerprintPart};
+use idemproxy::config::{Config, FingerprintPart};
+
+use super::{errors, has};
 
 /// A file with one JSON-RPC route whose `jsonrpc:` block is `block` and whose other route lines
 /// (after `upstream:`) are `extra`, both already indented.
@@ -20,20 +22,6 @@ routes:
 {extra}    jsonrpc:
 {block}"
     )
-}
-
-fn errors(yaml: &str) -> ConfigErrors {
-    match Config::from_yaml(yaml) {
-        Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
-        Err(e) => e,
-    }
-}
-
-/// Whether some error sits at `path` and contains every one of `words`.
-fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
-    errs.0
-        .iter()
-        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
 }
 
 #[test]

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use idemproxy::config::{Config, ConfigErrors, FingerprintPart};
+use idemproxy::config::{Config, FingerprintPart};
+
+use super::{errors, has};
 use idemproxy::route::{OnUnknownOutcome, Provider};
 
 /// A file with one webhook route whose `webhook:` block is `block` and whose other route lines
@@ -31,20 +33,6 @@ fn secrets_file(text: &str) -> (tempfile::TempDir, String) {
     std::fs::write(&file, text).expect("write the secrets");
     let shown = file.to_str().expect("a UTF-8 temp path").to_owned();
     (dir, shown)
-}
-
-fn errors(yaml: &str) -> ConfigErrors {
-    match Config::from_yaml(yaml) {
-        Ok(_) => panic!("this configuration must be refused:\n{yaml}"),
-        Err(e) => e,
-    }
-}
-
-/// Whether some error sits at `path` and contains every one of `words`.
-fn has(errs: &ConfigErrors, path: &str, words: &[&str]) -> bool {
-    errs.0
-        .iter()
-        .any(|e| e.path == path && words.iter().all(|w| e.to_string().contains(w)))
 }
 
 #[test]
