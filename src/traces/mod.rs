@@ -201,7 +201,8 @@ impl Child {
     pub(crate) fn start(name: &'static str) -> Child {
         Child(Context::map_current(|cx| {
             let Active(tracer) = cx.get::<Active>()?;
-            Some(tracer.start_with_context(name, cx))
+            // An unsampled request records nothing: its steps make no span at all.
+            sampled(cx).then(|| tracer.start_with_context(name, cx))
         }))
     }
 
@@ -212,6 +213,13 @@ impl Child {
         Child(Context::map_current(|cx| {
             let method = req.method();
             let Active(tracer) = cx.get::<Active>()?;
+            if !sampled(cx) {
+                // Not recorded: no span, but the upstream still gets the trace id and the
+                // unsampled flag, under the request's own span context.
+                TraceContextPropagator::new()
+                    .inject_context(cx, &mut HeaderInjector(req.headers_mut()));
+                return None;
+            }
             let span = tracer
                 .span_builder(method.as_str().to_owned())
                 .with_kind(SpanKind::Client)
@@ -258,7 +266,7 @@ impl Child {
 pub(crate) async fn within<F: Future>(name: &'static str, work: F) -> F::Output {
     let cx = Context::map_current(|cx| {
         let Active(tracer) = cx.get::<Active>()?;
-        Some(cx.with_span(tracer.start_with_context(name, cx)))
+        sampled(cx).then(|| cx.with_span(tracer.start_with_context(name, cx)))
     });
     let Some(cx) = cx else {
         return work.await;
@@ -266,6 +274,11 @@ pub(crate) async fn within<F: Future>(name: &'static str, work: F) -> F::Output 
     let out = work.with_context(cx.clone()).await;
     cx.span().end();
     out
+}
+
+/// Whether the request in `cx` is recorded: an unsampled one costs no child span.
+fn sampled(cx: &Context) -> bool {
+    cx.span().span_context().is_sampled()
 }
 
 /// A span of its own for work that outlives the current request (a resolution),
