@@ -14,7 +14,9 @@ use super::context::Context;
 use super::detach::Attachment;
 use super::jsonrpc::{Sink, run_call};
 use super::lease::Lease;
-use super::matched::{Answer, forward_plain, refuse};
+use super::matched::{
+    Answer, FIRST_WAIT_POLL, MAX_WAIT_POLL, first_response, forward_plain, refuse,
+};
 use super::replay::{replay, replay_call};
 use super::resolve::{Lookup, StoreClock, take_over};
 use super::settle::Settlement;
@@ -30,11 +32,6 @@ use crate::upstream::{self, Bounded, UpstreamError};
 
 /// How long a 409 asks the client to wait (`Retry-After`).
 const RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// `on_conflict: wait` looks again after this long at first, doubling up to
-/// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead).
-pub(super) const FIRST_WAIT_POLL: Duration = Duration::from_millis(10);
-pub(super) const MAX_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// One admitted request, from its claim to its answer.
 pub(super) struct Exchange {
@@ -509,15 +506,4 @@ fn grpc_response(mut parts: http::response::Parts, bytes: Bytes) -> Response<cra
         }
         None => first_response(parts, bytes),
     }
-}
-
-/// The first client's response: the upstream's head, and exactly the body it read.
-pub(super) fn first_response(
-    parts: http::response::Parts,
-    bytes: Bytes,
-) -> Response<crate::body::Body> {
-    let mut resp = Response::from_parts(parts, body::full(bytes));
-    // The body is whole: hyper sets its length.
-    resp.headers_mut().remove(header::CONTENT_LENGTH);
-    resp
 }

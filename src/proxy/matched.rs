@@ -133,6 +133,21 @@ impl RouteNumbers {
     }
 }
 
+/// `on_conflict: wait` looks again after this long at first, doubling up to
+/// [`MAX_WAIT_POLL`] (the memory store wakes waiters at once instead): the enforced exchange's
+/// waiter and the observed shadow claim's alike.
+pub(super) const FIRST_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+pub(super) const MAX_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The first client's response: the upstream's head, and exactly the body it read (enforced,
+/// observed and JSON-RPC flows alike).
+pub(super) fn first_response(parts: http::response::Parts, bytes: bytes::Bytes) -> Response<Body> {
+    let mut resp = Response::from_parts(parts, crate::body::full(bytes));
+    // The body is whole: hyper sets its length.
+    resp.headers_mut().remove(http::header::CONTENT_LENGTH);
+    resp
+}
+
 /// What a handler produced: the response and the outcome to count and log.
 pub(super) type Answer = (Response<Body>, Outcome);
 

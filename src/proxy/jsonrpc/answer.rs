@@ -25,8 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::super::context::Context;
-use super::super::exchange::first_response;
 use super::super::lease::Lease;
+use super::super::matched::first_response;
 use super::super::matched::{Answer, refuse};
 use super::super::replay::saved_headers;
 use super::super::settle::Settlement;

@@ -16,7 +16,7 @@ use hyper::body::Incoming;
 use super::admission::{self, KeySource};
 use super::context::Context;
 use super::matched::{Answer, forward_plain};
-use super::observe::refused_head;
+use super::observe::refused::refused_head;
 use super::{Proxy, body_with_deadline};
 use crate::body;
 use crate::fingerprint;

@@ -32,9 +32,9 @@
 //! `passthrough` for every request forwarded (as on a pass-through route), `upstream_error`
 //! and `bad_request` as there.
 
+pub(in crate::proxy) mod refused;
 mod shadow;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -44,19 +44,19 @@ use hyper::body::Incoming;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use self::refused::{refused_head, too_large, would_refuse};
 use self::shadow::{HeldRepeats, Shadow};
 use super::admission::{self, Admitted, KeySource, Underived};
 use super::context::Context;
 use super::detach::{self, Detachable};
-use super::exchange::first_response;
 use super::jsonrpc::{Sink, run_call};
-use super::matched::{Answer, Route, forward_plain, refuse};
+use super::matched::{Answer, first_response, forward_plain, refuse};
 use super::settle::Settlement;
 use super::{KeyHash, Proxy, answer_of, body_with_deadline};
 use crate::body::{self, Body, ClientBodyError};
 use crate::metrics::{ObservedMetrics, Outcome, Unclaimed, Would};
 use crate::problem::Problem;
-use crate::route::{IdempotencySettings, OnUnknownOutcome};
+use crate::route::OnUnknownOutcome;
 use crate::upstream::{self, Bounded};
 
 impl Proxy {
@@ -289,92 +289,6 @@ impl Observation {
         // dropped its receiver: there is nothing to save, and the send fails quietly.
         let _ = settled.send(settlement);
         answer
-    }
-}
-
-/// Counts (and logs) a request head `enforce` would refuse before reading the body (and a
-/// JSON-RPC call whose key `enforce` would refuse).
-pub(in crate::proxy) fn refused_head(
-    route: &Route,
-    observed: &ObservedMetrics,
-    problem: &Problem,
-    outcome: Outcome,
-    client: SocketAddr,
-) {
-    let would = match outcome {
-        Outcome::TooLarge => {
-            return too_large_declared(route, observed, problem, client);
-        }
-        Outcome::MissingKey => Would::MissingKey,
-        // A malformed key, the key header twice, or `Connection` naming a header the key,
-        // its scope or its fingerprint is read from: the key cannot be used as sent.
-        _ => Would::InvalidKey,
-    };
-    would_refuse(route, observed, would, problem, client);
-}
-
-/// Counts and logs a request `enforce` would refuse with a 400 for its key, so an operator
-/// finds the clients to fix before switching.
-fn would_refuse(
-    route: &Route,
-    observed: &ObservedMetrics,
-    would: Would,
-    problem: &Problem,
-    client: SocketAddr,
-) {
-    observed.would(would);
-    tracing::info!(
-        route = %route.name,
-        client = %client.ip(),
-        would = would.as_str(),
-        problem = problem.slug(),
-        reason = %reason(problem),
-        "observed: enforce would refuse this request ({}); forwarded",
-        problem.status().as_u16()
-    );
-}
-
-/// A body declared (`Content-Length`) over `max_request_body`.
-fn too_large_declared(
-    route: &Route,
-    observed: &ObservedMetrics,
-    problem: &Problem,
-    client: SocketAddr,
-) {
-    observed.unclaimed(Unclaimed::TooLarge);
-    tracing::info!(
-        route = %route.name,
-        client = %client.ip(),
-        problem = problem.slug(),
-        "observed: the declared body is over max_request_body, enforce would refuse it (413); forwarded without a claim"
-    );
-}
-
-/// A body found over `max_request_body` while reading it.
-fn too_large(
-    route: &Route,
-    observed: &ObservedMetrics,
-    idem: &IdempotencySettings,
-    client: SocketAddr,
-) {
-    observed.unclaimed(Unclaimed::TooLarge);
-    tracing::info!(
-        route = %route.name,
-        client = %client.ip(),
-        limit = idem.max_request_body,
-        "observed: the body is over max_request_body, enforce would refuse it (413); forwarded without a claim"
-    );
-}
-
-/// What is wrong with a refused key, in a few words for the log (never the key itself).
-fn reason(problem: &Problem) -> String {
-    match problem {
-        Problem::MissingKey { header } => format!("no {header} header"),
-        Problem::InvalidKey { detail }
-        | Problem::UnreadableKeyPart { detail }
-        | Problem::UnreadableLookupPart { detail } => detail.clone(),
-        Problem::HopByHopConflict { header } => format!("Connection names {header}"),
-        other => other.slug().to_owned(),
     }
 }
 

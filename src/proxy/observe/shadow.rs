@@ -39,7 +39,7 @@ use tokio::time::Instant;
 
 use super::super::admission::KeyOrigin;
 use super::super::context::{Context, Found};
-use super::super::exchange::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
+use super::super::matched::{FIRST_WAIT_POLL, MAX_WAIT_POLL};
 use super::super::settle::Settlement;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
