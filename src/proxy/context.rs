@@ -16,7 +16,7 @@ use super::matched::Route;
 use super::pending::PendingSaves;
 use crate::config::Limits;
 use crate::fingerprint::Fingerprint;
-use crate::key::StoreKey;
+use crate::key::{KeyId, StoreKey};
 use crate::route::IdempotencySettings;
 use crate::store::{Held, StoreHandle};
 
@@ -54,7 +54,7 @@ pub(super) struct Shared {
 pub(super) struct Answered {
     next: std::sync::atomic::AtomicU64,
     /// By key: the first request's number, its fingerprint, and whether it is answered.
-    keys: std::sync::Mutex<std::collections::HashMap<[u8; 32], First>>,
+    keys: std::sync::Mutex<std::collections::HashMap<(u32, KeyId), First>>,
 }
 
 #[derive(Clone, Copy)]
@@ -121,17 +121,15 @@ impl Answered {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<[u8; 32], First>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<(u32, KeyId), First>> {
         self.keys.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-/// A store key as one value: its route's namespace and its hash (two routes may share a hash).
-fn identity(key: &StoreKey) -> [u8; 32] {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(key.text().as_bytes());
-    h.finalize().into()
+/// A store key as one value: its route's number (which follows the route's name, see
+/// `RouteNumbers`) and its hash; two routes may share a hash.
+fn identity(key: &StoreKey) -> (u32, KeyId) {
+    (key.route(), *key.id())
 }
 
 /// One request on an idempotent route, from its match to its answer (and past it, for the
