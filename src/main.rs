@@ -60,6 +60,11 @@ enum Command {
         #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
         config: PathBuf,
     },
+    /// The store's own maintenance.
+    Store {
+        #[command(subcommand)]
+        action: StoreAction,
+    },
     /// Look up or forget one idempotency record through a running proxy's admin listener.
     Keys {
         #[command(subcommand)]
@@ -78,6 +83,18 @@ enum Command {
         /// token `demo-token`).
         #[arg(long, default_value = "127.0.0.1:9090")]
         admin_listen: SocketAddr,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StoreAction {
+    /// Finish a rolling upgrade of the PostgreSQL schema: record the newest version this
+    /// idemproxy knows, once every instance runs it (older instances then refuse to start on
+    /// the schema). Nothing to do on the other stores.
+    Upgrade {
+        /// The configuration file (YAML) whose `store` section names the database.
+        #[arg(long, short = 'c', env = "IDEMPROXY_CONFIG", value_name = "FILE")]
+        config: PathBuf,
     },
 }
 
@@ -133,6 +150,9 @@ fn main() -> ExitCode {
         Some(Command::Health { admin }) => return block_on(health(admin)),
         Some(Command::Keys { action }) => return block_on(keys(action)),
         Some(Command::Reload { config }) => return reload(&config),
+        Some(Command::Store {
+            action: StoreAction::Upgrade { config },
+        }) => return block_on(store_upgrade(config)),
         _ => {}
     }
     if let Some(Command::Demo {
@@ -202,6 +222,33 @@ fn reload(path: &Path) -> ExitCode {
                 "{}: valid; sent SIGHUP to idemproxy (pid {pid}), which reloads it and logs what it applied",
                 path.display()
             );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            complain!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `idemproxy store upgrade`: exit 0 when the schema is at the newest version (upgraded now or
+/// before), 1 when the database refused or could not be reached, 2 for an invalid file.
+async fn store_upgrade(path: PathBuf) -> ExitCode {
+    use idemproxy::config::BackendSettings;
+    let config = match load_with(&path, Config::load) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let BackendSettings::Postgres(settings) = &config.store.backend else {
+        say!(
+            "{}: the store keeps no schema of versions (only postgres does): nothing to upgrade",
+            path.display()
+        );
+        return ExitCode::SUCCESS;
+    };
+    match idemproxy::store::postgres::upgrade(settings, config.store.timeout).await {
+        Ok(said) => {
+            say!("{said}");
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -15,6 +15,7 @@
 mod cluster;
 mod contract;
 mod faults;
+mod pg_versions;
 mod postgres;
 mod redis;
 mod renewals;

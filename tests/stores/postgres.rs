@@ -300,7 +300,7 @@ async fn the_contract_and_the_table_as_documented() {
         pg.sql(&format!(
             "SELECT string_agg(column_name || ' ' || data_type || ' ' || is_nullable, ', ' ORDER BY ordinal_position) FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = 'records'"
         )),
-        "key text NO, token bytea YES, value bytea NO, expires_at timestamp with time zone NO"
+        "key text NO, token bytea YES, value bytea NO, expires_at timestamp with time zone NO, times bytea YES"
     );
     assert_eq!(
         pg.sql(&format!(
@@ -310,7 +310,7 @@ async fn the_contract_and_the_table_as_documented() {
     );
     assert_eq!(
         pg.sql(&format!("SELECT version FROM {schema}.schema_version")),
-        "1"
+        "2"
     );
 }
 
@@ -699,7 +699,7 @@ async fn a_far_database_is_served_again_after_every_connection_was_reset() {
 async fn a_proxy_started_while_the_database_is_down_works_once_it_is_up() {
     let mut pg = PgServer::start();
     pg.sql(
-        "CREATE SCHEMA newer; CREATE TABLE newer.schema_version (version integer NOT NULL); INSERT INTO newer.schema_version VALUES (2)",
+        "CREATE SCHEMA newer; CREATE TABLE newer.schema_version (version integer NOT NULL); INSERT INTO newer.schema_version VALUES (3)",
     );
     pg.crash();
     let env = Env::new(Backend::Memory).await;
@@ -720,12 +720,12 @@ async fn a_proxy_started_while_the_database_is_down_works_once_it_is_up() {
     let (late, r) = first_forwarded(&base, "late", Duration::from_secs(5)).await;
     assert_replay_of(&book_with(&base, &late, BODY, &[]).await, &r);
     assert_eq!(readyz(admin).await, 200);
-    assert_eq!(pg.sql("SELECT version FROM idemproxy.schema_version"), "1");
+    assert_eq!(pg.sql("SELECT version FROM idemproxy.schema_version"), "2");
 
     let refused = newer.ping().await.expect_err("a newer schema");
     let text = refused.to_string();
     assert!(
-        text.contains("version 2") && text.contains("version 1"),
+        text.contains("version 3") && text.contains("version 2"),
         "{text}"
     );
     assert!(
@@ -888,7 +888,7 @@ async fn a_newer_schema_version_refuses_to_start() {
     let pg = PgServer::shared();
     let schema = PgServer::fresh_schema();
     pg.sql(&format!(
-        "CREATE SCHEMA {schema}; CREATE TABLE {schema}.schema_version (version integer NOT NULL); INSERT INTO {schema}.schema_version VALUES (2)"
+        "CREATE SCHEMA {schema}; CREATE TABLE {schema}.schema_version (version integer NOT NULL); INSERT INTO {schema}.schema_version VALUES (3)"
     ));
     let err = try_open(&pg.url(), &schema, "")
         .await
@@ -896,7 +896,7 @@ async fn a_newer_schema_version_refuses_to_start() {
         .expect("refused");
     let text = err.to_string();
     assert!(
-        text.contains("version 2") && text.contains("version 1"),
+        text.contains("version 3") && text.contains("version 2"),
         "{text}"
     );
 
@@ -915,7 +915,7 @@ async fn a_newer_schema_version_refuses_to_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("version 2") && stderr.contains("version 1"),
+        stderr.contains("version 3") && stderr.contains("version 2"),
         "{stderr}"
     );
     assert_eq!(

@@ -299,15 +299,23 @@ async fn postgres_the_documented_query_reads_the_lease() {
             .expect("claim"),
     );
     let pg = env.postgres();
-    let read = pg.server().sql(&format!(
-        "SELECT ('x' || encode(substring(value FROM 22 FOR 8), 'hex'))::bit(64)::bigint
-         FROM {}.records
-         WHERE substring(value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)
-           AND key = '{}'",
-        pg.schema,
-        k.text()
-    ));
-    assert_eq!(read, stamped(&a).lease_until.to_string());
+    let read = || {
+        pg.server().sql(&format!(
+            "SELECT ('x' || encode(greatest(substring(times FROM 1 FOR 8), substring(value FROM 22 FOR 8)), 'hex'))::bit(64)::bigint
+             FROM {}.records
+             WHERE substring(value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)
+               AND key = '{}'",
+            pg.schema,
+            k.text()
+        ))
+    };
+    let claimed_lease = stamped(&a).lease_until;
+    assert_eq!(read(), claimed_lease.to_string());
+    // After a renewal (written into `times`), the query reads the renewed lease.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(s.renew(&k, &a, Duration::from_secs(90)).await.expect("renew"));
+    let renewed: u64 = read().parse().expect("a number");
+    assert!(renewed > claimed_lease + 30_000, "{renewed} after {claimed_lease}");
 }
 
 /// With `store.wait_replicas`, a fresh claim too few replicas acknowledged is released (it was

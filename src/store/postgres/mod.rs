@@ -7,9 +7,10 @@
 //! records(key text PRIMARY KEY,        -- StoreKey::text()
 //!         token bytea,                  -- the claim's 16-byte fencing token; NULL once finished
 //!         value bytea NOT NULL,         -- the encoded record, in flight or finished
-//!         expires_at timestamptz NOT NULL)
+//!         expires_at timestamptz NOT NULL,
+//!         times bytea)                  -- a resolvable claim's times as renewals wrote them
 //! index records_expires_at ON records (expires_at)
-//! schema_version(version integer NOT NULL)   -- one row: 1
+//! schema_version(version integer NOT NULL)   -- its highest row: 2 (1 during an upgrade)
 //! ```
 //!
 //! # Design
@@ -166,6 +167,19 @@ impl PostgresStore {
         }
         warm::spawn(Arc::downgrade(&inner));
         Ok(PostgresStore { inner })
+    }
+}
+
+/// `idemproxy store upgrade` on PostgreSQL: records schema version 2 (see `schema.rs`), once
+/// every instance runs a proxy that knows it. What it found and did, in a sentence; `Err` with
+/// why it could not (the database unreachable, a schema of another version, no privilege).
+pub async fn upgrade(settings: &PostgresSettings, timeout: Duration) -> Result<String, String> {
+    let (pool, tls) = pool::build(settings, timeout).map_err(|e| e.to_string())?;
+    let connections = Connections::new(pool, tls, Vec::new(), timeout, &Metrics::new());
+    match schema::upgrade(&connections, &settings.schema).await {
+        Ok(Ok(said)) => Ok(said),
+        Ok(Err(refused)) => Err(refused),
+        Err(e) => Err(e.to_string()),
     }
 }
 

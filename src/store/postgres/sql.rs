@@ -44,9 +44,13 @@ pub(super) struct Statements {
     pub(super) resolvable: ResolvableStatements,
 }
 
-/// The statements of a claim that can be resolved (`on_unknown_outcome: resolve`). Its lease
-/// lives inside its value (offsets in [`crate::record::resolvable`], plus one: SQL counts from
-/// 1), in milliseconds of the server's `now()`, and its row's `expires_at` is its lifetime:
+/// The statements of a claim that can be resolved (`on_unknown_outcome: resolve`). Its times
+/// (lease, claimed, sent, phase and next lookup: offsets in [`crate::record::resolvable`], plus
+/// one, as SQL counts from 1) live inside its value as a claim or a takeover wrote them, and in
+/// the row's `times` column (the same 33 bytes) as a renewal rewrote them, so that a renewal
+/// never writes the value (and its copied lookup) again; [`EFFECTIVE_VALUE`] is the record as
+/// it stands. The times are milliseconds of the server's `now()`, and the row's `expires_at` is
+/// its lifetime:
 /// a lapsed lease no longer frees the row (the sweep and every `expires_at` test leave it
 /// alone); it lets a claim take the resolution over, in one statement. The lease is compared as
 /// the 8 big-endian bytes it is stored as (`int8send`), which order as the numbers do.
@@ -70,6 +74,7 @@ pub(super) struct ResolvableStatements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Statements {
         let t = format!("{schema}.records");
+        let value = EFFECTIVE_VALUE;
         Statements {
             // The claim: one statement, one round trip, on both the new-key and the replay path.
             //
@@ -108,7 +113,8 @@ impl Statements {
             // scan that grows with the traffic of the last minutes.
             claim: format!(
                 "WITH cur AS (
-                    SELECT value, expires_at > now() AS live FROM {t} WHERE key = $1
+                    SELECT {value} AS value, r.expires_at > now() AS live FROM {t} AS r
+                    WHERE r.key = $1
                 ), ins AS (
                     INSERT INTO {t} (key, token, value, expires_at)
                     SELECT $1, $2, $3, now() + $4::bigint * interval '1 millisecond'
@@ -117,7 +123,8 @@ impl Statements {
                     RETURNING 1
                 ), upd AS (
                     UPDATE {t}
-                    SET token = $2, value = $3, expires_at = now() + $4::bigint * interval '1 millisecond'
+                    SET token = $2, value = $3, times = NULL,
+                        expires_at = now() + $4::bigint * interval '1 millisecond'
                     WHERE key = $1 AND (expires_at <= now()) IS TRUE
                       AND EXISTS (SELECT 1 FROM cur WHERE NOT live)
                     RETURNING 1
@@ -140,7 +147,8 @@ impl Statements {
             // that wait has a snapshot that sees the first completion's row.
             complete: format!(
                 "UPDATE {t}
-                 SET token = NULL, value = $3, expires_at = now() + $4::bigint * interval '1 millisecond'
+                 SET token = NULL, value = $3, times = NULL,
+                     expires_at = now() + $4::bigint * interval '1 millisecond'
                  WHERE key = $1 AND token = $2 AND expires_at > now()"
             ),
             completed: format!(
@@ -167,11 +175,11 @@ impl Statements {
                         WHERE key = $1 AND expires_at > now() AND token IS DISTINCT FROM $2
                     )"
             ),
-            get: format!("SELECT value FROM {t} WHERE key = $1 AND expires_at > now()"),
+            get: format!("SELECT {value} FROM {t} AS r WHERE r.key = $1 AND r.expires_at > now()"),
             // The remaining time on the server's clock.
             inspect: format!(
-                "SELECT value, (extract(epoch FROM expires_at - now()) * 1000)::bigint
-                 FROM {t} WHERE key = $1 AND expires_at > now()"
+                "SELECT {value}, (extract(epoch FROM r.expires_at - now()) * 1000)::bigint
+                 FROM {t} AS r WHERE r.key = $1 AND r.expires_at > now()"
             ),
             // Deletes only a finished record: no token, and the bytes of one (a claim in
             // flight may have a live holder; anything else is not ours to judge). Otherwise
@@ -185,7 +193,7 @@ impl Statements {
                     RETURNING 1
                 )
                 SELECT true, NULL::bytea FROM del
-                UNION ALL SELECT false, value FROM {t} WHERE key = $1 AND expires_at > now()"
+                UNION ALL SELECT false, {value} FROM {t} AS r WHERE r.key = $1 AND r.expires_at > now()"
             ),
             // One batch of the sweep, oldest first. SKIP LOCKED: a row a claim, renew or
             // completion holds locked is left for the next sweep, so the sweep never waits on
@@ -204,7 +212,7 @@ impl Statements {
                  AND expires_at < now()"
             ),
             ping: "SELECT 1",
-            resolvable: ResolvableStatements::new(&t),
+            resolvable: ResolvableStatements::new(schema, &t),
         }
     }
 
@@ -237,16 +245,70 @@ impl Statements {
 const NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
 /// `r.value` is a resolvable claim (format version 3, or 2 written by an earlier proxy; state
 /// 'Q').
-const IS_RESOLVABLE: &str = "octet_length(r.value) >= 86
-    AND substring(r.value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)";
+macro_rules! is_resolvable {
+    () => {
+        "octet_length(r.value) >= 86
+    AND substring(r.value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)"
+    };
+}
+/// `r.times` holds the resolvable claim's times, newer than those inside `r.value`: a renewal
+/// wrote them there. A `times` left behind by an earlier incarnation of the row (by a proxy of
+/// schema version 1, which knows no `times`) holds a lease that had lapsed before the row was
+/// claimed again, so it never wins over the value's own.
+macro_rules! times_win {
+    () => {
+        concat!(
+            "r.times IS NOT NULL AND ",
+            is_resolvable!(),
+            " AND substring(r.times FROM 1 FOR 8) > substring(r.value FROM 22 FOR 8)"
+        )
+    };
+}
+const IS_RESOLVABLE: &str = is_resolvable!();
+const TIMES_WIN: &str = times_win!();
+/// The record as the proxy decodes it: the value, with newer times patched in.
+pub(super) const EFFECTIVE_VALUE: &str = concat!(
+    "CASE WHEN ",
+    times_win!(),
+    " THEN overlay(r.value PLACING r.times FROM 22 FOR 33) ELSE r.value END"
+);
 
 impl ResolvableStatements {
-    fn new(t: &str) -> ResolvableStatements {
+    fn new(schema: &str, t: &str) -> ResolvableStatements {
+        // The claim's times as they stand: the 33 bytes from its lease to its next lookup,
+        // from `times` or from the value.
+        let times = format!(
+            "(CASE WHEN {TIMES_WIN} THEN r.times ELSE substring(r.value FROM 22 FOR 33) END)"
+        );
         // Held: our token, the row live, a resolvable claim, its lease live.
         let held = format!(
             "r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {IS_RESOLVABLE}
-             AND substring(r.value FROM 22 FOR 8) > int8send(c.ms)"
+             AND substring({times} FROM 1 FOR 8) > int8send(c.ms)"
         );
+        // Whether every instance writes schema version 2: renewals then leave the value alone.
+        // Until then (a rolling upgrade from version 1, whose instances read the times only
+        // in the value) they write the new times into both.
+        let upgraded = format!(
+            "EXISTS (SELECT 1 FROM {schema}.schema_version WHERE version >= {})",
+            super::schema::VERSION
+        );
+        // What a renewal writes: `new` (the claim's new times) into `times`, and into the
+        // value too until the schema is upgraded. The value's bytes are then left as they are:
+        // a large lookup stored out of line is not written again.
+        let renewed = |new: &str| {
+            format!(
+                "times = {new},
+                 value = CASE WHEN {upgraded} THEN r.value
+                     ELSE overlay(r.value PLACING {new} FROM 22 FOR 33) END"
+            )
+        };
+        let renew = renewed(&format!(
+            "int8send(c.ms + $3::bigint) || substring({times} FROM 9 FOR 25)"
+        ));
+        let resolving = renewed(&format!(
+            "int8send(c.ms + $3::bigint) || substring({times} FROM 9 FOR 16)
+                 || '\\x52'::bytea || int8send(c.ms + $4::bigint)"
+        ));
         ResolvableStatements {
             // Like the plain claim before its read came first (see `Statements::claim`, the
             // lapse test written as there so that the row is found by its key), with a third
@@ -256,6 +318,8 @@ impl ResolvableStatements {
             // waits for the first's row lock, re-checks its WHERE on the new version — whose
             // lease is live — and changes nothing; its read then shows the old version, which
             // the caller recognises (a lapsed lease, no claim) and runs the statement again.
+            // A claim and a takeover write the whole value (the token inside it changes) and
+            // clear `times`.
             claim: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms),
                 stamped AS (
@@ -272,31 +336,32 @@ impl ResolvableStatements {
                     RETURNING value
                 ), upd AS (
                     UPDATE {t} AS r
-                    SET token = $2, value = s.value, expires_at = s.expires_at
+                    SET token = $2, value = s.value, times = NULL, expires_at = s.expires_at
                     FROM stamped s
                     WHERE r.key = $1 AND (r.expires_at <= now()) IS TRUE
                     RETURNING r.value
                 ), took AS (
                     UPDATE {t} AS r
-                    SET token = $2, value = overlay(overlay(r.value
+                    SET token = $2, times = NULL, value = overlay(overlay(overlay(r.value
+                            PLACING {times} FROM 22 FOR 33)
                             PLACING $2::bytea || int8send(c.ms + $4::bigint) FROM 6 FOR 24)
                             PLACING '\\x52'::bytea || int8send(c.ms) FROM 46 FOR 9)
                     FROM c
                     WHERE r.key = $1 AND r.expires_at > now() AND {IS_RESOLVABLE}
-                      AND substring(r.value FROM 22 FOR 8) <= int8send(c.ms)
+                      AND substring({times} FROM 1 FOR 8) <= int8send(c.ms)
                     RETURNING r.value
                 )
                 SELECT 1, value, (SELECT ms FROM c) FROM ins
                 UNION ALL SELECT 1, value, (SELECT ms FROM c) FROM upd
                 UNION ALL SELECT 2, value, (SELECT ms FROM c) FROM took
-                UNION ALL SELECT 3, value, (SELECT ms FROM c) FROM {t}
-                    WHERE key = $1 AND expires_at > now()"
+                UNION ALL SELECT 3, {EFFECTIVE_VALUE}, (SELECT ms FROM c) FROM {t} AS r
+                    WHERE r.key = $1 AND r.expires_at > now()"
             ),
             // The lease only: the row's lifetime grows if the lease outlasts it, never shrinks.
             renew: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
                 UPDATE {t} AS r
-                SET value = overlay(r.value PLACING int8send(c.ms + $3::bigint) FROM 22 FOR 8),
+                SET {renew},
                     expires_at = greatest(r.expires_at, now() + $3::bigint * interval '1 millisecond')
                 FROM c
                 WHERE {held}
@@ -305,9 +370,7 @@ impl ResolvableStatements {
             resolving: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
                 UPDATE {t} AS r
-                SET value = overlay(overlay(r.value
-                        PLACING int8send(c.ms + $3::bigint) FROM 22 FOR 8)
-                        PLACING '\\x52'::bytea || int8send(c.ms + $4::bigint) FROM 46 FOR 9),
+                SET {resolving},
                     expires_at = greatest(r.expires_at, now() + $3::bigint * interval '1 millisecond')
                 FROM c
                 WHERE {held}
@@ -316,7 +379,7 @@ impl ResolvableStatements {
             complete: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
                 UPDATE {t} AS r
-                SET token = NULL, value = $3,
+                SET token = NULL, value = $3, times = NULL,
                     expires_at = now() + $4::bigint * interval '1 millisecond'
                 FROM c
                 WHERE {held}"
