@@ -94,7 +94,12 @@ async fn claimed(s: &StoreHandle, key: &StoreKey, held: &Held) -> Held {
 
 /// The lease of the record as the store shows it (decoded by the proxy's own decoder).
 async fn shown_lease(s: &Opened, key: &StoreKey) -> u64 {
-    let (value, _) = s.store.inspect(key).await.expect("inspect").expect("a record");
+    let (value, _) = s
+        .store
+        .inspect(key)
+        .await
+        .expect("inspect")
+        .expect("a record");
     resolvable::lease_until(&value).expect("a resolvable claim")
 }
 
@@ -217,18 +222,30 @@ async fn postgres_a_version_1_schema_is_served_then_upgraded() {
     let held = claimed(&s, &k, &claim(0x41, 4096)).await;
     let before = shown_lease(&s, &k).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(s.renew(&k, &held, Duration::from_secs(40)).await.expect("renew"));
+    assert!(
+        s.renew(&k, &held, Duration::from_secs(40))
+            .await
+            .expect("renew")
+    );
     let after = shown_lease(&s, &k).await;
     assert!(after > before, "renewed: {before} → {after}");
     assert_eq!(
-        column(pg, &schema, &k, "encode(substring(value FROM 22 FOR 33), 'hex')"),
+        column(
+            pg,
+            &schema,
+            &k,
+            "encode(substring(value FROM 22 FOR 33), 'hex')"
+        ),
         column(pg, &schema, &k, "encode(times, 'hex')"),
         "a version 1 proxy reads the renewed times in the value"
     );
     // A version 1 proxy renewing its own claim writes only the value: that is what counts.
     renew_as_version_1(pg, &schema, &k, 90_000);
     let by_v1 = shown_lease(&s, &k).await;
-    assert!(by_v1 > after + 30_000, "the version 1 renewal is read: {by_v1}");
+    assert!(
+        by_v1 > after + 30_000,
+        "the version 1 renewal is read: {by_v1}"
+    );
 
     // The upgrade, through the command line.
     let yaml = store_only(&store_block(&pg.url(), &schema, ""));
@@ -265,10 +282,21 @@ async fn postgres_a_version_1_schema_is_served_then_upgraded() {
 
     // After it: the value is not written by a renewal; the times are, and they count.
     let value = column(pg, &schema, &k, "md5(value)");
-    assert!(s.renew(&k, &held, Duration::from_secs(120)).await.expect("renew"));
-    assert_eq!(column(pg, &schema, &k, "md5(value)"), value, "the value is left alone");
+    assert!(
+        s.renew(&k, &held, Duration::from_secs(120))
+            .await
+            .expect("renew")
+    );
+    assert_eq!(
+        column(pg, &schema, &k, "md5(value)"),
+        value,
+        "the value is left alone"
+    );
     let upgraded = shown_lease(&s, &k).await;
-    assert!(upgraded > by_v1, "the renewal in `times` is read: {upgraded}");
+    assert!(
+        upgraded > by_v1,
+        "the renewal in `times` is read: {upgraded}"
+    );
     // Another claim meets a live holder: no takeover, though the value's own lease lapsed.
     renew_as_version_1(pg, &schema, &k, 0);
     tokio::time::sleep(Duration::from_millis(20)).await;

@@ -313,9 +313,16 @@ async fn postgres_the_documented_query_reads_the_lease() {
     assert_eq!(read(), claimed_lease.to_string());
     // After a renewal (written into `times`), the query reads the renewed lease.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(s.renew(&k, &a, Duration::from_secs(90)).await.expect("renew"));
+    assert!(
+        s.renew(&k, &a, Duration::from_secs(90))
+            .await
+            .expect("renew")
+    );
     let renewed: u64 = read().parse().expect("a number");
-    assert!(renewed > claimed_lease + 30_000, "{renewed} after {claimed_lease}");
+    assert!(
+        renewed > claimed_lease + 30_000,
+        "{renewed} after {claimed_lease}"
+    );
 }
 
 /// With `store.wait_replicas`, a fresh claim too few replicas acknowledged is released (it was

@@ -310,53 +310,7 @@ impl ResolvableStatements {
                  || '\\x52'::bytea || int8send(c.ms + $4::bigint)"
         ));
         ResolvableStatements {
-            // Like the plain claim before its read came first (see `Statements::claim`, the
-            // lapse test written as there so that the row is found by its key), with a third
-            // writer: `took` takes over a live resolvable claim whose lease has lapsed.
-            // `upd` (lifetime over) and `took` (lifetime not over) can never both match one
-            // version of the row, and two takeovers at once cannot both win: the second
-            // waits for the first's row lock, re-checks its WHERE on the new version — whose
-            // lease is live — and changes nothing; its read then shows the old version, which
-            // the caller recognises (a lapsed lease, no claim) and runs the statement again.
-            // A claim and a takeover write the whole value (the token inside it changes) and
-            // clear `times`.
-            claim: format!(
-                "WITH c AS (SELECT {NOW_MS} AS ms),
-                stamped AS (
-                    SELECT overlay($3::bytea PLACING
-                        int8send(c.ms + $4::bigint) || int8send(c.ms) || int8send(c.ms + $5::bigint)
-                        || '\\x46'::bytea || int8send(0::bigint)
-                        FROM 22 FOR 33) AS value,
-                        now() + ($5::bigint + $6::bigint) * interval '1 millisecond' AS expires_at
-                    FROM c
-                ), ins AS (
-                    INSERT INTO {t} (key, token, value, expires_at)
-                    SELECT $1, $2, s.value, s.expires_at FROM stamped s
-                    ON CONFLICT (key) DO NOTHING
-                    RETURNING value
-                ), upd AS (
-                    UPDATE {t} AS r
-                    SET token = $2, value = s.value, times = NULL, expires_at = s.expires_at
-                    FROM stamped s
-                    WHERE r.key = $1 AND (r.expires_at <= now()) IS TRUE
-                    RETURNING r.value
-                ), took AS (
-                    UPDATE {t} AS r
-                    SET token = $2, times = NULL, value = overlay(overlay(overlay(r.value
-                            PLACING {times} FROM 22 FOR 33)
-                            PLACING $2::bytea || int8send(c.ms + $4::bigint) FROM 6 FOR 24)
-                            PLACING '\\x52'::bytea || int8send(c.ms) FROM 46 FOR 9)
-                    FROM c
-                    WHERE r.key = $1 AND r.expires_at > now() AND {IS_RESOLVABLE}
-                      AND substring({times} FROM 1 FOR 8) <= int8send(c.ms)
-                    RETURNING r.value
-                )
-                SELECT 1, value, (SELECT ms FROM c) FROM ins
-                UNION ALL SELECT 1, value, (SELECT ms FROM c) FROM upd
-                UNION ALL SELECT 2, value, (SELECT ms FROM c) FROM took
-                UNION ALL SELECT 3, {EFFECTIVE_VALUE}, (SELECT ms FROM c) FROM {t} AS r
-                    WHERE r.key = $1 AND r.expires_at > now()"
-            ),
+            claim: claim(t, &times),
             // The lease only: the row's lifetime grows if the lease outlasts it, never shrinks.
             renew: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
@@ -398,4 +352,55 @@ impl ResolvableStatements {
             now: format!("SELECT {NOW_MS}"),
         }
     }
+}
+
+/// The resolvable claim statement, `times` the expression of the claim's times as they stand.
+/// Like the plain claim before its read came first (see `Statements::claim`, the
+/// lapse test written as there so that the row is found by its key), with a third
+/// writer: `took` takes over a live resolvable claim whose lease has lapsed.
+/// `upd` (lifetime over) and `took` (lifetime not over) can never both match one
+/// version of the row, and two takeovers at once cannot both win: the second
+/// waits for the first's row lock, re-checks its WHERE on the new version — whose
+/// lease is live — and changes nothing; its read then shows the old version, which
+/// the caller recognises (a lapsed lease, no claim) and runs the statement again.
+/// A claim and a takeover write the whole value (the token inside it changes) and
+/// clear `times`.
+fn claim(t: &str, times: &str) -> String {
+    format!(
+        "WITH c AS (SELECT {NOW_MS} AS ms),
+        stamped AS (
+            SELECT overlay($3::bytea PLACING
+                int8send(c.ms + $4::bigint) || int8send(c.ms) || int8send(c.ms + $5::bigint)
+                || '\\x46'::bytea || int8send(0::bigint)
+                FROM 22 FOR 33) AS value,
+                now() + ($5::bigint + $6::bigint) * interval '1 millisecond' AS expires_at
+            FROM c
+        ), ins AS (
+            INSERT INTO {t} (key, token, value, expires_at)
+            SELECT $1, $2, s.value, s.expires_at FROM stamped s
+            ON CONFLICT (key) DO NOTHING
+            RETURNING value
+        ), upd AS (
+            UPDATE {t} AS r
+            SET token = $2, value = s.value, times = NULL, expires_at = s.expires_at
+            FROM stamped s
+            WHERE r.key = $1 AND (r.expires_at <= now()) IS TRUE
+            RETURNING r.value
+        ), took AS (
+            UPDATE {t} AS r
+            SET token = $2, times = NULL, value = overlay(overlay(overlay(r.value
+                    PLACING {times} FROM 22 FOR 33)
+                    PLACING $2::bytea || int8send(c.ms + $4::bigint) FROM 6 FOR 24)
+                    PLACING '\\x52'::bytea || int8send(c.ms) FROM 46 FOR 9)
+            FROM c
+            WHERE r.key = $1 AND r.expires_at > now() AND {IS_RESOLVABLE}
+              AND substring({times} FROM 1 FOR 8) <= int8send(c.ms)
+            RETURNING r.value
+        )
+        SELECT 1, value, (SELECT ms FROM c) FROM ins
+        UNION ALL SELECT 1, value, (SELECT ms FROM c) FROM upd
+        UNION ALL SELECT 2, value, (SELECT ms FROM c) FROM took
+        UNION ALL SELECT 3, {EFFECTIVE_VALUE}, (SELECT ms FROM c) FROM {t} AS r
+            WHERE r.key = $1 AND r.expires_at > now()"
+    )
 }
