@@ -512,3 +512,43 @@ async fn a_grpc_call_is_a_server_span_with_its_upstream_span() {
     assert_nowhere(&spans, TRANSFER);
     proxy.stop().await;
 }
+
+/// `sample_ratio` decides for requests without a `traceparent`, once each: at 0.5 about half
+/// of them are recorded (200 requests: 100 expected, a standard deviation of about 7), and
+/// each unrecorded one still starts a trace of its own upstream, flagged unsampled.
+#[tokio::test]
+async fn the_ratio_records_its_share_of_requests_without_a_traceparent() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "0.5"))
+        .await;
+    const N: usize = 200;
+    let mut sent_ids = std::collections::HashSet::new();
+    let mut unsampled = 0;
+    for i in 0..N {
+        let reply = send(client().get(proxy.url(&format!("/bookings/ratio-{i}")))).await;
+        assert!(reply.status < 500, "{reply:?}");
+        let sent = env.mock.last_request().expect("the upstream's request");
+        let got = sent
+            .headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let parts: Vec<&str> = got.split('-').collect();
+        assert_eq!(parts.len(), 4, "a traceparent upstream: {got:?}");
+        sent_ids.insert(parts[1].to_owned());
+        if parts[3] == "00" {
+            unsampled += 1;
+        }
+    }
+    proxy.stop().await;
+    let recorded = servers(&receiver.spans()).len();
+    assert!(
+        (60..=140).contains(&recorded),
+        "{recorded} of {N} requests recorded at sample_ratio 0.5"
+    );
+    assert_eq!(recorded + unsampled, N, "each request decided once");
+    assert_eq!(sent_ids.len(), N, "a trace of its own for each request");
+}
