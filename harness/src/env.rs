@@ -1,4 +1,4 @@
-//! One test's world ([`Env`]) on one of the five stores ([`Backend`]), and [`every_store!`],
+//! One test's world ([`Env`]) on one of the five stores ([`Backend`]), and [`every_store!`](crate::every_store),
 //! which runs a test written once on each of them.
 //!
 //! Every test gets a store of its own, so tests running side by side never see each other's

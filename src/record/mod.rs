@@ -59,16 +59,13 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::fingerprint::Fingerprint;
 
+pub mod layout;
 pub mod resolvable;
+use layout::{
+    FINISHED, IN_FLIGHT, MAGIC, NOT_REPLAYABLE, PREFIX_LEN, RESOLVABLE, RESOLVED, RESPONSE,
+    TRAILED, VERSION_1, VERSION_2, VERSION_3,
+};
 pub use resolvable::{Lookup, Phase, Resolvable};
-
-const MAGIC: &[u8; 3] = b"IDP";
-const VERSION: u8 = 1;
-/// The version of the finished records of a `resolve` route (and of the claims earlier
-/// proxies wrote on one).
-const VERSION_2: u8 = 2;
-/// The version of the claims of a `resolve` route.
-const VERSION_3: u8 = 3;
 
 /// A saved header that is not the upstream's: the unsigned delivery id a webhook provider sent
 /// beside a body it signed alone (`X-GitHub-Delivery`, say), kept with the event's result so
@@ -156,33 +153,33 @@ impl Record {
     /// Encodes the record (current version).
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.encoded_len_hint());
-        out.put_slice(MAGIC);
+        out.put_slice(&MAGIC);
         out.put_u8(self.version());
         match self {
             Record::Resolvable(r) => r.encode_into(&mut out),
             Record::InFlight { token, fingerprint } => {
-                out.put_u8(b'P');
+                out.put_u8(IN_FLIGHT);
                 out.put_slice(token);
                 out.put_slice(fingerprint);
             }
             Record::Done { fingerprint, saved } => {
-                out.put_u8(b'D');
+                out.put_u8(FINISHED);
                 out.put_slice(fingerprint);
                 match saved {
                     Saved::Response(r) => {
-                        out.put_u8(b'R');
+                        out.put_u8(RESPONSE);
                         put_response(&mut out, r);
                     }
                     Saved::Resolved(r) => {
-                        out.put_u8(b'V');
+                        out.put_u8(RESOLVED);
                         put_response(&mut out, r);
                     }
                     Saved::NotReplayable { status } => {
-                        out.put_u8(b'N');
+                        out.put_u8(NOT_REPLAYABLE);
                         out.put_u16(status.as_u16());
                     }
                     Saved::Trailed { response, trailers } => {
-                        out.put_u8(b'T');
+                        out.put_u8(TRAILED);
                         put_response(&mut out, response);
                         put_headers(&mut out, trailers);
                     }
@@ -201,7 +198,7 @@ impl Record {
                 saved: Saved::Resolved(_),
                 ..
             } => VERSION_2,
-            _ => VERSION,
+            _ => VERSION_1,
         }
     }
 
@@ -248,32 +245,32 @@ impl Record {
     /// an error.
     pub fn decode_shared(bytes: &Bytes) -> Result<Record, DecodeError> {
         let mut b: &[u8] = bytes;
-        if b.len() < 5 || &b[..3] != MAGIC {
+        if b.len() < PREFIX_LEN || b[..MAGIC.len()] != MAGIC {
             return Err(DecodeError("not an idemproxy record"));
         }
-        let version = b[3];
-        if !matches!(version, VERSION | VERSION_2 | VERSION_3) {
+        let version = b[layout::VERSION_AT];
+        if !matches!(version, VERSION_1 | VERSION_2 | VERSION_3) {
             return Err(DecodeError("unknown record format version"));
         }
-        b.advance(4);
+        b.advance(layout::STATE_AT);
         let record = match (version, take_u8(&mut b)?) {
-            (VERSION_2 | VERSION_3, b'Q') => Record::Resolvable(Box::new(
+            (VERSION_2 | VERSION_3, RESOLVABLE) => Record::Resolvable(Box::new(
                 Resolvable::decode_after_state(&mut b, bytes, version)?,
             )),
-            (VERSION, b'P') => {
+            (VERSION_1, IN_FLIGHT) => {
                 let token = take_array::<16>(&mut b)?;
                 let fingerprint = take_array::<32>(&mut b)?;
                 Record::InFlight { token, fingerprint }
             }
-            (_, b'D') => {
+            (_, FINISHED) => {
                 let fingerprint = take_array::<32>(&mut b)?;
                 let saved = match (version, take_u8(&mut b)?) {
-                    (VERSION, b'R') => Saved::Response(take_response(&mut b, bytes)?),
-                    (VERSION, b'N') => Saved::NotReplayable {
+                    (VERSION_1, RESPONSE) => Saved::Response(take_response(&mut b, bytes)?),
+                    (VERSION_1, NOT_REPLAYABLE) => Saved::NotReplayable {
                         status: take_status(&mut b)?,
                     },
-                    (VERSION_2, b'V') => Saved::Resolved(take_response(&mut b, bytes)?),
-                    (VERSION, b'T') => Saved::Trailed {
+                    (VERSION_2, RESOLVED) => Saved::Resolved(take_response(&mut b, bytes)?),
+                    (VERSION_1, TRAILED) => Saved::Trailed {
                         response: take_response(&mut b, bytes)?,
                         trailers: take_headers(&mut b, bytes)?,
                     },
@@ -363,19 +360,13 @@ impl Encoded for Bytes {
 
 /// Whether encoded bytes are a claim in progress, of either kind (without decoding the rest).
 pub fn is_in_flight(bytes: &[u8]) -> bool {
-    bytes.starts_with(b"IDP\x01P") || resolvable::is(bytes)
+    bytes.starts_with(&IN_FLIGHT_PREFIX) || layout::is_resolvable(bytes)
 }
 
-/// The first bytes of every finished record of format version 1.
-pub const FINISHED_PREFIX: &[u8] = b"IDP\x01D";
+/// The first bytes of a claim in flight (format version 1).
+const IN_FLIGHT_PREFIX: [u8; PREFIX_LEN] = [MAGIC[0], MAGIC[1], MAGIC[2], VERSION_1, IN_FLIGHT];
 
-/// The first bytes of every finished record of format version 2 (a resolved response).
-pub const FINISHED_PREFIX_2: &[u8] = b"IDP\x02D";
-
-/// Whether encoded bytes are a finished record of a known format version (without decoding it).
-pub fn is_finished(bytes: &[u8]) -> bool {
-    bytes.len() > 5 && (bytes.starts_with(FINISHED_PREFIX) || bytes.starts_with(FINISHED_PREFIX_2))
-}
+pub use layout::{FINISHED_PREFIX, FINISHED_PREFIX_2, is_finished};
 
 /// Why a stored record could not be decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

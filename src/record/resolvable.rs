@@ -1,7 +1,7 @@
-//! A claim that can be resolved (`'Q'`, format versions 2 and 3): its fields, and the fixed
-//! offsets of its encoding, which the stores read and patch in place (Lua, SQL, the memory and
-//! SQLite stores' Rust): the token and the four times sit at the same place in every such
-//! record, of either version. Lua and SQL count from 1: add one to these offsets.
+//! A claim that can be resolved (`'Q'`, format versions 2 and 3): its fields. The fixed
+//! offsets of its encoding, which the stores read and patch in place, and the stamps of its
+//! transitions are in [`super::layout`]: the token and the four times sit at the same place in
+//! every such record, of either version.
 //!
 //! Version 3 is what this proxy writes: its `sent_at` is the claim plus the upstream's
 //! `timeout` (SPEC §4.8, "When the request was sent"), and it carries the `found` and `absent`
@@ -11,15 +11,14 @@
 //! claiming route's upstream `timeout` ([`crate::store::StoreHandle::claim_resolvable`]), and
 //! resolved by the route's statuses.
 
-use std::ops::Range;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, Method};
 
 use super::{
-    DecodeError, Token, headers_len, millis, put_headers, put_short, take_array, take_headers,
-    take_slice, take_text, take_u8, take_u16, take_u32, take_u64,
+    DecodeError, Token, headers_len, layout, millis, put_headers, put_short, take_array,
+    take_headers, take_slice, take_text, take_u8, take_u16, take_u32, take_u64,
 };
 use crate::fingerprint::Fingerprint;
 
@@ -35,8 +34,8 @@ pub enum Phase {
 impl Phase {
     fn byte(self) -> u8 {
         match self {
-            Phase::InFlight => b'F',
-            Phase::Resolving => b'R',
+            Phase::InFlight => layout::PHASE_IN_FLIGHT,
+            Phase::Resolving => layout::PHASE_RESOLVING,
         }
     }
 }
@@ -146,7 +145,7 @@ impl Resolvable {
     }
 
     pub(super) fn encode_into(&self, out: &mut BytesMut) {
-        out.put_u8(b'Q');
+        out.put_u8(layout::RESOLVABLE);
         out.put_slice(&self.token);
         out.put_u64(self.lease_until);
         out.put_u64(self.claimed_at);
@@ -175,7 +174,7 @@ impl Resolvable {
     }
 
     pub(super) fn encoded_len_hint(&self) -> usize {
-        FIXED
+        layout::FIXED
             + 24
             + 2
             + self.lookup.upstream.len()
@@ -200,8 +199,8 @@ impl Resolvable {
         let claimed_at = take_u64(b)?;
         let sent_at = take_u64(b)?;
         let phase = match take_u8(b)? {
-            b'F' => Phase::InFlight,
-            b'R' => Phase::Resolving,
+            layout::PHASE_IN_FLIGHT => Phase::InFlight,
+            layout::PHASE_RESOLVING => Phase::Resolving,
             _ => return Err(DecodeError("unknown resolution phase")),
         };
         let next_lookup_at = take_u64(b)?;
@@ -260,64 +259,12 @@ fn take_statuses(b: &mut &[u8]) -> Result<Vec<u16>, DecodeError> {
     (0..n).map(|_| take_u16(b)).collect()
 }
 
-/// The first bytes of every claim that can be resolved that this proxy writes (version 3).
-pub const PREFIX: &[u8] = b"IDP\x03Q";
-/// The first bytes of one written by an earlier proxy (version 2), still read.
-pub const PREFIX_2: &[u8] = b"IDP\x02Q";
-pub const TOKEN: Range<usize> = 5..21;
-pub const LEASE_UNTIL: Range<usize> = 21..29;
-pub const CLAIMED_AT: Range<usize> = 29..37;
-pub const SENT_AT: Range<usize> = 37..45;
-pub const PHASE: usize = 45;
-pub const NEXT_LOOKUP_AT: Range<usize> = 46..54;
-/// Where the fixed part ends (the fingerprint follows).
-pub const FIXED: usize = 54 + 32;
-
-/// Whether encoded bytes are a claim that can be resolved (long enough to hold the fixed
-/// part; the rest is checked when it is decoded).
-pub fn is(bytes: &[u8]) -> bool {
-    bytes.len() >= FIXED && (bytes.starts_with(PREFIX) || bytes.starts_with(PREFIX_2))
-}
-
-/// The `u64` at `at`.
-pub fn read(bytes: &[u8], at: Range<usize>) -> u64 {
-    let mut eight = [0u8; 8];
-    eight.copy_from_slice(&bytes[at]);
-    u64::from_be_bytes(eight)
-}
-
-/// Writes `value` at `at`.
-pub fn write(bytes: &mut [u8], at: Range<usize>, value: u64) {
-    bytes[at].copy_from_slice(&value.to_be_bytes());
-}
-
 /// The token of a claim that can be resolved, if `bytes` is one.
 pub fn token(bytes: &[u8]) -> Option<&[u8]> {
-    is(bytes).then(|| &bytes[TOKEN])
+    layout::is_resolvable(bytes).then(|| &bytes[layout::TOKEN])
 }
 
 /// The lease of a claim that can be resolved, if `bytes` is one.
 pub fn lease_until(bytes: &[u8]) -> Option<u64> {
-    is(bytes).then(|| read(bytes, LEASE_UNTIL))
-}
-
-/// Stamps a new claim's times: claimed `now`, leased until `now + lease`, sent at the
-/// latest `now + send_margin` (the upstream's `timeout`), in flight (for the stores that write in Rust; Lua and SQL do
-/// the same in place).
-pub fn stamp_claim(bytes: &mut [u8], now: u64, lease: u64, send_margin: u64) {
-    write(bytes, LEASE_UNTIL, now.saturating_add(lease));
-    write(bytes, CLAIMED_AT, now);
-    write(bytes, SENT_AT, now.saturating_add(send_margin));
-    bytes[PHASE] = b'F';
-    write(bytes, NEXT_LOOKUP_AT, 0);
-}
-
-/// Takes a claim over for `token`: leased until `now + lease`, resolving, its next lookup
-/// at once. Everything else — when it was sent, the lookup, the timings — stays as the
-/// first holder wrote it.
-pub fn stamp_takeover(bytes: &mut [u8], token: &[u8], now: u64, lease: u64) {
-    bytes[TOKEN].copy_from_slice(token);
-    write(bytes, LEASE_UNTIL, now.saturating_add(lease));
-    bytes[PHASE] = b'R';
-    write(bytes, NEXT_LOOKUP_AT, now);
+    layout::is_resolvable(bytes).then(|| layout::read(bytes, layout::LEASE_UNTIL))
 }

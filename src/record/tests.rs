@@ -134,23 +134,20 @@ fn version_2_round_trips_and_version_1_is_unchanged() {
 fn the_fixed_offsets_are_where_the_encoder_writes() {
     let r = resolvable();
     let bytes = Record::Resolvable(Box::new(r.clone())).encode();
-    assert!(resolvable::is(&bytes));
+    assert!(layout::is_resolvable(&bytes));
     assert_eq!(resolvable::token(&bytes), Some(&r.token[..]));
     assert_eq!(resolvable::lease_until(&bytes), Some(r.lease_until));
+    assert_eq!(layout::read(&bytes, layout::CLAIMED_AT), r.claimed_at);
+    assert_eq!(layout::read(&bytes, layout::SENT_AT), r.sent_at);
+    assert_eq!(bytes[layout::PHASE], b'R');
     assert_eq!(
-        resolvable::read(&bytes, resolvable::CLAIMED_AT),
-        r.claimed_at
-    );
-    assert_eq!(resolvable::read(&bytes, resolvable::SENT_AT), r.sent_at);
-    assert_eq!(bytes[resolvable::PHASE], b'R');
-    assert_eq!(
-        resolvable::read(&bytes, resolvable::NEXT_LOOKUP_AT),
+        layout::read(&bytes, layout::NEXT_LOOKUP_AT),
         r.next_lookup_at
     );
     assert_eq!(&bytes[54..86], &r.fingerprint);
 
     let mut claim = bytes.to_vec();
-    resolvable::stamp_claim(&mut claim, 1_000, 300, 20);
+    layout::stamp_claim(&mut claim, 1_000, 300, 20);
     let Ok(Record::Resolvable(c)) = Record::decode(&claim) else {
         panic!("a stamped claim decodes");
     };
@@ -165,7 +162,7 @@ fn the_fixed_offsets_are_where_the_encoder_writes() {
         (1_300, 1_000, 1_020, Phase::InFlight, 0)
     );
     let mut taken = claim.clone();
-    resolvable::stamp_takeover(&mut taken, &[7; 16], 5_000, 300);
+    layout::stamp_takeover(&mut taken, &[7; 16], 5_000, 300);
     let Ok(Record::Resolvable(t)) = Record::decode(&taken) else {
         panic!("a taken-over claim decodes");
     };
@@ -194,7 +191,7 @@ fn version_2_damage_and_unknown_versions_are_errors() {
         Err(DecodeError("unknown record format version"))
     );
     let mut phase = bytes.to_vec();
-    phase[resolvable::PHASE] = b'X';
+    phase[layout::PHASE] = b'X';
     assert!(Record::decode(&phase).is_err());
     // States belong to their version: no 'Q' in version 1, no 'P' in version 2, no
     // resolved outcome in version 1.
@@ -220,7 +217,7 @@ fn version_2_damage_and_unknown_versions_are_errors() {
 fn a_version_2_claim_is_read_and_version_3_carries_its_statuses() {
     let v3 = resolvable();
     let bytes = Record::Resolvable(Box::new(v3.clone())).encode();
-    assert_eq!(&bytes[..5], resolvable::PREFIX);
+    assert_eq!(&bytes[..5], layout::RESOLVABLE_PREFIX);
     let Ok(Record::Resolvable(read)) = Record::decode(&bytes) else {
         panic!("a version 3 claim decodes");
     };
@@ -231,7 +228,7 @@ fn a_version_2_claim_is_read_and_version_3_carries_its_statuses() {
     // The same claim as version 2 wrote it: the prefix's version byte, no statuses.
     let mut v2 = bytes[..bytes.len() - (2 + 4 + 2 + 2)].to_vec();
     v2[3] = 2;
-    assert!(resolvable::is(&v2));
+    assert!(layout::is_resolvable(&v2));
     assert_eq!(resolvable::token(&v2), Some(&v3.token[..]));
     let Ok(Record::Resolvable(old)) = Record::decode(&v2) else {
         panic!("a version 2 claim decodes");

@@ -40,7 +40,7 @@ pub struct PathPattern {
     segments: Vec<Segment>,
     /// A trailing `/*`: matches the rest of the path, including nothing.
     rest: bool,
-    /// The segments as a normalised path is compared with them ([`normalise`]): literals in
+    /// The segments as a normalised path is compared with them ([`normalise()`]): literals in
     /// lower case, the last one without its `.ext` suffix. What a webhook route matches.
     folded: Vec<Segment>,
     /// The pattern as written, for logs.
@@ -122,7 +122,7 @@ impl PathPattern {
         })
     }
 
-    /// Whether a path in its normalised form ([`normalise`]) matches: every spelling of the
+    /// Whether a path in its normalised form ([`normalise()`]) matches: every spelling of the
     /// pattern's path does (SPEC §4.9).
     pub(crate) fn matches_normalised(&self, normalised: &str) -> bool {
         Self::match_segments(&self.folded, self.rest, normalised)
@@ -234,7 +234,7 @@ impl RouteSettings {
     }
 
     /// Whether this webhook route takes a request with this method and normalised path
-    /// ([`normalise`]): a webhook route matches every spelling of its path, so none reaches a
+    /// ([`normalise()`]): a webhook route matches every spelling of its path, so none reaches a
     /// broader route unverified (SPEC §4.9). Never true of another route.
     pub(crate) fn matches_normalised(&self, method: &Method, normalised: &str) -> bool {
         self.webhook.is_some() && self.takes(method) && self.path.matches_normalised(normalised)

@@ -10,7 +10,7 @@
 //! - [`run`] (here): the process's server — workers, the pid file, reloads, the admin listener,
 //!   the drain.
 //! - `error`: [`RunError`], why it could not start or run.
-//! - `bind`: [`bind`] and the sockets every worker binds to the same port.
+//! - `bind`: [`bind()`] and the sockets every worker binds to the same port.
 //! - [`workers`]: a runtime, a thread and an accept loop a worker; what stays single.
 //! - `serving`: what runs on a worker — its accept loop and drain ([`serve`]), and the admin
 //!   listener ([`serve_admin`]).

@@ -103,7 +103,7 @@ fn reloaded(started: ListenerLimits, new: &Limits) -> ListenerLimits {
 
 /// Serves an already-built proxy on this runtime, as one worker (tests use this with a
 /// store of their own, and to read its metrics), until `shutdown` completes; then drains it
-/// as [`Workers::drain`] drains every worker.
+/// as [`Workers::drain`](super::workers::Workers::drain) drains every worker.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,

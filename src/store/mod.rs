@@ -37,6 +37,9 @@
 //! Each backend defines its own metric series and registers them when it is opened (see
 //! [`crate::metrics::StoreSeries`]); [`SweptSeries`] is the one the two that sweep share.
 
+// The host's clocks are not the store's (clippy.toml says which and why).
+#![deny(clippy::disallowed_methods)]
+
 pub mod memory;
 pub mod postgres;
 pub(crate) mod recent;
@@ -158,8 +161,7 @@ pub enum ResolvableClaim {
 /// [`complete`](Store::complete), [`release`](Store::release); for `on_conflict: wait`,
 /// [`get`](Store::get) and [`wait_change`](Store::wait_change); [`ping`](Store::ping) for
 /// readiness; [`inspect`](Store::inspect) and [`forget`](Store::forget) for the key tooling;
-/// [`deadline`](Store::deadline), how long an operation may take in all; and
-/// [`fill`](Store::fill), the records a self-bounded store holds.
+/// and [`deadline`](Store::deadline), how long an operation may take in all.
 ///
 /// Backends keep and return records as their encoded bytes: [`StoreHandle`] decodes them, so
 /// an undecodable record is refused in one place, and the memory store keeps one compact
@@ -206,10 +208,10 @@ pub trait Store: Send + Sync + 'static {
     /// Reads the key.
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError>;
     /// Claims `key` with the resolvable claim `held` if it is free, stamping its times on the
-    /// store's clock (see [`crate::record::resolvable::stamp_claim`]); or takes over the
+    /// store's clock (see [`crate::record::layout::stamp_claim`]); or takes over the
     /// resolvable claim it holds if that one's lease has lapsed (token and lease replaced,
     /// phase resolving, next lookup now, everything else and the key's lifetime kept,
-    /// [`crate::record::resolvable::stamp_takeover`]); or returns what it holds. One atomic
+    /// [`crate::record::layout::stamp_takeover`]); or returns what it holds. One atomic
     /// step.
     async fn claim_resolvable(
         &self,

@@ -29,4 +29,5 @@ contract_checks!(
     a_record_of_several_mib_round_trips,
     a_large_record_is_fenced_like_a_small_one,
     wait_change_returns_by_its_bound,
+    what_each_transition_writes_decodes,
 );

@@ -5,7 +5,7 @@
 //!
 //! How the claim and the call interleave, and what each case does:
 //! - **The claim is won before the response arrives** (the usual case): the lease is renewed
-//!   every `lock_ttl/3` while the call runs ([`Lease::renewing`]), and the settlement is
+//!   every `lock_ttl/3` while the call runs ([`Lease::renewing`](crate::proxy::lease::Lease::renewing)), and the settlement is
 //!   applied when it comes. The client already has its answer when the save is sent.
 //! - **The claim is won after the response arrived** (a slow store): the settlement is waiting
 //!   in the channel and is applied at once. The lease runs from the claim's *send* time, as on

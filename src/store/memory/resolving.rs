@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Held, Inner, MapKey, Shard, Slot, millis, shared};
-use crate::record::resolvable;
+use crate::record::{layout, resolvable};
 use crate::store::{ResolvableFound, ResolvableTimes};
 
 impl Shard {
@@ -28,7 +28,7 @@ impl Shard {
 }
 
 impl Inner {
-    /// One resolvable claim attempt (see [`Store::claim_resolvable`]); `Err(())` the store is
+    /// One resolvable claim attempt (see [`Store::claim_resolvable`](crate::store::Store::claim_resolvable)); `Err(())` the store is
     /// at its bound.
     pub(super) fn try_claim_resolvable(
         &self,
@@ -51,7 +51,7 @@ impl Inner {
                 };
                 // A takeover: the lifetime (the slot's deadline) stays as the first claim set it.
                 let mut value = slot.record.to_vec();
-                resolvable::stamp_takeover(&mut value, token, now, lease);
+                layout::stamp_takeover(&mut value, token, now, lease);
                 slot.record = Arc::from(value);
                 let value = shared(&slot.record);
                 self.lapses_at(slot.expires);
@@ -59,7 +59,7 @@ impl Inner {
             }
             entry => {
                 let mut value = held.encoded.to_vec();
-                resolvable::stamp_claim(&mut value, now, lease, millis(times.send_margin));
+                layout::stamp_claim(&mut value, now, lease, millis(times.send_margin));
                 let expires = now
                     .saturating_add(millis(times.send_margin))
                     .saturating_add(millis(times.lifetime));
@@ -101,14 +101,11 @@ impl Inner {
         let slot = shard.holds_resolvable(key, held, now)?;
         let mut value = slot.record.to_vec();
         let lease_until = now.saturating_add(millis(lease));
-        resolvable::write(&mut value, resolvable::LEASE_UNTIL, lease_until);
-        if let Some(next) = next_lookup_in {
-            value[resolvable::PHASE] = b'R';
-            resolvable::write(
-                &mut value,
-                resolvable::NEXT_LOOKUP_AT,
-                now.saturating_add(millis(next)),
-            );
+        match next_lookup_in {
+            None => layout::stamp_renew(&mut value, lease_until),
+            Some(next) => {
+                layout::stamp_resolving(&mut value, lease_until, now.saturating_add(millis(next)));
+            }
         }
         slot.record = Arc::from(value);
         slot.expires = slot.expires.max(lease_until);

@@ -17,6 +17,10 @@
 //! millisecond'`: exact, and bounded by [`super::MAX_MILLIS`] so that the sum stays a valid
 //! timestamp.
 
+use std::ops::Range;
+
+use crate::record::layout::{self, sql};
+
 /// The statements of one schema.
 pub(super) struct Statements {
     /// `$1` key, `$2` token, `$3` the in-progress record, `$4` lease: rows `(claimed, value)`.
@@ -33,8 +37,7 @@ pub(super) struct Statements {
     pub(super) get: String,
     /// `$1` key: the live value and its remaining milliseconds.
     pub(super) inspect: String,
-    /// `$1` key, `$2` and `$3` the prefixes of finished records (versions 1 and 2): rows
-    /// `(deleted, value)`.
+    /// `$1` key: rows `(deleted, value)`.
     pub(super) forget: String,
     /// `$1` batch size: rows deleted.
     pub(super) sweep: String,
@@ -48,7 +51,7 @@ pub(super) struct Statements {
 /// (lease, claimed, sent, phase and next lookup: offsets in [`crate::record::resolvable`], plus
 /// one, as SQL counts from 1) live inside its value as a claim or a takeover wrote them, and in
 /// the row's `times` column (the same 33 bytes) as a renewal rewrote them, so that a renewal
-/// never writes the value (and its copied lookup) again; [`EFFECTIVE_VALUE`] is the record as
+/// never writes the value (and its copied lookup) again; [`Bytes::effective_value`] is the record as
 /// it stands. The times are milliseconds of the server's `now()`, and the row's `expires_at` is
 /// its lifetime:
 /// a lapsed lease no longer frees the row (the sweep and every `expires_at` test leave it
@@ -74,7 +77,9 @@ pub(super) struct ResolvableStatements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Statements {
         let t = format!("{schema}.records");
-        let value = EFFECTIVE_VALUE;
+        let bytes = Bytes::new();
+        let value = &bytes.effective_value;
+        let finished = &bytes.is_finished;
         Statements {
             // The claim: one statement, one round trip, on both the new-key and the replay path.
             //
@@ -188,8 +193,7 @@ impl Statements {
                 "WITH del AS (
                     DELETE FROM {t}
                     WHERE key = $1 AND token IS NULL AND expires_at > now()
-                      AND (substring(value FROM 1 FOR octet_length($2::bytea)) = $2::bytea
-                        OR substring(value FROM 1 FOR octet_length($3::bytea)) = $3::bytea)
+                      AND {finished}
                     RETURNING 1
                 )
                 SELECT true, NULL::bytea FROM del
@@ -212,7 +216,7 @@ impl Statements {
                  AND expires_at < now()"
             ),
             ping: "SELECT 1",
-            resolvable: ResolvableStatements::new(schema, &t),
+            resolvable: ResolvableStatements::new(schema, &t, &bytes),
         }
     }
 
@@ -243,47 +247,112 @@ impl Statements {
 
 /// The server's clock in milliseconds since the epoch: the clock of a resolvable record's times.
 const NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
-/// `r.value` is a resolvable claim (format version 3, or 2 written by an earlier proxy; state
-/// 'Q').
-macro_rules! is_resolvable {
-    () => {
-        "octet_length(r.value) >= 86
-    AND substring(r.value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)"
-    };
+/// The SQL that reads and writes a resolvable record's bytes (in `r.value`, and its renewed
+/// times in `r.times`), every position from [`layout`] (SQL counts from 1).
+pub(super) struct Bytes {
+    /// `r.value` is a resolvable claim (format version 3, or 2 written by an earlier proxy).
+    is_resolvable: String,
+    /// `value` is a finished record, of either version.
+    pub(super) is_finished: String,
+    /// The record as the proxy decodes it: the value, with newer times patched in.
+    pub(super) effective_value: String,
+    /// The claim's times as they stand, from `times` or from the value.
+    times: String,
 }
-/// `r.times` holds the resolvable claim's times, newer than those inside `r.value`: a renewal
-/// wrote them there. A `times` left behind by an earlier incarnation of the row (by a proxy of
-/// schema version 1, which knows no `times`) holds a lease that had lapsed before the row was
-/// claimed again, so it never wins over the value's own.
-macro_rules! times_win {
-    () => {
-        concat!(
-            "r.times IS NOT NULL AND ",
-            is_resolvable!(),
-            " AND substring(r.times FROM 1 FOR 8) > substring(r.value FROM 22 FOR 8)"
-        )
-    };
+
+/// `range` of the record, counted within its times (where `r.times` holds them).
+const fn within_times(range: Range<usize>) -> Range<usize> {
+    range.start - layout::TIMES.start..range.end - layout::TIMES.start
 }
-const IS_RESOLVABLE: &str = is_resolvable!();
-const TIMES_WIN: &str = times_win!();
-/// The record as the proxy decodes it: the value, with newer times patched in.
-pub(super) const EFFECTIVE_VALUE: &str = concat!(
-    "CASE WHEN ",
-    times_win!(),
-    " THEN overlay(r.value PLACING r.times FROM 22 FOR 33) ELSE r.value END"
-);
+
+/// `overlay(value PLACING what …)` over `range` of the record.
+fn overlay(value: &str, what: &str, range: &Range<usize>) -> String {
+    format!(
+        "overlay({value} PLACING {what} FROM {} FOR {})",
+        sql::at(range.start),
+        range.len()
+    )
+}
+
+/// A one-byte `bytea` literal.
+fn byte(b: u8) -> String {
+    sql::literal(&[b])
+}
+
+impl Bytes {
+    pub(super) fn new() -> Bytes {
+        let is_resolvable = format!(
+            "octet_length(r.value) >= {} AND {} IN ({}, {})",
+            layout::FIXED,
+            sql::slice("r.value", &(0..layout::PREFIX_LEN)),
+            sql::literal(&layout::RESOLVABLE_PREFIX),
+            sql::literal(&layout::RESOLVABLE_PREFIX_2),
+        );
+        // `r.times` holds the claim's times, newer than those inside `r.value`: a renewal
+        // wrote them there. A `times` left behind by an earlier incarnation of the row (by a
+        // proxy of schema version 1, which knows no `times`) holds a lease that had lapsed
+        // before the row was claimed again, so it never wins over the value's own.
+        let times_win = format!(
+            "r.times IS NOT NULL AND {is_resolvable} AND {} > {}",
+            sql::slice("r.times", &within_times(layout::LEASE_UNTIL)),
+            sql::slice("r.value", &layout::LEASE_UNTIL),
+        );
+        let effective_value = format!(
+            "CASE WHEN {times_win} THEN {} ELSE r.value END",
+            overlay("r.value", "r.times", &layout::TIMES)
+        );
+        let times = format!(
+            "(CASE WHEN {times_win} THEN r.times ELSE {} END)",
+            sql::slice("r.value", &layout::TIMES)
+        );
+        let is_finished = format!(
+            "{} IN ({}, {})",
+            sql::slice("value", &(0..layout::PREFIX_LEN)),
+            sql::literal(&layout::FINISHED_PREFIX),
+            sql::literal(&layout::FINISHED_PREFIX_2)
+        );
+        Bytes {
+            is_resolvable,
+            is_finished,
+            effective_value,
+            times,
+        }
+    }
+
+    /// The claim's lease as it stands.
+    fn lease(&self) -> String {
+        sql::slice(&self.times, &within_times(layout::LEASE_UNTIL))
+    }
+
+    /// The claim's times with a new lease (`lease_until`, a number) and, with `next`, resolving
+    /// with its next lookup then: what a renewal writes.
+    fn renewed(&self, lease_until: &str, next: Option<&str>) -> String {
+        let kept = match next {
+            None => layout::CLAIMED_AT.start..layout::TIMES.end,
+            Some(_) => layout::CLAIMED_AT.start..layout::SENT_AT.end,
+        };
+        let mut new = format!(
+            "int8send({lease_until}) || {}",
+            sql::slice(&self.times, &within_times(kept))
+        );
+        if let Some(next) = next {
+            new.push_str(&format!(
+                " || {} || int8send({next})",
+                byte(layout::PHASE_RESOLVING)
+            ));
+        }
+        new
+    }
+}
 
 impl ResolvableStatements {
-    fn new(schema: &str, t: &str) -> ResolvableStatements {
-        // The claim's times as they stand: the 33 bytes from its lease to its next lookup,
-        // from `times` or from the value.
-        let times = format!(
-            "(CASE WHEN {TIMES_WIN} THEN r.times ELSE substring(r.value FROM 22 FOR 33) END)"
-        );
+    fn new(schema: &str, t: &str, bytes: &Bytes) -> ResolvableStatements {
+        let is_resolvable = &bytes.is_resolvable;
         // Held: our token, the row live, a resolvable claim, its lease live.
         let held = format!(
-            "r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {IS_RESOLVABLE}
-             AND substring({times} FROM 1 FOR 8) > int8send(c.ms)"
+            "r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {is_resolvable}
+             AND {} > int8send(c.ms)",
+            bytes.lease()
         );
         // Whether every instance writes schema version 2: renewals then leave the value alone.
         // Until then (a rolling upgrade from version 1, whose instances read the times only
@@ -295,22 +364,17 @@ impl ResolvableStatements {
         // What a renewal writes: `new` (the claim's new times) into `times`, and into the
         // value too until the schema is upgraded. The value's bytes are then left as they are:
         // a large lookup stored out of line is not written again.
-        let renewed = |new: &str| {
+        let renewed = |new: String| {
             format!(
                 "times = {new},
-                 value = CASE WHEN {upgraded} THEN r.value
-                     ELSE overlay(r.value PLACING {new} FROM 22 FOR 33) END"
+                 value = CASE WHEN {upgraded} THEN r.value ELSE {} END",
+                overlay("r.value", &new, &layout::TIMES)
             )
         };
-        let renew = renewed(&format!(
-            "int8send(c.ms + $3::bigint) || substring({times} FROM 9 FOR 25)"
-        ));
-        let resolving = renewed(&format!(
-            "int8send(c.ms + $3::bigint) || substring({times} FROM 9 FOR 16)
-                 || '\\x52'::bytea || int8send(c.ms + $4::bigint)"
-        ));
+        let renew = renewed(bytes.renewed("c.ms + $3::bigint", None));
+        let resolving = renewed(bytes.renewed("c.ms + $3::bigint", Some("c.ms + $4::bigint")));
         ResolvableStatements {
-            claim: claim(t, &times),
+            claim: claim(t, bytes),
             // The lease only: the row's lifetime grows if the lease outlasts it, never shrinks.
             renew: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
@@ -343,7 +407,7 @@ impl ResolvableStatements {
             release: format!(
                 "WITH del AS (
                     DELETE FROM {t} AS r
-                    WHERE r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {IS_RESOLVABLE}
+                    WHERE r.key = $1 AND r.token = $2 AND r.expires_at > now() AND {is_resolvable}
                     RETURNING 1
                 )
                 SELECT EXISTS (SELECT 1 FROM del)
@@ -354,7 +418,7 @@ impl ResolvableStatements {
     }
 }
 
-/// The resolvable claim statement, `times` the expression of the claim's times as they stand.
+/// The resolvable claim statement.
 /// Like the plain claim before its read came first (see `Statements::claim`, the
 /// lapse test written as there so that the row is found by its key), with a third
 /// writer: `took` takes over a live resolvable claim whose lease has lapsed.
@@ -365,14 +429,34 @@ impl ResolvableStatements {
 /// the caller recognises (a lapsed lease, no claim) and runs the statement again.
 /// A claim and a takeover write the whole value (the token inside it changes) and
 /// clear `times`.
-fn claim(t: &str, times: &str) -> String {
+fn claim(t: &str, bytes: &Bytes) -> String {
+    let Bytes {
+        is_resolvable,
+        effective_value,
+        times,
+        ..
+    } = bytes;
+    let stamp = format!(
+        "int8send(c.ms + $4::bigint) || int8send(c.ms) || int8send(c.ms + $5::bigint) || {} || int8send(0::bigint)",
+        byte(layout::PHASE_IN_FLIGHT)
+    );
+    let stamped = overlay("$3::bytea", &stamp, &layout::TIMES);
+    // The takeover: the times as they stand, then the new token and lease, then resolving with
+    // its next lookup now.
+    let took = overlay(
+        &overlay(
+            &overlay("r.value", times, &layout::TIMES),
+            "$2::bytea || int8send(c.ms + $4::bigint)",
+            &(layout::TOKEN.start..layout::LEASE_UNTIL.end),
+        ),
+        &format!("{} || int8send(c.ms)", byte(layout::PHASE_RESOLVING)),
+        &(layout::PHASE..layout::NEXT_LOOKUP_AT.end),
+    );
+    let lease = bytes.lease();
     format!(
         "WITH c AS (SELECT {NOW_MS} AS ms),
         stamped AS (
-            SELECT overlay($3::bytea PLACING
-                int8send(c.ms + $4::bigint) || int8send(c.ms) || int8send(c.ms + $5::bigint)
-                || '\\x46'::bytea || int8send(0::bigint)
-                FROM 22 FOR 33) AS value,
+            SELECT {stamped} AS value,
                 now() + ($5::bigint + $6::bigint) * interval '1 millisecond' AS expires_at
             FROM c
         ), ins AS (
@@ -388,19 +472,16 @@ fn claim(t: &str, times: &str) -> String {
             RETURNING r.value
         ), took AS (
             UPDATE {t} AS r
-            SET token = $2, times = NULL, value = overlay(overlay(overlay(r.value
-                    PLACING {times} FROM 22 FOR 33)
-                    PLACING $2::bytea || int8send(c.ms + $4::bigint) FROM 6 FOR 24)
-                    PLACING '\\x52'::bytea || int8send(c.ms) FROM 46 FOR 9)
+            SET token = $2, times = NULL, value = {took}
             FROM c
-            WHERE r.key = $1 AND r.expires_at > now() AND {IS_RESOLVABLE}
-              AND substring({times} FROM 1 FOR 8) <= int8send(c.ms)
+            WHERE r.key = $1 AND r.expires_at > now() AND {is_resolvable}
+              AND {lease} <= int8send(c.ms)
             RETURNING r.value
         )
         SELECT 1, value, (SELECT ms FROM c) FROM ins
         UNION ALL SELECT 1, value, (SELECT ms FROM c) FROM upd
         UNION ALL SELECT 2, value, (SELECT ms FROM c) FROM took
-        UNION ALL SELECT 3, {EFFECTIVE_VALUE}, (SELECT ms FROM c) FROM {t} AS r
+        UNION ALL SELECT 3, {effective_value}, (SELECT ms FROM c) FROM {t} AS r
             WHERE r.key = $1 AND r.expires_at > now()"
     )
 }

@@ -20,7 +20,7 @@ pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static {
     /// primary of every slot does (a replica that is down serves no key).
     fn ping(&self) -> impl Future<Output = RedisResult<()>> + Send;
 
-    /// Whether a command refused a connection gets one more try ([`resend`]): where the
+    /// Whether a command refused a connection gets one more try ([`resend`](super::resend)): where the
     /// refusal may be a stale one and the next try a fresh connection attempt.
     const FRESH_ATTEMPT_AFTER_REFUSAL: bool;
 }

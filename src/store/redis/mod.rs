@@ -55,11 +55,11 @@ pub use self::connection::RedisConnection;
 pub use self::replicas::RedisSeries;
 use self::replicas::Replicas;
 use self::resolving::{ResolvableScripts, resolvable_token};
-use self::scripts::{COMPLETE, COMPLETE_STAGED, FORGET, INSPECT, RELEASE, RENEW};
+use self::scripts::{COMPLETE, COMPLETE_STAGED, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreOp};
-use crate::record::{DecodeError, FINISHED_PREFIX, FINISHED_PREFIX_2};
+use crate::record::DecodeError;
 
 /// The Redis store, on one Redis (the default) or a Redis Cluster.
 pub struct RedisStore<C = ConnectionManager> {
@@ -185,7 +185,7 @@ impl<C: RedisConnection> RedisStore<C> {
             complete_staged: Script::new(COMPLETE_STAGED),
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
-            forget: Script::new(FORGET),
+            forget: Script::new(&scripts::forget()),
             resolvable: ResolvableScripts::new(),
             replicas: None,
         }
@@ -574,8 +574,6 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         let n: i64 = self
             .forget
             .key(key.text())
-            .arg(FINISHED_PREFIX)
-            .arg(FINISHED_PREFIX_2)
             .invoke_async(&mut conn)
             .await
             .map_err(backend("forget"))?;

@@ -1,7 +1,7 @@
 //! The Redis store's claims that can be resolved: its lease lives inside the value, on Redis's
 //! clock (`TIME`, read by each script), and the key's lifetime is its own (`PXAT` when claimed,
 //! never shortened after), so a lapsed lease no longer frees the key: it lets a claim take the
-//! resolution over, in one script ([`super::scripts::CLAIM_RESOLVABLE`]).
+//! resolution over, in one script ([`super::scripts::claim_resolvable`]).
 
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use redis::{RedisResult, Script};
 
 use super::connection::RedisConnection;
 use super::scripts::{
-    CLAIM_RESOLVABLE, COMPLETE_RESOLVABLE, NOW, RELEASE_RESOLVABLE, RENEW_RESOLVABLE,
+    NOW, claim_resolvable, complete_resolvable, release_resolvable, renew_resolvable,
 };
 use super::{RedisStore, bounded, millis};
 use crate::metrics::StoreOp;
@@ -45,17 +45,17 @@ pub(super) fn resolvable_token<'a>(
 impl ResolvableScripts {
     pub(super) fn new() -> ResolvableScripts {
         ResolvableScripts {
-            claim: Script::new(CLAIM_RESOLVABLE),
-            renew: Script::new(RENEW_RESOLVABLE),
-            complete: Script::new(COMPLETE_RESOLVABLE),
-            release: Script::new(RELEASE_RESOLVABLE),
+            claim: Script::new(&claim_resolvable()),
+            renew: Script::new(&renew_resolvable()),
+            complete: Script::new(&complete_resolvable()),
+            release: Script::new(&release_resolvable()),
             now: Script::new(NOW),
         }
     }
 }
 
 impl<C: RedisConnection> RedisStore<C> {
-    /// [`Store::claim_resolvable`]; with `store.wait_replicas`, acknowledged by replicas.
+    /// [`Store::claim_resolvable`](crate::store::Store::claim_resolvable); with `store.wait_replicas`, acknowledged by replicas.
     pub(super) async fn claim_resolvable_acknowledged(
         &self,
         key: &StoreKey,
@@ -127,7 +127,7 @@ impl<C: RedisConnection> RedisStore<C> {
             .await
     }
 
-    /// [`Store::renew`] and [`Store::resolving`] of a resolvable claim: `Some(now)` renewed.
+    /// [`Store::renew`](crate::store::Store::renew) and [`Store::resolving`](crate::store::Store::resolving) of a resolvable claim: `Some(now)` renewed.
     pub(super) async fn renew_resolvable(
         &self,
         key: &StoreKey,

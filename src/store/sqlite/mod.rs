@@ -422,4 +422,8 @@ impl Store for SqliteStore {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the tests time their own waits on the host's clock"
+)]
 mod tests;

@@ -24,7 +24,7 @@ use bytes::Bytes;
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, Statement, params};
 
-use crate::record::{Token, resolvable};
+use crate::record::{Token, layout, resolvable};
 use crate::store::{Forgotten, ResolvableFound, ResolvableTimes};
 
 /// The claim: insert, or take over a row whose lease or TTL has run out; anything live is left
@@ -227,7 +227,7 @@ impl<'c> Ops<'c> {
     ) -> rusqlite::Result<ResolvableFound> {
         let at = u64::try_from(now).unwrap_or(0);
         let mut stamped = value.to_vec();
-        resolvable::stamp_claim(&mut stamped, at, ms(times.lease), ms(times.send_margin));
+        layout::stamp_claim(&mut stamped, at, ms(times.lease), ms(times.send_margin));
         let expires_at = now
             .saturating_add(ms_i64(times.send_margin))
             .saturating_add(ms_i64(times.lifetime));
@@ -254,7 +254,7 @@ impl<'c> Ops<'c> {
             });
         }
         let mut taken = live;
-        resolvable::stamp_takeover(&mut taken, token, at, ms(times.lease));
+        layout::stamp_takeover(&mut taken, token, at, ms(times.lease));
         self.rewrite
             .execute(params![key, &token[..], &taken, i64::MIN])?;
         Ok(ResolvableFound::TakenOver {
@@ -278,14 +278,11 @@ impl<'c> Ops<'c> {
         };
         let at = u64::try_from(now).unwrap_or(0);
         let lease_until = at.saturating_add(ms(lease));
-        resolvable::write(&mut value, resolvable::LEASE_UNTIL, lease_until);
-        if let Some(next) = next_lookup_in {
-            value[resolvable::PHASE] = b'R';
-            resolvable::write(
-                &mut value,
-                resolvable::NEXT_LOOKUP_AT,
-                at.saturating_add(ms(next)),
-            );
+        match next_lookup_in {
+            None => layout::stamp_renew(&mut value, lease_until),
+            Some(next) => {
+                layout::stamp_resolving(&mut value, lease_until, at.saturating_add(ms(next)));
+            }
         }
         self.rewrite
             .execute(params![key, &token[..], &value, now_i64(lease_until)])?;

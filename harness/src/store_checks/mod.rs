@@ -17,6 +17,9 @@ use idemproxy::metrics::Metrics;
 use idemproxy::record::{Record, Saved, SavedResponse};
 use idemproxy::store::{Claim, Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
 
+mod written;
+pub use written::what_each_transition_writes_decodes;
+
 /// The deadline of every store call in these checks: generous (they are about answers, not
 /// speed), and shorter than any `lock_ttl` of the harness's configuration, as a configuration
 /// must be.
