@@ -45,6 +45,7 @@ pub mod postgres;
 pub(crate) mod recent;
 pub mod redis;
 pub mod sqlite;
+pub mod wrap;
 
 #[cfg(test)]
 pub(crate) mod resolvable_tests;
@@ -63,6 +64,7 @@ pub use crate::key::StoreKey;
 use crate::metrics::{Metrics, StoreOp, StoreSeries, encode_one};
 pub use crate::record::Held;
 use crate::record::{DecodeError, Encoded, Record};
+pub use wrap::Wrap;
 
 /// Why a store operation failed. Every variant means "the store could not say": the proxy
 /// answers 503 (or forwards, with `on_store_error: forward`), never guesses.

@@ -17,7 +17,7 @@ use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome};
 use idemproxy::proxy::{Proxy, RecordLookup};
 use idemproxy::store::memory::MemoryStore;
-use idemproxy::store::{Forgotten, Held, Store, StoreError, StoreHandle, StoreKey};
+use idemproxy::store::{Held, Store, StoreError, StoreHandle, StoreKey, Wrap};
 use reqwest::header::{HeaderName, HeaderValue};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -831,7 +831,10 @@ struct LateClaims {
 }
 
 #[async_trait]
-impl Store for LateClaims {
+impl Wrap for LateClaims {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     async fn claim(
         &self,
         key: &StoreKey,
@@ -842,58 +845,6 @@ impl Store for LateClaims {
         let delay = self.delay_ms.load(Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(u64::from(delay))).await;
         found
-    }
-    async fn renew(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(key, held, lease).await
-    }
-    async fn complete(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        done: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(key, held, done, ttl).await
-    }
-    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        self.inner.release(key, held).await
-    }
-    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn claim_resolvable(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        times: idemproxy::store::ResolvableTimes,
-    ) -> Result<idemproxy::store::ResolvableFound, StoreError> {
-        self.inner.claim_resolvable(key, held, times).await
-    }
-    async fn resolving(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        next_lookup_in: Duration,
-        lease: Duration,
-    ) -> Result<Option<u64>, StoreError> {
-        self.inner.resolving(key, held, next_lookup_in, lease).await
-    }
-    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
-        self.inner.now(key).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
-    }
-    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        self.inner.inspect(key).await
-    }
-    async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
-        self.inner.forget(key).await
     }
 }
 

@@ -2,7 +2,7 @@ use super::*;
 use crate::metrics::Metrics;
 use crate::record::{Record, Saved, new_token};
 use crate::store::memory::MemoryStore;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, Wrap};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::StatusCode;
@@ -12,14 +12,9 @@ use http::StatusCode;
 struct ReadsFail(MemoryStore);
 
 #[async_trait]
-impl Store for ReadsFail {
-    async fn claim(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        self.0.claim(key, held, lease).await
+impl Wrap for ReadsFail {
+    fn inner(&self) -> &dyn Store {
+        &self.0
     }
     async fn renew(&self, _: &StoreKey, _: &Held, _: Duration) -> Result<bool, StoreError> {
         Ok(false)
@@ -42,35 +37,6 @@ impl Store for ReadsFail {
             after: Duration::from_millis(1),
         })
     }
-    async fn claim_resolvable(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        times: crate::store::ResolvableTimes,
-    ) -> Result<crate::store::ResolvableFound, StoreError> {
-        self.0.claim_resolvable(key, held, times).await
-    }
-    async fn resolving(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        next_lookup_in: Duration,
-        lease: Duration,
-    ) -> Result<Option<u64>, StoreError> {
-        self.0.resolving(key, held, next_lookup_in, lease).await
-    }
-    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
-        self.0.now(key).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        self.0.inspect(key).await
-    }
-    async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
-        self.0.forget(key).await
-    }
 }
 
 /// The memory store, refusing every save while `refuse` is set (Redis out of memory:
@@ -81,22 +47,9 @@ struct RefusesSaves {
 }
 
 #[async_trait]
-impl Store for RefusesSaves {
-    async fn claim(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        self.inner.claim(key, held, lease).await
-    }
-    async fn renew(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(key, held, lease).await
+impl Wrap for RefusesSaves {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
     }
     async fn complete(
         &self,
@@ -112,41 +65,6 @@ impl Store for RefusesSaves {
             });
         }
         self.inner.complete(key, held, done, ttl).await
-    }
-    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        self.inner.release(key, held).await
-    }
-    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn claim_resolvable(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        times: crate::store::ResolvableTimes,
-    ) -> Result<crate::store::ResolvableFound, StoreError> {
-        self.inner.claim_resolvable(key, held, times).await
-    }
-    async fn resolving(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        next_lookup_in: Duration,
-        lease: Duration,
-    ) -> Result<Option<u64>, StoreError> {
-        self.inner.resolving(key, held, next_lookup_in, lease).await
-    }
-    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
-        self.inner.now(key).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        self.inner.inspect(key).await
-    }
-    async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
-        self.inner.forget(key).await
     }
 }
 
@@ -234,14 +152,9 @@ struct SlowRenewals {
 }
 
 #[async_trait]
-impl Store for SlowRenewals {
-    async fn claim(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        self.inner.claim(key, held, lease).await
+impl Wrap for SlowRenewals {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
     }
     async fn renew(
         &self,
@@ -252,50 +165,6 @@ impl Store for SlowRenewals {
         let renewed = self.inner.renew(key, held, lease).await;
         tokio::time::sleep(self.delay).await;
         renewed
-    }
-    async fn complete(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        done: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(key, held, done, ttl).await
-    }
-    async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        self.inner.release(key, held).await
-    }
-    async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn claim_resolvable(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        times: crate::store::ResolvableTimes,
-    ) -> Result<crate::store::ResolvableFound, StoreError> {
-        self.inner.claim_resolvable(key, held, times).await
-    }
-    async fn resolving(
-        &self,
-        key: &StoreKey,
-        held: &Held,
-        next_lookup_in: Duration,
-        lease: Duration,
-    ) -> Result<Option<u64>, StoreError> {
-        self.inner.resolving(key, held, next_lookup_in, lease).await
-    }
-    async fn now(&self, key: &StoreKey) -> Result<u64, StoreError> {
-        self.inner.now(key).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        self.inner.inspect(key).await
-    }
-    async fn forget(&self, key: &StoreKey) -> Result<crate::store::Forgotten, StoreError> {
-        self.inner.forget(key).await
     }
 }
 
