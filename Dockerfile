@@ -11,8 +11,8 @@
 ARG RUST_VERSION=1
 
 # ---- Build stage -----------------------------------------------------------------------------
-# The `dist` profile (Cargo.toml): release with whole-program LTO and one codegen unit, the code
-# the load bench measures; `--release` is the quicker everyday build, not what ships.
+# `--release` (Cargo.toml): whole-program LTO and one codegen unit, the code the load bench
+# measures and what `cargo install` builds.
 FROM rust:${RUST_VERSION}-bookworm AS build
 WORKDIR /src
 
@@ -38,7 +38,7 @@ RUN set -eu; \
     : > harness/src/lib.rs; \
     echo 'fn main() {}' > src/main.rs; \
     echo 'fn main() {}' > src/bin/mock-upstream/main.rs; \
-    cargo build --profile dist --locked --bins; \
+    cargo build --release --locked --bins; \
     rm -rf src mock/src
 
 # 2. The real sources. COPY keeps the files' own modification times, which can be older than
@@ -47,9 +47,9 @@ COPY src ./src
 COPY mock/src ./mock/src
 RUN set -eu; \
     find src mock/src -name '*.rs' -exec touch {} +; \
-    cargo build --profile dist --locked --bins; \
-    ./target/dist/idemproxy --version | grep -q '^idemproxy '; \
-    ./target/dist/mock-upstream --help | grep -q 'mock'
+    cargo build --release --locked --bins; \
+    ./target/release/idemproxy --version | grep -q '^idemproxy '; \
+    ./target/release/mock-upstream --help | grep -q 'mock'
 
 # ---- Runtime stage ---------------------------------------------------------------------------
 # Distroless: glibc, libgcc, CA certificates (/etc/ssl/certs) and a `nonroot` user (65532);
@@ -58,8 +58,8 @@ RUN set -eu; \
 # rustls with the Mozilla roots compiled in; the system CA bundle is there for
 # `store.ca_file`/`upstreams.*.ca_file` pointing at it, and for anything added later.
 FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /src/target/dist/idemproxy /usr/local/bin/idemproxy
-COPY --from=build /src/target/dist/mock-upstream /usr/local/bin/mock-upstream
+COPY --from=build /src/target/release/idemproxy /usr/local/bin/idemproxy
+COPY --from=build /src/target/release/mock-upstream /usr/local/bin/mock-upstream
 COPY config.example.yaml /etc/idemproxy/config.example.yaml
 
 # Never root: uid/gid 65532 ("nonroot" in the distroless image). Nothing is written to disk,

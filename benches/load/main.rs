@@ -2,7 +2,7 @@
 //! measured in the same run.
 //!
 //! It starts `mock-upstream` and `idemproxy` as cargo built them for it (the `bench` profile:
-//! whole-program LTO and one codegen unit, like the image's `dist`; one proxy process per
+//! whole-program LTO and one codegen unit, like the image's `release` build; one proxy process per
 //! scenario, its config in a temp file), a `redis-server` of its own for the Redis scenarios, a
 //! PostgreSQL server of its own for the PostgreSQL ones (an SQLite scenario gets a fresh file in
 //! the temp dir) and nginx `proxy_pass` as the reference proxy (each skipped, with a message,
