@@ -34,7 +34,9 @@ use opentelemetry_sdk::trace::{
 };
 use prometheus_client::metrics::counter::Counter;
 
+use futures_util::future::Either;
 pub use opentelemetry::context::FutureExt;
+use opentelemetry::context::WithContext;
 
 use crate::config::{Config, TracingSettings};
 use crate::metrics::Metrics;
@@ -369,6 +371,17 @@ pub(crate) fn resolved(how: &'static str) {
             ]);
         }
     });
+}
+
+/// `work`, to run in a task of its own, carrying the current request's trace context along:
+/// its store operations and upstream calls stay children of the request's span (and its
+/// upstream gets the request's `traceparent`), though the request may have been answered by
+/// then. As it is when the request is not traced.
+pub(crate) fn carried<F: Future>(work: F) -> Either<F, WithContext<F>> {
+    match current() {
+        Some(cx) => Either::Right(work.with_context(cx)),
+        None => Either::Left(work),
+    }
 }
 
 /// Whether the current request is traced (its context attached): for the steps that move a

@@ -552,3 +552,35 @@ async fn the_ratio_records_its_share_of_requests_without_a_traceparent() {
     assert_eq!(recorded + unsampled, N, "each request decided once");
     assert_eq!(sent_ids.len(), N, "a trace of its own for each request");
 }
+
+/// Under `mode: observe` the claim and the save run beside the request (the save after the
+/// answer): they are still its store operations, children of its server span, and so are a
+/// repeat's.
+#[tokio::test]
+async fn an_observed_request_keeps_its_store_operations_in_its_trace() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "mode: observe", &receiver.endpoint(), "1"))
+        .await;
+    let key = "trace-observed-51d0";
+    let first = book(&proxy, key, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let spans = receiver
+        .wait_for(WAIT, |s| {
+            servers(s).len() == 1
+                && s.iter().any(|x| x.name == "idemproxy.store.save")
+                && s.iter().any(|x| x.name == "idemproxy.store.claim")
+        })
+        .await;
+    let server = *servers(&spans).first().expect("a server span");
+    assert_eq!(server.attr("http.route"), "create-booking");
+    let mut under = names(&children(&spans, server));
+    under.sort();
+    assert_eq!(
+        under,
+        ["POST", "idemproxy.store.claim", "idemproxy.store.save"],
+        "{spans:#?}"
+    );
+    proxy.stop().await;
+}

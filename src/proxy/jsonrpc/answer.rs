@@ -37,6 +37,7 @@ use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::SavedResponse;
 use crate::route::OnUnknownOutcome;
+use crate::store::StoreKey;
 use crate::upstream::{self, UpstreamError, error_chain};
 
 /// The MCP session header: a session is the client's, never part of a saved result.
@@ -56,8 +57,14 @@ pub(in crate::proxy) enum Sink {
         lease: Lease,
         fingerprint: Fingerprint,
     },
-    /// The observed route's shadow claim, waiting for the settlement.
-    Observed(oneshot::Sender<Settlement>),
+    /// The observed route's shadow claim, waiting for the settlement; `key` and `owner` mark
+    /// the call answered (`context::Answered`) before its result reaches the client, so that a
+    /// repeat meanwhile counts as enforce, which saves before answering, would answer it.
+    Observed {
+        settled: oneshot::Sender<Settlement>,
+        key: StoreKey,
+        owner: u64,
+    },
 }
 
 impl Sink {
@@ -65,7 +72,7 @@ impl Sink {
     async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
         match self {
             Sink::Lease { lease, .. } => lease.renewing(work).await,
-            Sink::Observed(_) => work.await,
+            Sink::Observed { .. } => work.await,
         }
     }
 
@@ -76,7 +83,14 @@ impl Sink {
             Sink::Lease { lease, fingerprint } => {
                 settlement.apply(lease, fingerprint, context).await;
             }
-            Sink::Observed(settled) => {
+            Sink::Observed {
+                settled,
+                key,
+                owner,
+            } => {
+                if settlement.completes() {
+                    context.shared.answered.answered(&key, owner);
+                }
                 let _ = settled.send(settlement);
             }
         }
@@ -331,7 +345,10 @@ fn stream(
         headers: parts.headers.clone(),
         tx: Some(tx),
     };
-    context.shared.tasks.spawn(pump.run(incoming));
+    context
+        .shared
+        .tasks
+        .spawn(crate::traces::carried(pump.run(incoming)));
     StreamBody::new(Frames(rx)).boxed_unsync()
 }
 

@@ -201,12 +201,13 @@ impl Lease {
                 let bytes = done.encoded().len() as u64;
                 let ticket = pending.begin(self.route.clone(), self.key.id_hex(), bytes);
                 let pending = pending.clone();
-                tasks.spawn(async move {
+                // The retries are the request's store operations still: in its trace.
+                tasks.spawn(crate::traces::carried(async move {
                     let completion = Completion::whole(done);
                     self.complete_in_background(completion, ttl, &ticket.downgrade)
                         .await;
                     pending.finish(&ticket);
-                });
+                }));
             }
         }
     }

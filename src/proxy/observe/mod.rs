@@ -123,10 +123,12 @@ impl Proxy {
         // As on an enforced route: run here, moved to a task of its own if the client leaves
         // first, tracked either way (see `idempotent`).
         let (_attachment, ended, watch) = detach::guards(self.metrics.detached_exchanges.clone());
-        let exchange = Detachable::new(shared.tasks.track_future(async move {
-            let _ended = ended;
-            observation.forward().await
-        }));
+        let exchange = Detachable::new(shared.tasks.track_future(crate::traces::carried(
+            async move {
+                let _ended = ended;
+                observation.forward().await
+            },
+        )));
         let _watch = watch;
         let (mut resp, outcome) = answer_of(exchange.await, &route.name, context.start);
         resp.extensions_mut().insert(key_hash);
@@ -233,7 +235,11 @@ impl Observation {
             origin,
             owner,
         };
-        context.shared.tasks.spawn(shadow.run(settlement));
+        // Its claim and its save are the request's store operations: children of its span.
+        context
+            .shared
+            .tasks
+            .spawn(crate::traces::carried(shadow.run(settlement)));
 
         let (route, idem) = (&context.route, &context.policy);
         let up = &route.upstream;
@@ -250,7 +256,11 @@ impl Observation {
             (Ok(req), Some(call)) => {
                 // A JSON-RPC call: its answer streamed on as enforce streams it, the response
                 // to the call handed to the shadow claim as enforce would save it.
-                let sink = Sink::Observed(settled);
+                let sink = Sink::Observed {
+                    settled,
+                    key: answered_key,
+                    owner,
+                };
                 let (resp, outcome) = run_call(context.clone(), call, sink, req, sent).await;
                 let outcome = match outcome {
                     Outcome::Forwarded => Outcome::Passthrough,
