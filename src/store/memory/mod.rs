@@ -41,10 +41,9 @@
 //! that someone waits on, when the claim is completed, released or expires.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -56,17 +55,10 @@ pub use self::gauges::MemorySeries;
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::key::KeyId;
 use crate::metrics::Metrics;
-use crate::record::{self, resolvable};
+use crate::record::{self, resolvable as record_resolvable};
 
 /// How many independently locked maps the records are spread over.
 const SHARDS: usize = 64;
-
-/// How often the sweeper visits every shard to reclaim expired records.
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// The least time between two full purges run by claims at the bound: how long, at most, a full
-/// store refuses claims while lapsed records could have made room.
-const PURGE_AT_BOUND_EVERY: Duration = Duration::from_millis(100);
 
 /// A record's place: the route's number and the key's hash.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -154,24 +146,6 @@ impl Shard {
             n.notify_waiters();
         }
     }
-
-    /// Drops expired records; returns how many, and the earliest deadline of those left
-    /// (`u64::MAX` if none).
-    fn purge_expired(&mut self, now: u64) -> (u64, u64) {
-        let before = self.map.len();
-        let waiters = &mut self.waiters;
-        let mut earliest = u64::MAX;
-        self.map.retain(|k, s| {
-            let live = s.expires > now;
-            if live {
-                earliest = earliest.min(s.expires);
-            } else if let Some(n) = waiters.remove(k) {
-                n.notify_waiters();
-            }
-            live
-        });
-        ((before - self.map.len()) as u64, earliest)
-    }
 }
 
 struct Inner {
@@ -223,73 +197,6 @@ impl Inner {
             self.next_lapse.fetch_min(expires, Ordering::AcqRel);
         }
     }
-
-    /// At the bound: reclaims expired records if one may have lapsed since the last purge and
-    /// no purge ran in the last [`PURGE_AT_BOUND_EVERY`]. Whether it purged: only then can a
-    /// second try find room. Claims that lose the race for the purge are refused at once
-    /// rather than queue for the shards' locks behind it.
-    fn purge_at_bound(&self) -> bool {
-        let now = self.now();
-        if now < self.next_lapse.load(Ordering::Acquire) {
-            return false;
-        }
-        let due = self.purge_due.load(Ordering::Acquire);
-        let next = now.saturating_add(millis(PURGE_AT_BOUND_EVERY));
-        if now < due
-            || self
-                .purge_due
-                .compare_exchange(due, next, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
-        {
-            return false;
-        }
-        self.purge_all();
-        true
-    }
-
-    /// Drops every expired record, one shard at a time, and starts `next_lapse` again from
-    /// what is left (writes meanwhile lower it by themselves).
-    fn purge_all(&self) {
-        self.full_purges.fetch_add(1, Ordering::Relaxed);
-        self.next_lapse.store(u64::MAX, Ordering::Release);
-        for shard in self.shards.iter() {
-            let now = self.now();
-            let (gone, earliest) = lock(shard).purge_expired(now);
-            self.forget(gone);
-            self.lapses_at(earliest);
-        }
-    }
-
-    /// One claim attempt: `Ok(None)` claimed, `Ok(Some(record))` taken, `Err(())` the store is
-    /// at its bound.
-    fn try_claim(&self, key: &MapKey, held: &Held, lease: Duration) -> Result<Option<Bytes>, ()> {
-        let mut shard = self.shard(key);
-        let now = self.now();
-        let expires = now.saturating_add(millis(lease));
-        // Made only when the claim is taken: a replay or a conflict allocates nothing here.
-        let slot = || Slot {
-            expires,
-            record: Arc::from(&held.encoded[..]),
-        };
-        match shard.map.entry(*key) {
-            Entry::Occupied(o) if o.get().expires > now => {
-                return Ok(Some(shared(&o.get().record)));
-            }
-            // An expired record is absent: take its place (the count does not change).
-            Entry::Occupied(mut o) => {
-                o.insert(slot());
-                shard.wake(key);
-            }
-            Entry::Vacant(v) => {
-                if !self.reserve() {
-                    return Err(());
-                }
-                v.insert(slot());
-            }
-        }
-        self.lapses_at(expires);
-        Ok(None)
-    }
 }
 
 /// Zero-copy bytes of a record: replays share the stored buffer.
@@ -328,23 +235,7 @@ impl MemoryStore {
             purge_due: AtomicU64::new(0),
             full_purges: AtomicU64::new(0),
         });
-        let weak: Weak<Inner> = Arc::downgrade(&inner);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SWEEP_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                for i in 0..SHARDS {
-                    let Some(inner) = weak.upgrade() else { return };
-                    let now = inner.now();
-                    let (gone, _) = lock(&inner.shards[i]).purge_expired(now);
-                    inner.forget(gone);
-                    drop(inner);
-                    // One shard at a time, letting requests run in between.
-                    tokio::task::yield_now().await;
-                }
-            }
-        });
+        sweep::spawn(Arc::downgrade(&inner));
         MemoryStore { inner }
     }
 
@@ -527,7 +418,7 @@ impl Store for MemoryStore {
                 .live(&key, now)
                 .filter(|s| record::is_in_flight(&s.record))
                 // A resolvable claim's lease is inside it; its slot lives longer.
-                .map(|s| resolvable::lease_until(&s.record).unwrap_or(s.expires))
+                .map(|s| record_resolvable::lease_until(&s.record).unwrap_or(s.expires))
             else {
                 return;
             };
@@ -558,33 +449,19 @@ impl Store for MemoryStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let key = MapKey::of(key);
-        let shard = self.inner.shard(&key);
-        let now = self.inner.now();
-        Ok(shard
-            .live(&key, now)
-            .map(|s| (shared(&s.record), Duration::from_millis(s.expires - now))))
+        Ok(self.inner.inspect(key))
     }
 
     async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
-        let key = MapKey::of(key);
-        let mut shard = self.inner.shard(&key);
-        let now = self.inner.now();
-        let found = match shard.live(&key, now) {
-            None => return Ok(Forgotten::Absent),
-            Some(slot) => Forgotten::of(&slot.record),
-        };
-        if found == Forgotten::Forgotten {
-            shard.map.remove(&key);
-            drop(shard);
-            self.inner.forget(1);
-        }
-        Ok(found)
+        Ok(self.inner.forget_finished(key))
     }
 }
 
+mod claim;
 mod gauges;
-mod resolving;
+mod resolvable;
+mod sweep;
+mod tooling;
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
 //! Unit tests of the memory store, on paused time.
 
+use super::sweep::{PURGE_AT_BOUND_EVERY, SWEEP_EVERY};
 use super::*;
 use crate::metrics::Metrics;
 use crate::record::{Record, Saved, new_token};

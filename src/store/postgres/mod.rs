@@ -47,12 +47,15 @@
 //! - **TLS** (`postgres/secured.rs`): rustls, the roots of `store.ca_file` or the Mozilla set,
 //!   when the URL's `sslmode` asks for it.
 
+mod claim;
 mod error;
 mod pool;
+mod resolvable;
 mod schema;
 mod secured;
 mod sql;
 mod sweep;
+mod tooling;
 mod warm;
 
 use std::sync::Arc;
@@ -71,9 +74,9 @@ use super::{
 };
 use crate::config::PostgresSettings;
 use crate::metrics::Metrics;
-use crate::record::resolvable;
 use error::{backend, pg};
 use pool::Connections;
+use resolvable::returned_now;
 use sql::Statements;
 
 use super::recent::RecentKeys;
@@ -282,58 +285,6 @@ fn millis(d: Duration) -> i64 {
         .clamp(1, MAX_MILLIS)
 }
 
-/// What the resolvable claim statement's rows say: `None` run it again (no row: another
-/// session's claim was committing; or only a resolvable claim with a lapsed lease, which
-/// another session's takeover was committing), else what happened.
-fn resolvable_outcome(rows: &[Row]) -> Result<Option<ResolvableFound>, tokio_postgres::Error> {
-    let mut existing = None;
-    for row in rows {
-        let kind: i32 = row.try_get(0)?;
-        let value = Bytes::from(row.try_get::<_, Vec<u8>>(1)?);
-        let now = u64::try_from(row.try_get::<_, i64>(2)?).unwrap_or(0);
-        match kind {
-            1 => return Ok(Some(ResolvableFound::Claimed { value, now })),
-            2 => return Ok(Some(ResolvableFound::TakenOver { value, now })),
-            _ => {
-                if existing.is_none() {
-                    let lapsed = resolvable::lease_until(&value).is_some_and(|l| l <= now);
-                    existing = Some((value, lapsed));
-                }
-            }
-        }
-    }
-    Ok(match existing {
-        Some((_, true)) | None => None,
-        Some((value, false)) => Some(ResolvableFound::Existing { value }),
-    })
-}
-
-/// The number a resolvable statement returned (`now_ms`), if it returned a row.
-fn returned_now(op: &'static str, rows: &[Row]) -> Result<Option<u64>, StoreError> {
-    match rows.first() {
-        None => Ok(None),
-        Some(row) => {
-            let now: i64 = row.try_get(0).map_err(pg(op))?;
-            Ok(Some(u64::try_from(now).unwrap_or(0)))
-        }
-    }
-}
-
-/// What the claim statement's rows say: `None` no row (run it again), `Some(None)` the key is
-/// ours, `Some(Some(value))` a live record. A `true` row wins over a value row (see `sql.rs`).
-fn claim_outcome(rows: &[Row]) -> Result<Option<Option<Bytes>>, tokio_postgres::Error> {
-    let mut found = None;
-    for row in rows {
-        if row.try_get::<_, bool>(0)? {
-            return Ok(Some(None));
-        }
-        if found.is_none() {
-            found = Some(Some(Bytes::from(row.try_get::<_, Vec<u8>>(1)?)));
-        }
-    }
-    Ok(found)
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     async fn claim(
@@ -342,50 +293,7 @@ impl Store for PostgresStore {
         held: &Held,
         lease: Duration,
     ) -> Result<Option<Bytes>, StoreError> {
-        let inner = &self.inner;
-        inner.ready("claim").await?;
-        let store_key = key;
-        let (key, token, value, lease) = (
-            key.text(),
-            token("claim", held)?,
-            held.encoded.as_ref(),
-            millis(lease),
-        );
-        let conn = inner.connections.get("claim").await?;
-        if inner.recent.holds(store_key) {
-            // Likely a repeat: a primary-key read, and a finished record found is the answer
-            // the claim would give (see `recent.rs`). Anything else falls through to it.
-            let statement = inner.statement(&conn, "claim", &inner.sql.get).await?;
-            let rows = conn.query(&statement, &[&key]).await.map_err(pg("claim"))?;
-            if let Some(row) = rows.first() {
-                let found: Vec<u8> = row.try_get(0).map_err(pg("claim"))?;
-                if crate::record::is_finished(&found) {
-                    conn.finished();
-                    return Ok(Some(Bytes::from(found)));
-                }
-            }
-        }
-        let statement = inner.statement(&conn, "claim", &inner.sql.claim).await?;
-        for _ in 0..CLAIM_ATTEMPTS {
-            let rows = conn
-                .query(&statement, &[&key, &token, &value, &lease])
-                .await
-                .map_err(pg("claim"))?;
-            if let Some(found) = claim_outcome(&rows).map_err(pg("claim"))? {
-                conn.finished();
-                if found.is_some() {
-                    inner.recent.note(store_key);
-                }
-                return Ok(found);
-            }
-        }
-        conn.finished();
-        Err(backend(
-            "claim",
-            format!(
-                "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim of the key while it was committing (requests claiming and releasing the key over and over)"
-            ),
-        ))
+        self.inner.claim(key, held, lease).await
     }
 
     async fn renew(
@@ -417,49 +325,11 @@ impl Store for PostgresStore {
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let inner = &self.inner;
-        let store_key = key;
-        let (key, token, done, ttl) = (
-            key.text(),
-            token("complete", held)?,
-            done.as_ref(),
-            millis(ttl),
-        );
-        let statement = if held.resolvable().is_some() {
-            &inner.sql.resolvable.complete
-        } else {
-            &inner.sql.complete
-        };
-        let changed = inner
-            .execute("complete", statement, &[&key, &token, &done, &ttl])
-            .await?;
-        if changed == 1 {
-            inner.recent.note(store_key);
-            return Ok(true);
-        }
-        // Nothing changed: either the lease was lost, or this completion was sent again after
-        // the first landed (its answer lost) and the key already holds exactly `done`.
-        let landed = inner
-            .query("complete", &inner.sql.completed, &[&key, &done])
-            .await?;
-        Ok(!landed.is_empty())
+        self.inner.complete(key, held, done, ttl).await
     }
 
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        let (key, token) = (key.text(), token("release", held)?);
-        let statement = if held.resolvable().is_some() {
-            &self.inner.sql.resolvable.release
-        } else {
-            &self.inner.sql.release
-        };
-        let rows = self
-            .inner
-            .query("release", statement, &[&key, &token])
-            .await?;
-        match rows.first() {
-            Some(row) => row.try_get(0).map_err(pg("release")),
-            None => Err(backend("release", "the release statement returned no row")),
-        }
+        self.inner.release(key, held).await
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Bytes>, StoreError> {
@@ -482,37 +352,7 @@ impl Store for PostgresStore {
         held: &Held,
         times: ResolvableTimes,
     ) -> Result<ResolvableFound, StoreError> {
-        let inner = &self.inner;
-        inner.ready("claim").await?;
-        let (key, token, value) = (key.text(), token("claim", held)?, held.encoded.as_ref());
-        let (lease, lifetime) = (millis(times.lease), millis(times.lifetime));
-        // 0 is a valid margin (`millis` is at least 1).
-        let margin = i64::try_from(times.send_margin.as_millis())
-            .unwrap_or(MAX_MILLIS)
-            .min(MAX_MILLIS);
-        let conn = inner.connections.get("claim").await?;
-        let sql = &inner.sql.resolvable.claim;
-        let statement = inner.statement(&conn, "claim", sql).await?;
-        for _ in 0..CLAIM_ATTEMPTS {
-            let rows = conn
-                .query(
-                    &statement,
-                    &[&key, &token, &value, &lease, &margin, &lifetime],
-                )
-                .await
-                .map_err(pg("claim"))?;
-            if let Some(found) = resolvable_outcome(&rows).map_err(pg("claim"))? {
-                conn.finished();
-                return Ok(found);
-            }
-        }
-        conn.finished();
-        Err(backend(
-            "claim",
-            format!(
-                "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim or takeover of the key while it was committing"
-            ),
-        ))
+        self.inner.claim_resolvable(key, held, times).await
     }
 
     async fn resolving(
@@ -522,22 +362,11 @@ impl Store for PostgresStore {
         next_lookup_in: Duration,
         lease: Duration,
     ) -> Result<Option<u64>, StoreError> {
-        let (key, token) = (key.text(), token("renew", held)?);
-        let (lease, next) = (millis(lease), millis(next_lookup_in));
-        let sql = &self.inner.sql.resolvable.resolving;
-        let rows = self
-            .inner
-            .query("renew", sql, &[&key, &token, &lease, &next])
-            .await?;
-        returned_now("renew", &rows)
+        self.inner.resolving(key, held, next_lookup_in, lease).await
     }
 
     async fn now(&self, _key: &StoreKey) -> Result<u64, StoreError> {
-        let rows = self
-            .inner
-            .query("now", &self.inner.sql.resolvable.now, &[])
-            .await?;
-        Ok(returned_now("now", &rows)?.unwrap_or(0))
+        self.inner.now().await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -548,39 +377,11 @@ impl Store for PostgresStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let key = key.text();
-        let rows = self
-            .inner
-            .query("inspect", &self.inner.sql.inspect, &[&key])
-            .await?;
-        let Some(row) = rows.first() else {
-            return Ok(None);
-        };
-        let value: Vec<u8> = row.try_get(0).map_err(pg("inspect"))?;
-        let left: i64 = row.try_get(1).map_err(pg("inspect"))?;
-        let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
-        Ok(Some((Bytes::from(value), left)))
+        self.inner.inspect(key).await
     }
 
     async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
-        let key = key.text();
-        let rows = self
-            .inner
-            .query("forget", &self.inner.sql.forget, &[&key])
-            .await?;
-        let mut found = Forgotten::Absent;
-        for row in &rows {
-            if row.try_get::<_, bool>(0).map_err(pg("forget"))? {
-                return Ok(Forgotten::Forgotten);
-            }
-            let value: Vec<u8> = row.try_get(1).map_err(pg("forget"))?;
-            found = match Forgotten::of(&value) {
-                // Finished in the snapshot, yet not deleted: another forget deleted it first.
-                Forgotten::Forgotten => Forgotten::Absent,
-                other => other,
-            };
-        }
-        Ok(found)
+        self.inner.forget(key).await
     }
 }
 

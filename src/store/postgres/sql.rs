@@ -51,7 +51,7 @@ pub(super) struct Statements {
 /// (lease, claimed, sent, phase and next lookup: offsets in [`crate::record::resolvable`], plus
 /// one, as SQL counts from 1) live inside its value as a claim or a takeover wrote them, and in
 /// the row's `times` column (the same 33 bytes) as a renewal rewrote them, so that a renewal
-/// never writes the value (and its copied lookup) again; [`Bytes::effective_value`] is the record as
+/// never writes the value (and its copied lookup) again; [`RecordSql::effective_value`] is the record as
 /// it stands. The times are milliseconds of the server's `now()`, and the row's `expires_at` is
 /// its lifetime:
 /// a lapsed lease no longer frees the row (the sweep and every `expires_at` test leave it
@@ -77,7 +77,7 @@ pub(super) struct ResolvableStatements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Statements {
         let t = format!("{schema}.records");
-        let bytes = Bytes::new();
+        let bytes = RecordSql::new();
         let value = &bytes.effective_value;
         let finished = &bytes.is_finished;
         Statements {
@@ -249,7 +249,7 @@ impl Statements {
 const NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
 /// The SQL that reads and writes a resolvable record's bytes (in `r.value`, and its renewed
 /// times in `r.times`), every position from [`layout`] (SQL counts from 1).
-pub(super) struct Bytes {
+pub(super) struct RecordSql {
     /// `r.value` is a resolvable claim (format version 3, or 2 written by an earlier proxy).
     is_resolvable: String,
     /// `value` is a finished record, of either version.
@@ -279,8 +279,8 @@ fn byte(b: u8) -> String {
     sql::literal(&[b])
 }
 
-impl Bytes {
-    pub(super) fn new() -> Bytes {
+impl RecordSql {
+    pub(super) fn new() -> RecordSql {
         let is_resolvable = format!(
             "octet_length(r.value) >= {} AND {} IN ({}, {})",
             layout::FIXED,
@@ -311,7 +311,7 @@ impl Bytes {
             sql::literal(&layout::FINISHED_PREFIX),
             sql::literal(&layout::FINISHED_PREFIX_2)
         );
-        Bytes {
+        RecordSql {
             is_resolvable,
             is_finished,
             effective_value,
@@ -346,7 +346,7 @@ impl Bytes {
 }
 
 impl ResolvableStatements {
-    fn new(schema: &str, t: &str, bytes: &Bytes) -> ResolvableStatements {
+    fn new(schema: &str, t: &str, bytes: &RecordSql) -> ResolvableStatements {
         let is_resolvable = &bytes.is_resolvable;
         // Held: our token, the row live, a resolvable claim, its lease live.
         let held = format!(
@@ -429,8 +429,8 @@ impl ResolvableStatements {
 /// the caller recognises (a lapsed lease, no claim) and runs the statement again.
 /// A claim and a takeover write the whole value (the token inside it changes) and
 /// clear `times`.
-fn claim(t: &str, bytes: &Bytes) -> String {
-    let Bytes {
+fn claim(t: &str, bytes: &RecordSql) -> String {
+    let RecordSql {
         is_resolvable,
         effective_value,
         times,

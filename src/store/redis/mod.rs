@@ -33,20 +33,22 @@
 //! checks of the servers.
 
 mod check;
+mod claim;
 mod connect;
 mod connection;
 mod replicas;
 mod resend;
-mod resolving;
+mod resolvable;
 mod scripts;
 mod staged;
+mod tooling;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncCommands, RedisResult, Script};
 
@@ -54,7 +56,7 @@ pub(crate) use self::connect::{client, cluster_client};
 pub use self::connection::RedisConnection;
 pub use self::replicas::RedisSeries;
 use self::replicas::Replicas;
-use self::resolving::{ResolvableScripts, resolvable_token};
+use self::resolvable::ResolvableScripts;
 use self::scripts::{COMPLETE, COMPLETE_STAGED, INSPECT, RELEASE, RENEW};
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
@@ -218,220 +220,6 @@ impl<C: RedisConnection> RedisStore<C> {
         .await
         .map_err(backend(op))
     }
-
-    /// `SET key held NX PX lease GET` on `conn`: what the key held before, if anything. One
-    /// atomic step: set if absent, and return the previous value if there was one.
-    async fn set_nx_get(
-        conn: &mut impl ConnectionLike,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> RedisResult<Option<Vec<u8>>> {
-        redis::cmd("SET")
-            .arg(key.text())
-            .arg(held.encoded.as_ref())
-            .arg("NX")
-            .arg("PX")
-            .arg(millis(lease))
-            .arg("GET")
-            .query_async(conn)
-            .await
-    }
-
-    /// What a claim found, given what the key held before its `SET NX GET`. Finding our own
-    /// claim there means this very command was sent twice (after a connection error, by the
-    /// cluster client or by [`resend`]; the first attempt landed): the claim is ours.
-    fn found(previous: Option<Vec<u8>>, held: &Held) -> Option<Bytes> {
-        previous
-            .filter(|p| p.as_slice() != held.encoded.as_ref())
-            .map(Bytes::from)
-    }
-
-    /// A claim sent again found its own claim: the first try landed, on a connection that
-    /// broke before its answer came back. `WAIT` waits for the replication offset its
-    /// connection last noted: Redis 7.0 notes it after every command, but the current Redis
-    /// source only after a command that propagated a write, and then the `WAIT` to come would
-    /// not cover that first `SET`. Renewing the claim here is a write on this connection, later
-    /// in the replication stream than the `SET`, whatever the version.
-    async fn rewrite_own_claim(
-        &self,
-        conn: &mut impl ConnectionLike,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        let renewal = async {
-            self.renew
-                .key(key.text())
-                .arg(held.encoded.as_ref())
-                .arg(millis(lease))
-                .invoke_async::<i64>(conn)
-                .await
-                .map_err(backend("claim"))
-        };
-        match bounded("claim", self.timeout, renewal).await? {
-            1 => Ok(()),
-            // Within one store.timeout (shorter than any lease) nobody else can take the key.
-            _ => Err(StoreError::Backend {
-                op: "claim",
-                source: "the claim vanished right after it was taken".into(),
-            }),
-        }
-    }
-
-    /// The compare-and-set of a completion on `conn`: inline (the record is an argument of the
-    /// script), or, for a large record, staged ([`staged`]).
-    async fn complete_on(
-        &self,
-        mut conn: impl ConnectionLike + Clone + Send,
-        key: &StoreKey,
-        held: &Held,
-        done: &Bytes,
-        ttl: Duration,
-    ) -> RedisResult<bool> {
-        let key = key.text();
-        // A resolvable claim is fenced on its token (its value changes as its lease is
-        // renewed), so the staged path, which compares whole values, does not apply: the
-        // record goes inline. Resolutions are rare, and their records are bounded by
-        // `max_response_body` like any.
-        if let Some(r) = held.resolvable() {
-            let n: i64 = self
-                .resolvable
-                .complete
-                .key(key)
-                .arg(&r.token[..])
-                .arg(done.as_ref())
-                .arg(millis(ttl))
-                .invoke_async(&mut conn)
-                .await?;
-            return Ok(n == 1);
-        }
-        if done.len() >= staged::STAGE_FROM
-            && let Some(staging) = staged::staging_key(&key, held)
-        {
-            return staged::complete(&self.complete_staged, conn, &key, &staging, held, done, ttl)
-                .await;
-        }
-        let n: i64 = self
-            .complete
-            .key(key)
-            .arg(held.encoded.as_ref())
-            .arg(done.as_ref())
-            .arg(millis(ttl))
-            .invoke_async(&mut conn)
-            .await?;
-        Ok(n == 1)
-    }
-
-    /// A claim that `replicas` must acknowledge: the `SET` and its `WAIT` on one dedicated
-    /// connection. Too few acknowledgements in time: the claim is released (holder-only, so a
-    /// claim that expired meanwhile and was taken by another request is left alone) and the
-    /// answer is [`StoreError::ReplicasMissing`], so nothing is forwarded.
-    async fn claim_acknowledged(
-        &self,
-        replicas: &Replicas,
-        key: &StoreKey,
-        held: &Held,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        let (mut dedicated, previous) = replicas
-            .write("claim", |mut conn| async move {
-                Self::set_nx_get(&mut conn, key, held, lease).await
-            })
-            .await?;
-        if previous.as_deref() == Some(held.encoded.as_ref()) {
-            self.rewrite_own_claim(dedicated.conn(), key, held, lease)
-                .await?;
-        }
-        let previous = Self::found(previous, held);
-        if previous.is_some() {
-            // Nothing was written: there is nothing to wait for.
-            dedicated.give_back();
-            return Ok(previous);
-        }
-        let Err(short) = replicas.acknowledged(dedicated, StoreOp::Claim).await else {
-            return Ok(None);
-        };
-        // The release goes over the shared connection: the dedicated one may still be
-        // blocked in its WAIT, and a release needs no acknowledgement (at worst the claim
-        // outlives a failover and expires with its lease).
-        let released = bounded("release", self.timeout, self.release_on(key, held)).await;
-        match &released {
-            Ok(_) => tracing::warn!(
-                key = %key.id_hex(),
-                why = %short.why,
-                "claim not acknowledged by enough replicas (store.wait_replicas): released, 503"
-            ),
-            Err(e) => tracing::warn!(
-                key = %key.id_hex(),
-                why = %short.why,
-                error = %e,
-                "claim not acknowledged by enough replicas (store.wait_replicas), and releasing it failed: the key stays claimed until its lease expires"
-            ),
-        }
-        Err(StoreError::ReplicasMissing {
-            op: "claim",
-            wanted: replicas.wanted(),
-            acked: short.acked,
-        })
-    }
-
-    /// A completion that `replicas` should acknowledge. Once the compare-and-set has landed,
-    /// the result is saved whatever the replicas say: a short acknowledgement is logged and
-    /// counted, never an error (an error would make the caller retry a save that is done, and
-    /// the retry would find no claim and report a lost lease).
-    async fn complete_acknowledged(
-        &self,
-        replicas: &Replicas,
-        key: &StoreKey,
-        held: &Held,
-        done: &Bytes,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let (dedicated, saved) = replicas
-            .write("complete", |conn| async move {
-                self.complete_on(conn, key, held, done, ttl).await
-            })
-            .await?;
-        if !saved {
-            return Ok(false);
-        }
-        if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Complete).await {
-            tracing::warn!(
-                key = %key.id_hex(),
-                why = %short.why,
-                "saved result not acknowledged by enough replicas (store.wait_replicas): a failover now could lose it"
-            );
-        }
-        Ok(true)
-    }
-
-    async fn release_on(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
-        if held.resolvable().is_some() {
-            let token = resolvable_token("release", held)?;
-            let n: i64 = self
-                .shared("release", |mut conn| async move {
-                    self.resolvable
-                        .release
-                        .key(key.text())
-                        .arg(token)
-                        .invoke_async(&mut conn)
-                        .await
-                })
-                .await?;
-            return Ok(n != 0);
-        }
-        let n: i64 = self
-            .shared("release", |mut conn| async move {
-                self.release
-                    .key(key.text())
-                    .arg(held.encoded.as_ref())
-                    .invoke_async(&mut conn)
-                    .await
-            })
-            .await?;
-        Ok(n != 0)
-    }
 }
 
 #[async_trait]
@@ -560,31 +348,10 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let (value, pttl): (Option<Vec<u8>>, i64) = self
-            .shared("inspect", |mut conn| async move {
-                self.inspect.key(key.text()).invoke_async(&mut conn).await
-            })
-            .await?;
-        let ttl = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
-        Ok(value.map(|v| (Bytes::from(v), ttl)))
+        self.inspect_key(key).await
     }
 
     async fn forget(&self, key: &StoreKey) -> Result<Forgotten, StoreError> {
-        let mut conn = self.conn.clone();
-        let n: i64 = self
-            .forget
-            .key(key.text())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend("forget"))?;
-        match n {
-            0 => Ok(Forgotten::Absent),
-            1 => Ok(Forgotten::Forgotten),
-            // Left alone: read it again to say why.
-            _ => Ok(match self.get(key).await? {
-                None => Forgotten::Absent,
-                Some(bytes) => Forgotten::of(&bytes),
-            }),
-        }
+        self.forget_finished(key).await
     }
 }

@@ -15,7 +15,7 @@
 //! - **Read threads** (`readers.rs`), each with its own connection, serve `get`, `inspect`,
 //!   `ping`'s read, and the first look of a claim of a key lately finished or repeated (a
 //!   likely repeat, `store/recent.rs`), beside the writer (WAL).
-//! - **The SQL** (`ops.rs`): the claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE
+//! - **The SQL** (`ops.rs` the statements; `claim.rs`, `resolvable.rs`, `tooling.rs` by part): the claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE
 //!   expired`; renew, complete and release are fenced on the token and on the lease not
 //!   having expired.
 //! - **Time** (`clock.rs`): leases and TTLs are Unix milliseconds of the host's wall clock,
@@ -25,11 +25,14 @@
 //!   of a completion or release: this process is the only one on the file.
 
 mod checkpoint;
+mod claim;
 mod clock;
 mod file;
 mod ops;
 mod readers;
+mod resolvable;
 mod sweep;
+mod tooling;
 mod waiters;
 mod writer;
 

@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 
+use rusqlite::params;
+
 use super::Inner;
+use super::ops::Ops;
 use crate::store::StoreError;
 
 /// The most rows one sweep transaction deletes.
@@ -52,5 +55,14 @@ pub(super) async fn pass(store: &Weak<Inner>) -> Option<Result<u64, StoreError>>
         if swept < SWEEP_BATCH as u64 {
             return Some(Ok(total));
         }
+    }
+}
+
+impl Ops<'_> {
+    /// Deletes at most `limit` rows expired at `now`; returns how many.
+    pub(super) fn sweep(&mut self, now: i64, limit: usize) -> rusqlite::Result<u64> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let deleted = self.sweep.execute(params![now, limit])?;
+        Ok(deleted as u64)
     }
 }
