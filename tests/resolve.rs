@@ -32,6 +32,7 @@ every_store!(
     a_final_absent_releases_the_key_and_the_retry_books_once,
     an_early_absent_is_not_final_and_a_late_booking_is_found,
     lookups_that_never_answer_end_as_outcome_unknown_and_never_forward,
+    lookups_answering_another_status_end_as_outcome_unknown_naming_it,
     a_repeat_during_the_resolution_is_409_and_not_forwarded,
     with_on_conflict_wait_a_repeat_waits_for_the_resolution,
     a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
@@ -270,6 +271,43 @@ async fn lookups_that_never_answer_end_as_outcome_unknown_and_never_forward(back
     assert_eq!(resolutions(&proxy, "gave_up"), 1);
     assert!(lookups(&proxy, "failed") >= 1);
     assert_eq!(bookings_for(&env, "R-unknown"), 1, "never forwarded again");
+    proxy.stop().await;
+}
+
+/// Lookups that do answer, with a status in neither `found` nor `absent` (here the mock's 200
+/// for the booking, on a route that reads only 201 as found), end as `outcome-unknown` too;
+/// its detail says what the last lookup answered and points at the lists, not at the network.
+async fn lookups_answering_another_status_end_as_outcome_unknown_naming_it(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "found: [201]\nabsent: [404]\nsettle_after: 500ms\ninterval: 100ms\ngive_up_after: 1s",
+            "",
+        ))
+        .await;
+    let body = booking("R-other");
+    let first = book_with(
+        &proxy.url(""),
+        "k-other",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-other", &body).await;
+    let doc = retry.assert_problem(502, "outcome-unknown");
+    let detail = doc["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("answered status 200")
+            && detail.contains("resolve.found [201]")
+            && detail.contains("resolve.absent [404]"),
+        "{detail}"
+    );
+    assert!(!detail.contains("no answer"), "{detail}");
+    assert!(lookups(&proxy, "other") >= 1);
+    assert_eq!(lookups(&proxy, "failed"), 0);
+    assert_eq!(bookings_for(&env, "R-other"), 1, "never forwarded again");
     proxy.stop().await;
 }
 
