@@ -255,11 +255,22 @@ fn a_key_being_resolved_says_so_with_its_next_lookup() {
     assert!(detail.contains("next at 20"), "an RFC 3339 time: {detail}");
     assert!(!detail.contains("lock_ttl"), "{detail}");
     let forget = AdminProblem::RecordResolving {
-        next_lookup_in: Duration::from_secs(3),
+        next_lookup_in: Some(Duration::from_secs(3)),
     }
     .detail();
     assert!(
         forget.contains("being resolved") && !forget.contains("lock_ttl"),
         "{forget}"
+    );
+    // Without a holder, no lookup is due: it says what takes it over, not "next in 0ms".
+    let orphan = AdminProblem::RecordResolving {
+        next_lookup_in: None,
+    }
+    .detail();
+    assert!(
+        orphan.contains("no instance is resolving it")
+            && orphan.contains("repeat of the key takes it over")
+            && !orphan.contains("next at"),
+        "{orphan}"
     );
 }
