@@ -212,9 +212,12 @@ async fn a_redelivery_while_the_first_runs_is_a_409_with_retry_after(backend: Ba
             .await
         })
     };
-    // The first is claimed at once and runs for 1.5 s: a redelivery meanwhile finds it in
-    // flight.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The first is claimed, then runs for 1.5 s once it reaches the handler (which counts it
+    // on arrival): a redelivery meanwhile finds it in flight.
+    assert!(
+        harness::eventually(Duration::from_secs(3), || env.mock.stats().total == 1).await,
+        "the first delivery reached the handler"
+    );
     let conflict = deliver(&proxy, &secret, "msg_1", now(), BODY, &[]).await;
     conflict.assert_problem(409, "request-in-progress");
     assert!(!conflict.header("retry-after").is_empty(), "Retry-After");
