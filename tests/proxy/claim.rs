@@ -835,9 +835,9 @@ async fn redis_two_instances_waiting_duplicates_all_get_the_booking() {
 /// The memory store, whose claims are answered `delay` after they were made while the delay
 /// is set: the claim is taken at once, the answer comes late (a stalled scheduler, a slow
 /// network on the way back).
-struct LateClaims {
-    inner: MemoryStore,
-    delay_ms: AtomicU32,
+pub(crate) struct LateClaims {
+    pub(crate) inner: MemoryStore,
+    pub(crate) delay_ms: AtomicU32,
 }
 
 #[async_trait]
