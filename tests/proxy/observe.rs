@@ -968,3 +968,23 @@ async fn redis_repeats_past_the_held_bound_never_read_a_stalled_store() {
     env.redis().resume();
     assert_forwarded(&slow.await.expect("the first"), 201);
 }
+
+/// On PostgreSQL, stalled at its relay (a blackhole: the pool's connections get no answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_repeats_past_the_held_bound_never_read_a_stalled_store() {
+    let env = Env::new(Backend::Postgres).await;
+    let proxy = env.proxy(&burst_config(&env)).await;
+    let slow = spawn_booking(proxy.url(""), "obs-burst", SEAT, "3s");
+    until_in_flight(&proxy.proxy, "obs-burst").await;
+    let text = || proxy.proxy.encode_metrics();
+    assert!(
+        eventually(LANDS_WITHIN, || would_in(&text(), Would::Forward) == 1).await,
+        "the first's claim counted"
+    );
+    repeats_past_the_bound_are_counted_without_a_read(&proxy.url(""), text, || {
+        env.postgres().relay.blackhole()
+    })
+    .await;
+    env.postgres().relay.pass();
+    assert_forwarded(&slow.await.expect("the first"), 201);
+}
