@@ -830,3 +830,79 @@ async fn keys_show_a_resolution_without_a_holder_as_waiting_for_a_repeat() {
     admin.stop().await;
     proxy.stop().await;
 }
+
+/// The ids of the Redis connections other than `own`'s (the test's), oldest first.
+fn other_clients(own: &mut ::redis::Connection) -> Vec<u64> {
+    let me: u64 = ::redis::cmd("CLIENT")
+        .arg("ID")
+        .query(own)
+        .expect("CLIENT ID");
+    let list: String = ::redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(own)
+        .expect("CLIENT LIST");
+    list.lines()
+        .filter_map(|line| line.strip_prefix("id="))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .filter(|id| *id != me)
+        .collect()
+}
+
+/// `CONFIG SET maxclients n` on Redis.
+fn max_clients(own: &mut ::redis::Connection, n: u32) {
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(n)
+        .query(own)
+        .expect("CONFIG SET maxclients");
+}
+
+/// `/readyz` answers for every worker's store connections: with `workers: 2` on Redis (one
+/// connection a worker), each worker's connection in turn is cut off — killed, and Redis
+/// refusing a new one (`maxclients`) — while the other's works: `/readyz` is 503 both times,
+/// and 200 once the connection is back. (Asking worker 0's connection alone, it was 200 in the
+/// round that cut worker 1's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_when_any_worker_loses_its_store_connection() {
+    let env = Env::new(Backend::Redis).await;
+    let mut own = env.redis().conn();
+    let yaml = env.config("");
+    assert!(yaml.contains("workers: 2\n"), "two workers: {yaml}");
+    let proxy = env.proxy(&yaml).await;
+    let admin = admin(&proxy).await;
+    let readyz = format!("{}/readyz", admin.base);
+    assert_eq!(get(readyz.clone(), None).await.status, 200);
+    let first = other_clients(&mut own);
+    assert_eq!(first.len(), 2, "one connection a worker: {first:?}");
+    // Cut off each in turn: the first one, then the one that stayed up meanwhile.
+    for cut in [first[0], first[1]] {
+        // Only the test's connection and the other worker's: no room for a new one.
+        max_clients(&mut own, 2);
+        let _: () = ::redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(cut)
+            .query(&mut own)
+            .expect("CLIENT KILL");
+        let r = get(readyz.clone(), None).await;
+        assert_eq!(r.status, 503, "connection {cut} cut off: {:?}", r.body);
+        max_clients(&mut own, 10_000);
+        let mut ready = false;
+        for _ in 0..50 {
+            if get(readyz.clone(), None).await.status == 200 {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(ready, "ready again once Redis takes the connection back");
+    }
+    assert_eq!(
+        other_clients(&mut own).len(),
+        2,
+        "both connections are back"
+    );
+    admin.stop().await;
+    proxy.stop().await;
+}
