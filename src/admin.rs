@@ -281,27 +281,44 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
 /// (on the store's clock, which the record's times are on: the wait from now, and when that
 /// is by this host's clock). The lookup is named by its upstream, method and the names of its
 /// copied headers — never their values, which may be credentials.
+///
+/// A claim whose lease has lapsed has no holder: its instance crashed, drained before the
+/// resolution ended, or left it past `limits.max_resolutions`. Nothing asks about it until a
+/// repeat of its key arrives and takes it over (SPEC §4.8: the takeover is the claim's atomic
+/// step, on demand); until then no lookup is due, whatever time the record holds, and the
+/// answer says it is waiting for that repeat.
 async fn resolvable_doc(proxy: &Proxy, key: &StoreKey, r: &Resolvable, doc: &mut Value) {
     doc["lookup"] = json!({
         "upstream": r.lookup.upstream,
         "method": r.lookup.method.as_str(),
         "headers": r.lookup.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
     });
-    if r.phase == Phase::InFlight {
-        doc["state"] = json!("in_flight");
+    doc["state"] = json!(match r.phase {
+        Phase::InFlight => "in_flight",
+        Phase::Resolving => "resolving",
+    });
+    // The store's clock, read once more: a time of the record means nothing without it.
+    let Ok(now) = proxy.store().now(key).await else {
+        return;
+    };
+    if r.lease_until <= now {
+        doc["lease_lapsed_ms_ago"] = json!(now - r.lease_until);
+        doc["waiting_for"] = json!(TAKEOVER);
         return;
     }
-    doc["state"] = json!("resolving");
-    // The store's clock, read once more: a time of the record means nothing without it.
-    if let Ok(now) = proxy.store().now(key).await {
-        let wait = r.next_lookup_at.saturating_sub(now);
-        doc["next_lookup_in_ms"] = json!(wait);
-        let at = std::time::SystemTime::now() + std::time::Duration::from_millis(wait);
-        if let Ok(unix) = at.duration_since(std::time::UNIX_EPOCH) {
-            doc["next_lookup_at_unix_ms"] = json!(unix.as_millis() as u64);
-        }
+    if r.phase == Phase::InFlight {
+        return;
+    }
+    let wait = r.next_lookup_at.saturating_sub(now);
+    doc["next_lookup_in_ms"] = json!(wait);
+    let at = std::time::SystemTime::now() + std::time::Duration::from_millis(wait);
+    if let Ok(unix) = at.duration_since(std::time::UNIX_EPOCH) {
+        doc["next_lookup_at_unix_ms"] = json!(unix.as_millis() as u64);
     }
 }
+
+/// What a claim without a holder waits for (`waiting_for`).
+const TAKEOVER: &str = "a repeat of the key to take it over";
 
 async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Response<Body> {
     let key = match store_key(proxy, rest, query) {
@@ -334,12 +351,20 @@ async fn forget(proxy: &Proxy, rest: &str, query: &str, peer: SocketAddr) -> Res
 async fn in_flight(proxy: &Proxy, key: &StoreKey) -> AdminProblem {
     let store = proxy.store();
     if let Ok(Some(Record::Resolvable(r))) = store.get(key).await
-        && r.phase == Phase::Resolving
         && let Ok(now) = store.now(key).await
     {
-        return AdminProblem::RecordResolving {
-            next_lookup_in: std::time::Duration::from_millis(r.next_lookup_at.saturating_sub(now)),
-        };
+        // No holder: waiting for a repeat to take it over (see `resolvable_doc`).
+        if r.lease_until <= now {
+            return AdminProblem::RecordResolving {
+                next_lookup_in: None,
+            };
+        }
+        if r.phase == Phase::Resolving {
+            let wait = r.next_lookup_at.saturating_sub(now);
+            return AdminProblem::RecordResolving {
+                next_lookup_in: Some(std::time::Duration::from_millis(wait)),
+            };
+        }
     }
     AdminProblem::RecordInFlight
 }

@@ -6,11 +6,13 @@
 //! retry runs once, and lookups that never settle it end as `outcome-unknown`, never forwarded
 //! again. Each rule is written once and run on every store (`every_store!`).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemproxy::config::Config;
 use idemproxy::proxy::Reloaded;
 
+use harness::relay::{Direction, Relay, Tap};
 use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
 #[path = "resolve/bounded.rs"]
@@ -32,6 +34,7 @@ every_store!(
     a_final_absent_releases_the_key_and_the_retry_books_once,
     an_early_absent_is_not_final_and_a_late_booking_is_found,
     lookups_that_never_answer_end_as_outcome_unknown_and_never_forward,
+    lookups_answering_another_status_end_as_outcome_unknown_naming_it,
     a_repeat_during_the_resolution_is_409_and_not_forwarded,
     with_on_conflict_wait_a_repeat_waits_for_the_resolution,
     a_lookup_part_that_cannot_be_read_is_refused_before_the_claim,
@@ -168,10 +171,40 @@ async fn a_request_never_sent_is_released_and_never_resolved(backend: Backend) {
     first.assert_problem(502, "upstream-unavailable");
     let retry = book_with(&proxy.url(""), "k-unsent", &body, &[]).await;
     retry.assert_problem(502, "upstream-unavailable");
+    assert!(
+        retry.headers.get("idempotent-replayed").is_none(),
+        "tried again, not a replay of the first's failure"
+    );
+    assert_eq!(bookings_for(&env, "R-unsent"), 0);
+    // The upstream comes up on that address: the next retry is run by it, not replayed.
+    let upstream = tokio::net::TcpListener::bind(refused.trim_start_matches("http://"))
+        .await
+        .expect("bind the upstream's address");
+    let mock = env.mock.addr();
+    let forwarding = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = upstream.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(mock).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let ran = book_with(&proxy.url(""), "k-unsent", &body, &[]).await;
+    assert_eq!(ran.status, 201, "run by the upstream: {:?}", ran.body);
+    assert!(
+        ran.headers.get("idempotent-replayed").is_none(),
+        "the upstream's answer, not a replay"
+    );
+    assert_eq!(
+        bookings_for(&env, "R-unsent"),
+        1,
+        "the upstream ran it once"
+    );
     for answer in ["found", "absent", "other", "failed"] {
         assert_eq!(lookups(&proxy, answer), 0, "no lookup sent ({answer})");
     }
-    assert_eq!(bookings_for(&env, "R-unsent"), 0);
+    forwarding.abort();
     proxy.stop().await;
 }
 
@@ -270,6 +303,43 @@ async fn lookups_that_never_answer_end_as_outcome_unknown_and_never_forward(back
     assert_eq!(resolutions(&proxy, "gave_up"), 1);
     assert!(lookups(&proxy, "failed") >= 1);
     assert_eq!(bookings_for(&env, "R-unknown"), 1, "never forwarded again");
+    proxy.stop().await;
+}
+
+/// Lookups that do answer, with a status in neither `found` nor `absent` (here the mock's 200
+/// for the booking, on a route that reads only 201 as found), end as `outcome-unknown` too;
+/// its detail says what the last lookup answered and points at the lists, not at the network.
+async fn lookups_answering_another_status_end_as_outcome_unknown_naming_it(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env
+        .proxy(&resolving(
+            &env,
+            "found: [201]\nabsent: [404]\nsettle_after: 500ms\ninterval: 100ms\ngive_up_after: 1s",
+            "",
+        ))
+        .await;
+    let body = booking("R-other");
+    let first = book_with(
+        &proxy.url(""),
+        "k-other",
+        &body,
+        &[("X-Mock-Lose-Response", "after")],
+    )
+    .await;
+    first.assert_problem(502, "upstream-failed");
+    let retry = retry_until_settled(&proxy, "k-other", &body).await;
+    let doc = retry.assert_problem(502, "outcome-unknown");
+    let detail = doc["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("answered status 200")
+            && detail.contains("resolve.found [201]")
+            && detail.contains("resolve.absent [404]"),
+        "{detail}"
+    );
+    assert!(!detail.contains("no answer"), "{detail}");
+    assert!(lookups(&proxy, "other") >= 1);
+    assert_eq!(lookups(&proxy, "failed"), 0);
+    assert_eq!(bookings_for(&env, "R-other"), 1, "never forwarded again");
     proxy.stop().await;
 }
 
@@ -436,14 +506,20 @@ async fn an_observed_route_resolves_in_the_background_and_forwards_repeats(backe
 
 async fn a_running_resolution_counts_against_the_observed_bound(backend: Backend) {
     let env = Env::new(backend).await;
+    // Lookups go through a relay that keeps what the proxy asked, to tell whose they were.
+    let asked = Arc::new(Asked::default());
+    let relay = Relay::start_with_tap(env.mock.addr(), asked.clone()).await;
     let yaml = resolving(
         &env,
-        "settle_after: 10s\ninterval: 200ms",
+        "upstream: lookups\nsettle_after: 10s\ninterval: 200ms",
         "mode: observe\n",
     )
     .replacen(
         "upstreams:\n",
-        "limits:\n  max_detached_exchanges: 1\nupstreams:\n",
+        &format!(
+            "limits:\n  max_detached_exchanges: 1\nupstreams:\n  lookups:\n    url: http://{}\n",
+            relay.addr()
+        ),
         1,
     );
     let proxy = env.proxy(&yaml).await;
@@ -474,11 +550,21 @@ async fn a_running_resolution_counts_against_the_observed_bound(backend: Backend
     )
     .await;
     assert_eq!(second.status, 502);
+    assert_eq!(bookings_for(&env, "R-bound-2"), 1, "forwarded all the same");
+    // Every resolution has ended once none runs and the first's booking was found (a
+    // resolution of the second, had it started, would have found its booking at once).
+    let running = || proxy.metric("idemproxy_resolutions_running", &[]) as u64;
     assert!(
-        eventually(LANDS_WITHIN, || resolutions(&proxy, "found") == 1).await,
+        eventually(LANDS_WITHIN, || asked.about("R-bound-1", "200")
+            && resolutions(&proxy, "found") >= 1
+            && running() == 0)
+        .await,
         "the first resolution ends found"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !asked.about("R-bound-2", ""),
+        "no lookup was ever sent for the second request's reference"
+    );
     assert_eq!(
         resolutions(&proxy, "found"),
         1,
@@ -486,6 +572,35 @@ async fn a_running_resolution_counts_against_the_observed_bound(backend: Backend
     );
     assert_eq!(lookups(&proxy, "found"), 1);
     proxy.stop().await;
+}
+
+/// What the proxy asked through a relay in front of the lookups' upstream, and what each
+/// answer's status line said: the first 1 MiB each way, in order.
+#[derive(Default)]
+struct Asked(std::sync::Mutex<(String, String)>);
+
+impl Tap for Asked {
+    fn forwarded(&self, _conn: u64, dir: Direction, bytes: &[u8]) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let side = match dir {
+            Direction::Up => &mut kept.0,
+            Direction::Down => &mut kept.1,
+        };
+        if side.len() < 1 << 20 {
+            side.push_str(&String::from_utf8_lossy(bytes));
+        }
+    }
+}
+
+impl Asked {
+    /// Whether a lookup for `reference` was sent and, when `status` is not empty, whether
+    /// some lookup was answered with it.
+    fn about(&self, reference: &str, status: &str) -> bool {
+        let kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.0
+            .contains(&format!("GET /bookings/by-reference/{reference} "))
+            && (status.is_empty() || kept.1.contains(&format!("HTTP/1.1 {status} ")))
+    }
 }
 
 /// The stores whose records outlive the proxy (SPEC §4.6): a proxy SIGKILLed mid-request or

@@ -34,14 +34,18 @@ pub(crate) enum AdminProblem {
     RecordInFlight,
     /// The key holds a claim whose outcome is being resolved, never forgotten (409).
     RecordResolving {
-        /// When its next lookup is sent, from now (on the store's clock).
-        next_lookup_in: Duration,
+        /// When its next lookup is sent, from now (on the store's clock); `None` when its
+        /// holder's lease has lapsed: no lookup is due until a repeat of the key takes it over.
+        next_lookup_in: Option<Duration>,
     },
     /// What the key holds is not a finished record of this proxy, so it is left alone (409).
     NotARecord,
     /// The store failed or did not answer in time (503).
     StoreUnavailable { detail: String },
 }
+
+/// Why a claim of a `resolve` route is left alone.
+const NEVER_FORGOTTEN: &str = "A key being resolved is never forgotten: it ends found, absent or outcome-unknown (give_up_after).";
 
 impl AdminProblem {
     /// The admin's answer to a store failure (503, no `Retry-After`).
@@ -101,10 +105,17 @@ impl AdminProblem {
             AdminProblem::NoIdempotentRoute => "No idempotent route has that name.".into(),
             AdminProblem::NoRecord => "No record under this key.".into(),
             AdminProblem::RecordInFlight => "A claim in flight is never forgotten: its holder may be alive; a dead holder's lease expires within lock_ttl.".into(),
-            AdminProblem::RecordResolving { next_lookup_in } => format!(
-                "The outcome of this key's first request is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms). A key being resolved is never forgotten: it ends found, absent or outcome-unknown (give_up_after).",
-                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next_lookup_in),
-                next_lookup_in.as_millis()
+            AdminProblem::RecordResolving {
+                next_lookup_in: Some(next),
+            } => format!(
+                "The outcome of this key's first request is unknown and is being resolved: the proxy asks the upstream whether the operation happened, next at {} (in {}ms). {NEVER_FORGOTTEN}",
+                humantime::format_rfc3339_seconds(std::time::SystemTime::now() + *next),
+                next.as_millis()
+            ),
+            AdminProblem::RecordResolving {
+                next_lookup_in: None,
+            } => format!(
+                "The outcome of this key's first request is unknown, and no instance is resolving it now: its holder's lease lapsed (a crash, a drain, or limits.max_resolutions). The next repeat of the key takes it over and asks the upstream: send it (the client's retry). {NEVER_FORGOTTEN}"
             ),
             AdminProblem::NotARecord => "What is under this key is not a finished record of this proxy; left alone.".into(),
             AdminProblem::StoreUnavailable { detail } => {

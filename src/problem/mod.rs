@@ -134,6 +134,8 @@ pub enum Problem {
         upstream: String,
         /// 504 after a timeout, 502 after a failed connection.
         status: StatusCode,
+        /// What the last lookup answered.
+        last: LastLookup,
     },
     /// A delivery on a webhook route whose signature is missing, malformed, made by no
     /// configured secret, or outside the window (401); nothing claimed, nothing forwarded.
@@ -373,24 +375,16 @@ impl Problem {
             Problem::UnreadableLookupPart { detail } => format!(
                 "This route asks the upstream about a request whose outcome is unknown with a lookup made of parts of the request, and one could not be read: {detail}. Send that part. Nothing was done."
             ),
-            Problem::HeadersTooLarge {
-                limit: HeadLimit::Count(limit),
-            } => format!(
-                "The request has more than {limit} header fields (the host counts as one); nothing was done. Retry with fewer headers and the same key."
-            ),
-            Problem::HeadersTooLarge {
-                limit: HeadLimit::Bytes(limit),
-            } => format!(
-                "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
-            ),
+            Problem::HeadersTooLarge { limit } => head_too_large(*limit),
             Problem::BeingResolved(cause) => format!(
                 "{} The proxy is asking the upstream whether it did; until it knows, a retry with the same key gets 409 (Retry-After), then the operation's result, or, if it did not happen, runs it once.",
                 cause.detail()
             ),
-            Problem::OutcomeUnknown { upstream, status } => format!(
-                "No complete response came from upstream {upstream} (the first request got status {}), and asking it whether it performed the operation gave no answer in time; it may have. The operation will not be run again with this key: check with the upstream before retrying with a new one.",
-                status.as_u16()
-            ),
+            Problem::OutcomeUnknown {
+                upstream,
+                status,
+                last,
+            } => last.detail(upstream, *status),
         }
     }
 
@@ -462,6 +456,8 @@ impl Problem {
 
 mod admin;
 pub(crate) use admin::AdminProblem;
+mod unknown;
+pub use unknown::LastLookup;
 
 fn content_type() -> (HeaderName, HeaderValue) {
     (
@@ -503,6 +499,18 @@ fn respond(
 
 #[cfg(test)]
 mod tests;
+
+/// The detail of [`Problem::HeadersTooLarge`].
+fn head_too_large(limit: HeadLimit) -> String {
+    match limit {
+        HeadLimit::Count(limit) => format!(
+            "The request has more than {limit} header fields (the host counts as one); nothing was done. Retry with fewer headers and the same key."
+        ),
+        HeadLimit::Bytes(limit) => format!(
+            "The request head (its request line and headers, as HTTP/1.1 writes them) is larger than {limit} bytes; nothing was done. Retry with a smaller head and the same key."
+        ),
+    }
+}
 
 /// The detail of [`Problem::UnsupportedMediaType`].
 fn not_a_grpc_call(content_type: &str) -> String {

@@ -58,6 +58,7 @@ fn all() -> Vec<Problem> {
         Problem::OutcomeUnknown {
             upstream: "booking".into(),
             status: StatusCode::GATEWAY_TIMEOUT,
+            last: LastLookup::Failed,
         },
         Problem::WebhookSignatureInvalid {
             detail: "bad signature: no configured secret makes the signature of this body".into(),
@@ -92,9 +93,48 @@ fn an_outcome_being_resolved_is_its_failure_with_a_detail_that_says_so() {
     let failed = Problem::OutcomeUnknown {
         upstream: "booking".into(),
         status: StatusCode::BAD_GATEWAY,
+        last: LastLookup::Failed,
     };
     assert_eq!(failed.status(), StatusCode::BAD_GATEWAY);
     assert_eq!(failed.slug(), "outcome-unknown");
+    assert!(
+        failed.detail().contains("got no answer"),
+        "{}",
+        failed.detail()
+    );
+}
+
+/// A resolution whose lookups answered a status in neither `found` nor `absent` did get an
+/// answer: its detail names that status and the lists, never "no answer".
+#[test]
+fn an_outcome_unknown_after_another_status_names_it_and_the_lists() {
+    let p = Problem::OutcomeUnknown {
+        upstream: "booking".into(),
+        status: StatusCode::BAD_GATEWAY,
+        last: LastLookup::Other {
+            status: 200,
+            found: vec![201],
+            absent: vec![404, 410],
+        },
+    };
+    let detail = p.detail();
+    assert!(
+        detail.contains("answered status 200")
+            && detail.contains("resolve.found [201]")
+            && detail.contains("resolve.absent [404, 410]"),
+        "{detail}"
+    );
+    assert!(!detail.contains("no answer"), "{detail}");
+    let early = Problem::OutcomeUnknown {
+        upstream: "booking".into(),
+        status: StatusCode::GATEWAY_TIMEOUT,
+        last: LastLookup::EarlyAbsent { status: 404 },
+    };
+    assert!(
+        early.detail().contains("status 404") && early.detail().contains("settle_after"),
+        "{}",
+        early.detail()
+    );
 }
 
 #[test]
@@ -215,11 +255,22 @@ fn a_key_being_resolved_says_so_with_its_next_lookup() {
     assert!(detail.contains("next at 20"), "an RFC 3339 time: {detail}");
     assert!(!detail.contains("lock_ttl"), "{detail}");
     let forget = AdminProblem::RecordResolving {
-        next_lookup_in: Duration::from_secs(3),
+        next_lookup_in: Some(Duration::from_secs(3)),
     }
     .detail();
     assert!(
         forget.contains("being resolved") && !forget.contains("lock_ttl"),
         "{forget}"
+    );
+    // Without a holder, no lookup is due: it says what takes it over, not "next in 0ms".
+    let orphan = AdminProblem::RecordResolving {
+        next_lookup_in: None,
+    }
+    .detail();
+    assert!(
+        orphan.contains("no instance is resolving it")
+            && orphan.contains("repeat of the key takes it over")
+            && !orphan.contains("next at"),
+        "{orphan}"
     );
 }

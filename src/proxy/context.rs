@@ -70,8 +70,10 @@ pub(super) enum Found {
     First,
     /// An earlier one, answered, with this fingerprint: enforce would answer from its result.
     Answered(Fingerprint),
-    /// An earlier one still running: the store decides, as it always did.
-    Running,
+    /// An earlier one still running here, with this fingerprint: the store decides, as it
+    /// always did — within the bound on held repeats, which its read of the record counts
+    /// against (see `observe::shadow`).
+    Running(Fingerprint),
 }
 
 impl Answered {
@@ -97,7 +99,7 @@ impl Answered {
                 if first.answered {
                     Found::Answered(first.fingerprint)
                 } else {
-                    Found::Running
+                    Found::Running(first.fingerprint)
                 }
             }
         }

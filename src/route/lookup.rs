@@ -128,6 +128,12 @@ fn piece(
             "unknown template part {{{inner}}}; expected {{key}}, {{path:NAME}}, {{json:POINTER}}, {{query:NAME}} or {{header:NAME}}"
         )
     };
+    // The kinds a template takes are `key_from`'s but `method` (a lookup has its own): an
+    // unknown kind is refused here, with the template's list, not `key_from`'s.
+    let kind = inner.split_once(':').map_or(inner, |(kind, _)| kind);
+    if !matches!(kind, "path" | "json" | "query" | "header") {
+        return Err(unknown());
+    }
     let part = match KeyPart::parse(inner) {
         Ok(KeyPart::Method) => return Err(unknown()),
         Ok(KeyPart::Path(name)) if pattern.is_some_and(|p| !p.has_param(&name)) => {
@@ -227,6 +233,31 @@ mod tests {
             );
         }
         assert!(LookupTemplate::parse("GET /b/{header:X-Ref}", Some(&route)).is_ok());
+    }
+
+    /// An unknown part is refused with the parts a template takes — not `key_from`'s list,
+    /// which has `method`, a part a template does not take.
+    #[test]
+    fn an_unknown_part_is_refused_with_the_parts_a_template_takes() {
+        let route = pattern("/bookings");
+        for bad in [
+            "GET /b/{cookie:x}",
+            "GET /b/{method}",
+            "GET /b/{ref}",
+            "GET /b/{method:x}",
+        ] {
+            let error = LookupTemplate::parse(bad, Some(&route)).expect_err(bad);
+            assert!(
+                error.contains(
+                    "expected {key}, {path:NAME}, {json:POINTER}, {query:NAME} or {header:NAME}"
+                ),
+                "{bad}: {error}"
+            );
+            assert!(!error.contains("or method"), "{bad}: {error}");
+        }
+        let pointer = LookupTemplate::parse("GET /b/{json:reference}", Some(&route))
+            .expect_err("a pointer without '/'");
+        assert!(pointer.contains("RFC 6901"), "{pointer}");
         assert!(LookupTemplate::parse("GET /b?r={query:ref}", Some(&route)).is_ok());
     }
 }

@@ -673,10 +673,20 @@ async fn redis_waiter_that_saw_the_key_held_answers_503_on_a_store_error() {
         eventually(Duration::from_secs(3), || env.mock.calls(key) == 1).await,
         "the first request reached the upstream"
     );
+    let claims = || {
+        proxy.metric(
+            "idemproxy_store_operation_duration_seconds_count",
+            &[("op", "claim")],
+        ) as u64
+    };
+    let before = claims();
     let second = spawn_booking(proxy.url(""), key, BODY, "2500ms");
-    // Let the second one see the claim and start waiting, then stall Redis past the store
-    // timeout (300ms) so that its next poll fails.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Once the second one has seen the claim (its first try done) and waits, stall Redis past
+    // the store timeout (300ms) so that its next poll fails.
+    assert!(
+        eventually(Duration::from_secs(3), || claims() > before).await,
+        "the second request tried its claim"
+    );
     env.redis().pause();
     tokio::time::sleep(Duration::from_millis(1000)).await;
     env.redis().resume();
@@ -825,9 +835,9 @@ async fn redis_two_instances_waiting_duplicates_all_get_the_booking() {
 /// The memory store, whose claims are answered `delay` after they were made while the delay
 /// is set: the claim is taken at once, the answer comes late (a stalled scheduler, a slow
 /// network on the way back).
-struct LateClaims {
-    inner: MemoryStore,
-    delay_ms: AtomicU32,
+pub(crate) struct LateClaims {
+    pub(crate) inner: MemoryStore,
+    pub(crate) delay_ms: AtomicU32,
 }
 
 #[async_trait]

@@ -826,3 +826,165 @@ async fn a_repeat_sent_as_soon_as_the_first_is_answered_counts_as_a_replay(backe
     }
     until_counted(&proxy, &[(Would::Forward, keys), (Would::Replay, keys)]).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Repeats of a request in flight read the store within the held bound
+// ---------------------------------------------------------------------------------------------
+
+/// The held bound of the two tests below, and how many repeats they send at once.
+const READ_BOUND: u64 = 3;
+const BURST: u64 = 24;
+
+/// `idemproxy_observed_total{would}` of `create-booking` in the metrics text `text`.
+fn would_in(text: &str, would: Would) -> u64 {
+    let labels = [("route", ROUTE), ("would", would.as_str())];
+    harness::metric_value(text, "idemproxy_observed_total", &labels) as u64
+}
+
+/// [`BURST`] repeats of `key` at once, each forwarded (observe): their answers.
+async fn burst_of_repeats(base: &str, key: &str) {
+    let sends: Vec<_> = (0..BURST)
+        .map(|_| {
+            let (base, key) = (base.to_owned(), key.to_owned());
+            tokio::spawn(async move { book_with(&base, &key, SEAT, &[]).await })
+        })
+        .collect();
+    for send in sends {
+        assert_forwarded(&send.await.expect("a repeat"), 201);
+    }
+}
+
+/// Under observe + `on_conflict: wait`, with the store stalled once the first request holds its
+/// key: of a burst of repeats, at most `limits.max_detached_exchanges` read the record (those
+/// reads wait on the store); the others are counted `conflict` at once, while the store still
+/// answers nothing — no read of theirs queues behind it (before, every repeat read the record,
+/// and each was counted `store_error` at the store's deadline).
+async fn repeats_past_the_bound_are_counted_without_a_read(
+    base: &str,
+    metrics: impl Fn() -> String,
+    stall: impl FnOnce(),
+) {
+    let text = metrics();
+    assert_eq!(
+        would_in(&text, Would::Forward),
+        1,
+        "the first claimed its key"
+    );
+    stall();
+    burst_of_repeats(base, "obs-burst").await;
+    let counted = || {
+        let text = metrics();
+        (
+            would_in(&text, Would::Conflict),
+            would_in(&text, Would::StoreError),
+        )
+    };
+    // The repeats past the bound are counted `conflict` without asking the store; the reads
+    // within it end at the store's deadline (1.5s) as `store_error`. Had every repeat read the
+    // record, each would have ended so.
+    let landed = eventually(LANDS_WITHIN, || {
+        counted() == (BURST - READ_BOUND, READ_BOUND)
+    })
+    .await;
+    assert!(
+        landed,
+        "(conflict, store_error) = {:?}: only the repeats within the bound read the stalled store",
+        counted()
+    );
+}
+
+/// The observed configuration of the two tests: `on_conflict: wait`, the held bound, a store
+/// deadline of 1.5s.
+fn burst_config(env: &Env) -> String {
+    format!(
+        "{}limits:\n  max_detached_exchanges: {READ_BOUND}\n",
+        env.config_with(
+            "mode: observe\non_conflict: wait\nwait_timeout: 30s",
+            "timeout: 1500ms"
+        )
+    )
+}
+
+/// On memory, stalled as a store that stops answering (its claims answered 10s late, past
+/// the 1.5s deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_repeats_past_the_held_bound_never_read_a_stalled_store() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use idemproxy::store::memory::MemoryStore;
+
+    use super::claim::LateClaims;
+
+    let env = Env::new(Backend::Memory).await;
+    let config = Config::from_yaml(&burst_config(&env)).expect("config");
+    let metrics = Arc::new(Metrics::new());
+    let late = Arc::new(LateClaims {
+        inner: MemoryStore::new(1000),
+        delay_ms: AtomicU32::new(0),
+    });
+    let store = StoreHandle::new(late.clone(), Duration::from_millis(1500), metrics.clone());
+    let proxy = Arc::new(Proxy::new(config, store, metrics.clone()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let served = tokio::spawn(idemproxy::server::serve(
+        listener,
+        proxy.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let slow = spawn_booking(base.clone(), "obs-burst", SEAT, "3s");
+    until_in_flight(&proxy, "obs-burst").await;
+    let text = || metrics.encode();
+    assert!(
+        eventually(LANDS_WITHIN, || would_in(&text(), Would::Forward) == 1).await,
+        "the first's claim counted"
+    );
+    repeats_past_the_bound_are_counted_without_a_read(&base, text, || {
+        late.delay_ms.store(10_000, Ordering::SeqCst)
+    })
+    .await;
+    late.delay_ms.store(0, Ordering::SeqCst);
+    assert_forwarded(&slow.await.expect("the first"), 201);
+    let _ = stop.send(());
+    let _ = served.await;
+}
+
+/// On Redis, stalled by SIGSTOP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_repeats_past_the_held_bound_never_read_a_stalled_store() {
+    let env = Env::new(Backend::Redis).await;
+    let proxy = env.proxy(&burst_config(&env)).await;
+    let slow = spawn_booking(proxy.url(""), "obs-burst", SEAT, "3s");
+    until_in_flight(&proxy.proxy, "obs-burst").await;
+    let text = || proxy.proxy.encode_metrics();
+    assert!(
+        eventually(LANDS_WITHIN, || would_in(&text(), Would::Forward) == 1).await,
+        "the first's claim counted"
+    );
+    repeats_past_the_bound_are_counted_without_a_read(&proxy.url(""), text, || env.redis().pause())
+        .await;
+    env.redis().resume();
+    assert_forwarded(&slow.await.expect("the first"), 201);
+}
+
+/// On PostgreSQL, stalled at its relay (a blackhole: the pool's connections get no answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_repeats_past_the_held_bound_never_read_a_stalled_store() {
+    let env = Env::new(Backend::Postgres).await;
+    let proxy = env.proxy(&burst_config(&env)).await;
+    let slow = spawn_booking(proxy.url(""), "obs-burst", SEAT, "3s");
+    until_in_flight(&proxy.proxy, "obs-burst").await;
+    let text = || proxy.proxy.encode_metrics();
+    assert!(
+        eventually(LANDS_WITHIN, || would_in(&text(), Would::Forward) == 1).await,
+        "the first's claim counted"
+    );
+    repeats_past_the_bound_are_counted_without_a_read(&proxy.url(""), text, || {
+        env.postgres().relay.blackhole()
+    })
+    .await;
+    env.postgres().relay.pass();
+    assert_forwarded(&slow.await.expect("the first"), 201);
+}

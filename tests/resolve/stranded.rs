@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use harness::{Backend, Env, book_with};
+use harness::{Backend, Env, book_with, eventually};
 use idemproxy::config::Config;
 use idemproxy::proxy::Reloaded;
 
@@ -30,7 +30,17 @@ pub(super) async fn a_route_reloaded_from_resolve_to_keep_strands_no_key(backend
         let (url, key, body) = (proxy.url(""), key.clone(), body.clone());
         tokio::spawn(async move { book_with(&url, &key, &body, &[]).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once it holds the claim, the route is reloaded under it.
+    let claimed = || {
+        proxy.metric(
+            "idemproxy_store_operation_duration_seconds_count",
+            &[("op", "claim")],
+        ) >= 1.0
+    };
+    assert!(
+        eventually(Duration::from_secs(5), claimed).await,
+        "the holder claimed the key"
+    );
     let keep = short(env.config("on_unknown_outcome: keep\nlock_ttl: 1s\n"));
     let reloaded = proxy.proxy.reload(Config::from_yaml(&keep).expect("valid"));
     assert!(matches!(reloaded, Reloaded::Applied(_)), "{reloaded:?}");

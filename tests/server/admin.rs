@@ -733,3 +733,176 @@ async fn keys_show_a_key_being_resolved_and_never_forget_it() {
     admin.stop().await;
     proxy.stop().await;
 }
+
+/// §4.8: a key being resolved whose holder is gone (its lease lapsed: a crash, a drain) is
+/// taken over only when a repeat of the key arrives. Until then `keys show` says it waits for
+/// that repeat — not `next_lookup_in_ms: 0`, which reads as "about to be asked" — and
+/// `keys forget` says what takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_show_a_resolution_without_a_holder_as_waiting_for_a_repeat() {
+    use idemproxy::record::{Lookup, Record, Resolvable};
+    use idemproxy::store::{ResolvableClaim, ResolvableTimes, StoreKey};
+
+    let env = Env::new(Backend::Redis).await;
+    let token = token_file("s3cret-token");
+    let yaml = env.config("").replace(
+        "shutdown_timeout: 10s\n",
+        &format!(
+            "shutdown_timeout: 10s\nadmin_listen: 127.0.0.1:1\nadmin_token_file: {}\n",
+            token.path().display()
+        ),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let admin = admin(&proxy).await;
+    let store = env.store_handle().await;
+    let key = StoreKey::new(
+        idemproxy::key::namespace("idemproxy:", "create-booking"),
+        0,
+        [0x43; 32],
+    );
+    let claim = idemproxy::record::Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        [1; 16],
+        [2; 32],
+        Lookup {
+            upstream: "booking".into(),
+            method: http::Method::GET,
+            target: "/bookings/by-reference/r-10".into(),
+            headers: Vec::new(),
+        },
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+        Duration::from_secs(600),
+    ))));
+    // A holder that marks the key resolving, its next lookup due in 100ms, and then dies:
+    // its lease (300ms) is never renewed.
+    let times = ResolvableTimes {
+        lease: Duration::from_millis(300),
+        send_margin: Duration::from_millis(100),
+        lifetime: Duration::from_secs(3600),
+    };
+    let Ok(ResolvableClaim::Claimed { held, .. }) =
+        store.claim_resolvable(&key, &claim, times).await
+    else {
+        panic!("the claim of a free key");
+    };
+    store
+        .resolving(&key, &held, Duration::from_millis(100), times.lease)
+        .await
+        .expect("resolving")
+        .expect("still held");
+    let url = format!("{}/keys/create-booking/{}", admin.base, "43".repeat(32));
+    let shown = get(url.clone(), Some("s3cret-token")).await;
+    assert!(
+        shown.json()["next_lookup_in_ms"].as_u64().is_some(),
+        "held: its next lookup is due: {:?}",
+        shown.body
+    );
+
+    // Asked until the lease has lapsed on the store's clock, for at most 5s.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    let doc = loop {
+        let doc = get(url.clone(), Some("s3cret-token")).await.json();
+        if doc.get("lease_lapsed_ms_ago").is_some() || std::time::Instant::now() >= until {
+            break doc;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        doc.get("lease_lapsed_ms_ago").is_some(),
+        "the lease lapses within 5s: {doc}"
+    );
+    assert_eq!(doc["state"], "resolving", "{doc}");
+    assert_eq!(
+        doc["waiting_for"], "a repeat of the key to take it over",
+        "{doc}"
+    );
+    assert!(
+        doc.get("next_lookup_in_ms").is_none() && doc.get("next_lookup_at_unix_ms").is_none(),
+        "no lookup is due without a holder: {doc}"
+    );
+    let del = send(client().delete(url.clone()).bearer_auth("s3cret-token")).await;
+    let problem = del.assert_problem(409, "record-in-flight");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("repeat of the key takes it over") && !detail.contains("next at"),
+        "{detail}"
+    );
+    admin.stop().await;
+    proxy.stop().await;
+}
+
+/// The ids of the Redis connections other than `own`'s (the test's), oldest first.
+fn other_clients(own: &mut ::redis::Connection) -> Vec<u64> {
+    let me: u64 = ::redis::cmd("CLIENT")
+        .arg("ID")
+        .query(own)
+        .expect("CLIENT ID");
+    let list: String = ::redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(own)
+        .expect("CLIENT LIST");
+    list.lines()
+        .filter_map(|line| line.strip_prefix("id="))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .filter(|id| *id != me)
+        .collect()
+}
+
+/// `CONFIG SET maxclients n` on Redis.
+fn max_clients(own: &mut ::redis::Connection, n: u32) {
+    let _: () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(n)
+        .query(own)
+        .expect("CONFIG SET maxclients");
+}
+
+/// `/readyz` answers for every worker's store connections: with `workers: 2` on Redis (one
+/// connection a worker), each worker's connection in turn is cut off — killed, and Redis
+/// refusing a new one (`maxclients`) — while the other's works: `/readyz` is 503 both times,
+/// and 200 once the connection is back. (Asking worker 0's connection alone, it was 200 in the
+/// round that cut worker 1's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_when_any_worker_loses_its_store_connection() {
+    let env = Env::new(Backend::Redis).await;
+    let mut own = env.redis().conn();
+    let yaml = env.config("");
+    assert!(yaml.contains("workers: 2\n"), "two workers: {yaml}");
+    let proxy = env.proxy(&yaml).await;
+    let admin = admin(&proxy).await;
+    let readyz = format!("{}/readyz", admin.base);
+    assert_eq!(get(readyz.clone(), None).await.status, 200);
+    let first = other_clients(&mut own);
+    assert_eq!(first.len(), 2, "one connection a worker: {first:?}");
+    // Cut off each in turn: the first one, then the one that stayed up meanwhile.
+    for cut in [first[0], first[1]] {
+        // Only the test's connection and the other worker's: no room for a new one.
+        max_clients(&mut own, 2);
+        let _: () = ::redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(cut)
+            .query(&mut own)
+            .expect("CLIENT KILL");
+        let r = get(readyz.clone(), None).await;
+        assert_eq!(r.status, 503, "connection {cut} cut off: {:?}", r.body);
+        max_clients(&mut own, 10_000);
+        let mut ready = false;
+        for _ in 0..50 {
+            if get(readyz.clone(), None).await.status == 200 {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(ready, "ready again once Redis takes the connection back");
+    }
+    assert_eq!(
+        other_clients(&mut own).len(),
+        2,
+        "both connections are back"
+    );
+    admin.stop().await;
+    proxy.stop().await;
+}

@@ -26,6 +26,12 @@
 //!   limits how many pile up: at most `limits.max_detached_exchanges` are held at once
 //!   ([`HeldRepeats`]); past that a repeat is counted at once by what the record shows
 //!   (`conflict`, the first being in flight), never held.
+//! - **A repeat of a request still running on this instance** takes its place among the held
+//!   repeats before it reads the record at all, under either `on_conflict`: that read is held
+//!   work as well, and behind a store that answers slowly (a PostgreSQL pool of a few
+//!   connections) a burst of duplicates would queue one read each, without bound. Past the
+//!   bound it is counted at once, without a read, as enforce would answer a repeat of a request
+//!   in flight (`conflict`, or `mismatch` for another fingerprint).
 //! - **The forwarding ended without a settlement** (it panicked): the key is released, since
 //!   no result can be saved for it.
 
@@ -82,28 +88,15 @@ impl Shadow {
             token: new_token(),
             fingerprint: self.fingerprint,
         });
-        // The first was answered and this instance is saving its result: enforce, which saves
-        // before it answers, would replay this repeat (or refuse it as a mismatch). Counted
-        // before claiming: the first's own claim may not have landed yet.
-        let found = self
-            .context
-            .shared
-            .answered
-            .start(&self.key, self.owner, self.fingerprint);
-        if let Found::Answered(first) = found {
-            let would = if first == self.fingerprint {
-                Would::Replay
-            } else {
-                Would::Mismatch
-            };
-            return self.answered_repeat(would);
-        }
+        // Taken before this repeat's first read of the record when an earlier request of its
+        // key runs here, else at its first wait; kept until this claim has ended (a wait can
+        // end in a claim of its own and its save, which are held work too).
+        let Some(mut place) = self.before_the_read() else {
+            return;
+        };
         let lock_ttl = self.context.policy.lock_ttl;
         let wait_until = Instant::now() + self.context.policy.wait_timeout;
         let mut poll = FIRST_WAIT_POLL;
-        // Taken at the first wait, kept until this claim has ended (a wait can end in a claim
-        // of its own and its save, which are held work too).
-        let mut place = None;
         loop {
             let sent = Instant::now();
             let existing = match self
@@ -158,6 +151,43 @@ impl Shadow {
                     poll = (poll * 2).min(MAX_WAIT_POLL);
                 }
             }
+        }
+    }
+
+    /// What this instance knows before the store is asked. `None`: the repeat is counted, and
+    /// nothing is read; else the place it took among the held repeats, if any.
+    fn before_the_read(&self) -> Option<Option<Place>> {
+        // The first was answered and this instance is saving its result: enforce, which saves
+        // before it answers, would replay this repeat (or refuse it as a mismatch). Counted
+        // before claiming: the first's own claim may not have landed yet.
+        let found = self
+            .context
+            .shared
+            .answered
+            .start(&self.key, self.owner, self.fingerprint);
+        match found {
+            Found::Answered(first) => {
+                let would = if first == self.fingerprint {
+                    Would::Replay
+                } else {
+                    Would::Mismatch
+                };
+                self.answered_repeat(would);
+                None
+            }
+            // A repeat of a request running here: its read of the record is held work too,
+            // which may queue behind a slow store's pool (PostgreSQL's, a few connections)
+            // for as long as the store takes, whatever happens to the client. Past the bound it
+            // is counted at once by what is known here — the first is in flight — and the
+            // store is not asked.
+            Found::Running(first) => match self.held.take() {
+                Some(place) => Some(Some(place)),
+                None => {
+                    self.unread(first);
+                    None
+                }
+            },
+            Found::First => Some(None),
         }
     }
 
@@ -235,6 +265,28 @@ impl Shadow {
             "observe: at limits.max_detached_exchanges held repeats; this one is not held (counted as a conflict)"
         );
         self.duplicate(Would::Conflict, existing);
+    }
+
+    /// A repeat of a request running here while the held repeats are at their bound: counted,
+    /// without reading the record, as enforce would answer a repeat of a request in flight —
+    /// `mismatch` for another fingerprint, else `conflict` — and logged as a duplicate is.
+    fn unread(&self, first: Fingerprint) {
+        tracing::debug!(
+            route = %self.context.route.name,
+            key = %self.key.id_hex(),
+            bound = self.held.bound,
+            "observe: at limits.max_detached_exchanges held repeats; this repeat of a request in flight here is counted without reading the store"
+        );
+        let would = if first == self.fingerprint {
+            Would::Conflict
+        } else {
+            Would::Mismatch
+        };
+        let existing = Record::InFlight {
+            token: [0; 16],
+            fingerprint: first,
+        };
+        self.duplicate(would, &existing);
     }
 
     /// A repeat of a request that holds (or held) the key: counted, and logged so an operator

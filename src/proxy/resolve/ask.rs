@@ -70,8 +70,8 @@ pub(crate) enum Answer {
     /// A `found` status: the operation happened, and this is its result, kept under the
     /// rules of a first response (hop-by-hop headers, `Set-Cookie`, `max_response_body`).
     Found(Saved),
-    /// An `absent` status: not happened, or not yet.
-    Absent,
+    /// An `absent` status (this one): not happened, or not yet.
+    Absent(StatusCode),
     /// Another status: ask again.
     Other(StatusCode),
     /// No answer (a connect failure, a reset, the upstream's timeout): ask again.
@@ -83,7 +83,7 @@ impl Answer {
     pub(crate) fn counted(&self) -> LookupAnswer {
         match self {
             Answer::Found(_) => LookupAnswer::Found,
-            Answer::Absent => LookupAnswer::Absent,
+            Answer::Absent(_) => LookupAnswer::Absent,
             Answer::Other(_) => LookupAnswer::Other,
             Answer::Failed(_) => LookupAnswer::Failed,
         }
@@ -145,7 +145,7 @@ fn classify(
         return Answer::Found(saved);
     }
     if statuses.absent.contains(&status) {
-        return Answer::Absent;
+        return Answer::Absent(parts.status);
     }
     Answer::Other(parts.status)
 }
@@ -207,7 +207,7 @@ mod tests {
         ));
         assert!(matches!(
             classify(&head(404), complete(), &statuses, &idem),
-            Answer::Absent
+            Answer::Absent(s) if s == 404
         ));
         assert!(matches!(
             classify(&head(500), complete(), &statuses, &idem),

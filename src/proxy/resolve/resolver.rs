@@ -33,13 +33,14 @@ use super::clock::StoreClock;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Resolution;
-use crate::problem::Problem;
+use crate::problem::{LastLookup, Problem};
 use crate::proxy::context::Context;
 use crate::proxy::lease::Lease;
 use crate::record::{Finished, Saved};
 use crate::route::Mode;
 use crate::store::Held;
 use crate::traces::FutureExt as _;
+use crate::upstream::Upstream;
 
 /// A key to resolve: its held claim, and what asking about it takes.
 pub(in crate::proxy) struct Unknown {
@@ -217,7 +218,7 @@ impl Unknown {
         let (Some(times), Some((found, absent))) = (self.times(), self.statuses()) else {
             // Nothing says how to read an answer (an old record on a route that no longer
             // resolves): the safe end is keep's.
-            self.give_up().await;
+            self.give_up(LastLookup::None).await;
             return Ended {
                 result: Some(Resolution::GaveUp),
                 lookups: 0,
@@ -237,32 +238,23 @@ impl Unknown {
             absent: &absent,
         };
         let mut lookups = 0;
+        // What the last lookup answered: the `outcome-unknown` detail says it.
+        let mut last = LastLookup::None;
         loop {
             let asked = Instant::now();
             if self.gave_up || asked >= gives_up_at {
                 break;
             }
-            let answer = match &upstream {
-                Some(up) => {
-                    let policy = self.context.policy.clone();
-                    let asking = ask::ask(up, &self.lookup, &statuses, &policy);
-                    let answer = self
-                        .lease
-                        .renewing(tokio::time::timeout_at(gives_up_at, asking))
-                        .await;
-                    match answer {
-                        Ok(answer) => answer,
-                        Err(_) => break,
-                    }
-                }
-                // The lookup's upstream is not configured (any more): nobody can be asked.
-                _ => Answer::Failed(format!("no upstream {:?} to ask", self.lookup.upstream)),
+            let Some(answer) = self.ask(upstream.as_deref(), &statuses, gives_up_at).await else {
+                // Cut off by give_up_after: no answer came.
+                last = LastLookup::Failed;
+                break;
             };
             lookups += 1;
             if let Some(metrics) = &self.context.route.resolved {
                 metrics.lookup(answer.counted());
             }
-            match answer {
+            last = match answer {
                 Answer::Found(saved) => {
                     self.found(saved).await;
                     return Ended {
@@ -270,15 +262,22 @@ impl Unknown {
                         lookups,
                     };
                 }
-                Answer::Absent if asked >= settles_at => {
+                Answer::Absent(_) if asked >= settles_at => {
                     self.lease.release().await;
                     return Ended {
                         result: Some(Resolution::Absent),
                         lookups,
                     };
                 }
-                other => self.log_unsettled(&other),
-            }
+                Answer::Absent(status) => LastLookup::EarlyAbsent {
+                    status: status.as_u16(),
+                },
+                Answer::Other(status) => self.other(status, &statuses),
+                Answer::Failed(error) => {
+                    self.log_failed(&error);
+                    LastLookup::Failed
+                }
+            };
             let next = (asked + times.interval).min(gives_up_at);
             if !self.resolving(next).await {
                 return Ended {
@@ -288,7 +287,7 @@ impl Unknown {
             }
             self.lease.renewing(tokio::time::sleep_until(next)).await;
         }
-        self.give_up().await;
+        self.give_up(last).await;
         Ended {
             result: Some(Resolution::GaveUp),
             lookups,
@@ -328,23 +327,48 @@ impl Unknown {
         }
     }
 
-    fn log_unsettled(&self, answer: &Answer) {
-        let (route, key) = (&self.context.route.name, self.lease.key().id_hex());
-        match answer {
-            Answer::Other(status) => tracing::debug!(
-                %route,
-                %key,
-                status = status.as_u16(),
-                "lookup answered neither found nor absent; asking again"
-            ),
-            Answer::Failed(error) => tracing::debug!(
-                %route,
-                %key,
-                %error,
-                "lookup failed; asking again"
-            ),
-            Answer::Absent | Answer::Found(_) => {}
+    /// Sends one lookup to `upstream` (none: it is not configured any more, and nobody can be
+    /// asked), its lease renewed meanwhile. `None`: no answer came by `gives_up_at`.
+    async fn ask(
+        &mut self,
+        upstream: Option<&Upstream>,
+        statuses: &Statuses<'_>,
+        gives_up_at: Instant,
+    ) -> Option<Answer> {
+        let Some(up) = upstream else {
+            let nobody = format!("no upstream {:?} to ask", self.lookup.upstream);
+            return Some(Answer::Failed(nobody));
+        };
+        let policy = self.context.policy.clone();
+        let asking = ask::ask(up, &self.lookup, statuses, &policy);
+        self.lease
+            .renewing(tokio::time::timeout_at(gives_up_at, asking))
+            .await
+            .ok()
+    }
+
+    /// A status in neither list: asked again; the `outcome-unknown` detail names it.
+    fn other(&self, status: http::StatusCode, statuses: &Statuses<'_>) -> LastLookup {
+        tracing::debug!(
+            route = %self.context.route.name,
+            key = %self.lease.key().id_hex(),
+            status = status.as_u16(),
+            "lookup answered neither found nor absent; asking again"
+        );
+        LastLookup::Other {
+            status: status.as_u16(),
+            found: statuses.found.to_vec(),
+            absent: statuses.absent.to_vec(),
         }
+    }
+
+    fn log_failed(&self, error: &str) {
+        tracing::debug!(
+            route = %self.context.route.name,
+            key = %self.lease.key().id_hex(),
+            %error,
+            "lookup failed; asking again"
+        );
     }
 
     /// Saves the found response as the key's result: its replays say
@@ -357,12 +381,14 @@ impl Unknown {
         self.complete(saved).await;
     }
 
-    /// Saves what `keep` would have, as `outcome-unknown`.
-    async fn give_up(self) {
+    /// Saves what `keep` would have, as `outcome-unknown`, saying what the last lookup
+    /// answered.
+    async fn give_up(self, last: LastLookup) {
         let upstream = self.context.route.upstream.name().to_owned();
         let problem = Problem::OutcomeUnknown {
             upstream,
             status: self.failure.status(),
+            last,
         };
         self.complete(Saved::Response(problem.saved())).await;
     }
