@@ -9,7 +9,7 @@ use idemproxy::fingerprint;
 use idemproxy::key::{self, KeyError};
 use std::time::Duration;
 
-use idemproxy::record::{Lookup, Phase, Record, Resolvable, Saved, SavedResponse, resolvable};
+use idemproxy::record::{Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
 use proptest::prelude::*;
 
 fn config() -> ProptestConfig {
@@ -271,13 +271,13 @@ fn entry() -> impl Strategy<Value = Record> {
 fn prefix(record: &Record) -> &'static [u8] {
     match record {
         Record::InFlight { .. } => b"IDP\x01P",
-        Record::Resolvable(r) if r.legacy => resolvable::PREFIX_2,
-        Record::Resolvable(_) => resolvable::PREFIX,
+        Record::Resolvable(r) if r.legacy => b"IDP\x02Q",
+        Record::Resolvable(_) => b"IDP\x03Q",
         Record::Done {
             saved: Saved::Resolved(_),
             ..
-        } => idemproxy::record::FINISHED_PREFIX_2,
-        Record::Done { .. } => idemproxy::record::FINISHED_PREFIX,
+        } => b"IDP\x02D",
+        Record::Done { .. } => b"IDP\x01D",
     }
 }
 

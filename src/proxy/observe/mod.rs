@@ -235,11 +235,7 @@ impl Observation {
             origin,
             owner,
         };
-        // Its claim and its save are the request's store operations: children of its span.
-        context
-            .shared
-            .tasks
-            .spawn(crate::traces::carried(shadow.run(settlement)));
+        shadow.spawn(settlement);
 
         let (route, idem) = (&context.route, &context.policy);
         let up = &route.upstream;

@@ -72,7 +72,14 @@ pub(super) struct Shadow {
 impl Shadow {
     /// Claims the key, counts what enforce would have answered, and saves the request's result
     /// (`settlement`, sent when its upstream call has ended) if the claim is this request's.
-    pub(super) async fn run(self, settlement: oneshot::Receiver<Settlement>) {
+    /// Runs the shadow claim in a task of its own, in the request's trace: its claim and its
+    /// save are the request's store operations, children of its span.
+    pub(super) fn spawn(self, settlement: oneshot::Receiver<Settlement>) {
+        let tasks = self.context.shared.tasks.clone();
+        tasks.spawn(crate::traces::carried(self.run(settlement)));
+    }
+
+    async fn run(self, settlement: oneshot::Receiver<Settlement>) {
         let (answered, key, owner) = (
             self.context.shared.answered.clone(),
             self.key.clone(),

@@ -28,7 +28,7 @@
 //! flood of new keys against a full store would cost that much CPU per request, for requests
 //! refused anyway. So a claim at the bound purges only when a record may have lapsed since the
 //! last purge (the store tracks the earliest deadline it has written since then), and at most
-//! once per [`PURGE_AT_BOUND_EVERY`]; otherwise it is refused at once. A claim is refused while
+//! once per [`PURGE_AT_BOUND_EVERY`](sweep::PURGE_AT_BOUND_EVERY); otherwise it is refused at once. A claim is refused while
 //! a lapsed record could have made room for that long at most.
 //!
 //! A claim that can be resolved (`on_unknown_outcome: resolve`) keeps its lease inside its

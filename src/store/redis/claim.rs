@@ -36,7 +36,7 @@ impl<C: RedisConnection> RedisStore<C> {
 
     /// What a claim found, given what the key held before its `SET NX GET`. Finding our own
     /// claim there means this very command was sent twice (after a connection error, by the
-    /// cluster client or by [`resend`]; the first attempt landed): the claim is ours.
+    /// cluster client or by [`resend`](super::resend); the first attempt landed): the claim is ours.
     pub(super) fn found(previous: Option<Vec<u8>>, held: &Held) -> Option<Bytes> {
         previous
             .filter(|p| p.as_slice() != held.encoded.as_ref())
