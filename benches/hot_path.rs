@@ -26,7 +26,7 @@ fn request_parts(body_len: usize) -> (http::request::Parts, Vec<u8>) {
 }
 
 fn saved(body_len: usize) -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint: [7; 32],
         saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,

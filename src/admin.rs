@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use crate::body::{self, Body};
 use crate::key::StoreKey;
 use crate::problem::AdminProblem;
-use crate::proxy::{Proxy, RecordLookup, RecordLookupError};
+use crate::proxy::{Proxy, RecordName, RecordNameError};
 use crate::record::{DELIVERY_LABEL, Phase, Record, Resolvable, Saved};
 use crate::store::{Forgotten, StoreError};
 
@@ -173,12 +173,12 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminPr
             let mut id = [0u8; 32];
             hex::decode_to_slice(hash, &mut id)
                 .map_err(|_| unnamed("The key hash is 64 hex digits, as the logs show it"))?;
-            RecordLookup::Hash(id)
+            RecordName::Hash(id)
         }
-        None if !parts.is_empty() => RecordLookup::Parts(&parts),
+        None if !parts.is_empty() => RecordName::Parts(&parts),
         None => {
             key = sent_key(&pairs)?;
-            RecordLookup::Key(&key)
+            RecordName::Key(&key)
         }
     };
     proxy
@@ -187,11 +187,11 @@ fn store_key(proxy: &Proxy, rest: &str, query: &str) -> Result<StoreKey, AdminPr
         .map_err(|e| match lookup {
             // Part values are refused as not fitting, whatever the reason: on an unknown route
             // too, as they always were (400).
-            RecordLookup::Parts(_) => unnamed(format!(
+            RecordName::Parts(_) => unnamed(format!(
                 "The part values do not fit the route's key_from (one value per part, in order; JSON text for json: parts): {e}"
             )),
-            RecordLookup::Key(_) | RecordLookup::Hash(_) => match e {
-                RecordLookupError::Webhook(why) => unnamed(why),
+            RecordName::Key(_) | RecordName::Hash(_) => match e {
+                RecordNameError::Webhook(why) => unnamed(why),
                 _ => AdminProblem::NoIdempotentRoute,
             },
         })
@@ -238,7 +238,7 @@ async fn show(proxy: &Proxy, rest: &str, query: &str) -> Response<Body> {
             doc["state"] = json!("in_flight");
         }
         Record::Resolvable(r) => resolvable_doc(proxy, &key, &r, &mut doc).await,
-        Record::Done { saved, .. } => {
+        Record::Finished { saved, .. } => {
             doc["state"] = json!("finished");
             // A finished record's TTL starts at the route's `ttl` when it is saved.
             if let Some(saved_for) = proxy.keys().ttl_of(&key) {

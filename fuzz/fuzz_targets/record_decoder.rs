@@ -28,10 +28,10 @@ fuzz_target!(|data: &[u8]| {
             );
             assert_eq!(
                 record::is_finished(data),
-                matches!(found, Record::Done { .. }),
+                matches!(found, Record::Finished { .. }),
                 "is_finished disagrees with decode"
             );
-            if let Record::Done { .. } = found {
+            if let Record::Finished { .. } = found {
                 assert!(
                     data.starts_with(record::FINISHED_PREFIX)
                         || data.starts_with(record::FINISHED_PREFIX_2)

@@ -55,15 +55,15 @@ impl Completion {
 
     pub(crate) fn status(&self) -> StatusCode {
         match self.done.record() {
-            Record::Done {
+            Record::Finished {
                 saved: Saved::Response(r),
                 ..
             } => r.status,
-            Record::Done {
+            Record::Finished {
                 saved: Saved::NotReplayable { status },
                 ..
             } => *status,
-            Record::Done {
+            Record::Finished {
                 saved: Saved::Resolved(r) | Saved::Trailed { response: r, .. },
                 ..
             } => r.status,

@@ -94,7 +94,7 @@ impl Exchange {
                 return refuse(problem, Outcome::Mismatch);
             }
             match &existing {
-                Record::Done { saved, .. } => {
+                Record::Finished { saved, .. } => {
                     return match &self.request.call {
                         Some(call) => replay_call(saved.clone(), call),
                         None => replay(saved.clone()),

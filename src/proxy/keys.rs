@@ -11,9 +11,9 @@ use super::matched::Route;
 use crate::key::{self, KeyId, StoreKey};
 use crate::key_from::{self, Value};
 
-/// How a lookup names a record on its route.
+/// How the key tooling names a record on its route.
 #[derive(Debug, Clone, Copy)]
-pub enum RecordLookup<'a> {
+pub enum RecordName<'a> {
     /// The key as the client sent it, already parsed (bare and quoted forms are one key).
     Key(&'a str),
     /// The key's hash, as the request log shows it.
@@ -22,9 +22,9 @@ pub enum RecordLookup<'a> {
     Parts(&'a [String]),
 }
 
-/// Why a lookup names no store key.
+/// Why a name given to the key tooling names no store key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RecordLookupError {
+pub enum RecordNameError {
     /// No route has that name, or it is a pass-through route.
     #[error("no idempotent route with that name")]
     NoRoute,
@@ -56,37 +56,37 @@ impl RouteKeys {
     pub fn store_key(
         &self,
         route: &str,
-        lookup: RecordLookup<'_>,
+        lookup: RecordName<'_>,
         scope: &HeaderMap,
-    ) -> Result<StoreKey, RecordLookupError> {
+    ) -> Result<StoreKey, RecordNameError> {
         let (route, idem) = self
             .routes
             .iter()
             .find(|r| r.settings.name == route)
             .and_then(|r| Some((r, r.idempotency.as_ref()?)))
-            .ok_or(RecordLookupError::NoRoute)?;
+            .ok_or(RecordNameError::NoRoute)?;
         let id = match lookup {
             // On a webhook route the key is the event: an id names it where the provider signs
             // one, as admission hashes it (`webhook::Verified::key_text`).
-            RecordLookup::Key(event) if route.settings.webhook.is_some() => {
+            RecordName::Key(event) if route.settings.webhook.is_some() => {
                 let signs_id = route
                     .settings
                     .webhook
                     .as_ref()
                     .is_some_and(|w| w.provider.signs_event_id());
                 if !signs_id || route.settings.path.params().next().is_some() {
-                    return Err(RecordLookupError::Webhook(
+                    return Err(RecordNameError::Webhook(
                         "this webhook route's keys are not named by an event id (its provider signs the body alone, or its path has {NAME} segments): name the record by the key hash on the delivery's request log line".into(),
                     ));
                 }
                 let text = format!("webhook:{}", hex::encode(event.as_bytes()));
                 key::key_id(&idem.scope, scope, &text)
             }
-            RecordLookup::Key(key) => key::key_id(&idem.scope, scope, key),
-            RecordLookup::Hash(id) => id,
-            RecordLookup::Parts(texts) => {
+            RecordName::Key(key) => key::key_id(&idem.scope, scope, key),
+            RecordName::Hash(id) => id,
+            RecordName::Parts(texts) => {
                 if idem.key_from.len() != texts.len() {
-                    return Err(RecordLookupError::Parts(format!(
+                    return Err(RecordNameError::Parts(format!(
                         "the route derives its key from {} part(s) ({}); give one value each, in that order",
                         idem.key_from.len(),
                         idem.key_from
@@ -102,7 +102,7 @@ impl RouteKeys {
                     .zip(texts)
                     .map(|(part, text)| {
                         Value::from_text(part, text).map_err(|e| {
-                            RecordLookupError::Parts(format!("{}: {e}", part.describe()))
+                            RecordNameError::Parts(format!("{}: {e}", part.describe()))
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;

@@ -7,7 +7,7 @@
 //!   or refuses it.
 //! - [`matched`]: the route a request matched, built once per configuration, and the two
 //!   answers any step can give: a refusal, or the request passed through.
-//! - [`keys`]: which record a key names on a route ([`RecordLookup`]), for the admin's key
+//! - [`keys`]: which record a key names on a route ([`RecordName`]), for the admin's key
 //!   tooling.
 //! - [`admission`]: the key, the body (bounded) and the fingerprint; refusals that claim nothing.
 //! - [`exchange`]: the claim, the upstream call and the decision on what its answer means.
@@ -103,7 +103,7 @@ use self::matched::{Answer, RouteNumbers, forward_plain, refuse};
 use self::pending::PendingSaves;
 use self::reload::Reloading;
 
-pub use keys::{RecordLookup, RecordLookupError, RouteKeys};
+pub use keys::{RecordName, RecordNameError, RouteKeys};
 pub use reload::{Changes, KeyChange, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and

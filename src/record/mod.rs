@@ -124,7 +124,7 @@ pub enum Record {
     /// Claimed on a `resolve` route: in flight, or being resolved. Written as version 2.
     Resolvable(Box<Resolvable>),
     /// Finished.
-    Done {
+    Finished {
         /// The fingerprint of the request that ran.
         fingerprint: Fingerprint,
         /// What was saved for its repeats.
@@ -136,7 +136,9 @@ impl Record {
     /// The fingerprint of the request this record belongs to.
     pub(crate) fn fingerprint(&self) -> &Fingerprint {
         match self {
-            Record::InFlight { fingerprint, .. } | Record::Done { fingerprint, .. } => fingerprint,
+            Record::InFlight { fingerprint, .. } | Record::Finished { fingerprint, .. } => {
+                fingerprint
+            }
             Record::Resolvable(r) => &r.fingerprint,
         }
     }
@@ -146,7 +148,7 @@ impl Record {
         match self {
             Record::InFlight { token, .. } => Some(token),
             Record::Resolvable(r) => Some(&r.token),
-            Record::Done { .. } => None,
+            Record::Finished { .. } => None,
         }
     }
 
@@ -162,7 +164,7 @@ impl Record {
                 out.put_slice(token);
                 out.put_slice(fingerprint);
             }
-            Record::Done { fingerprint, saved } => {
+            Record::Finished { fingerprint, saved } => {
                 out.put_u8(FINISHED);
                 out.put_slice(fingerprint);
                 match saved {
@@ -194,7 +196,7 @@ impl Record {
     fn version(&self) -> u8 {
         match self {
             Record::Resolvable(r) => r.version(),
-            Record::Done {
+            Record::Finished {
                 saved: Saved::Resolved(_),
                 ..
             } => VERSION_2,
@@ -206,7 +208,7 @@ impl Record {
         match self {
             Record::InFlight { .. } => 4 + 1 + 16 + 32,
             Record::Resolvable(r) => r.encoded_len_hint(),
-            Record::Done { saved, .. } => match saved {
+            Record::Finished { saved, .. } => match saved {
                 Saved::Response(r) | Saved::Resolved(r) => {
                     4 + 1
                         + 32
@@ -276,7 +278,7 @@ impl Record {
                     },
                     _ => return Err(DecodeError("unknown outcome kind")),
                 };
-                Record::Done { fingerprint, saved }
+                Record::Finished { fingerprint, saved }
             }
             _ => return Err(DecodeError("unknown record state")),
         };
@@ -325,7 +327,7 @@ pub struct Finished {
 impl Finished {
     /// The finished record of the request whose fingerprint is `fingerprint`, encoded.
     pub fn new(fingerprint: Fingerprint, saved: Saved) -> Finished {
-        let record = Record::Done { fingerprint, saved };
+        let record = Record::Finished { fingerprint, saved };
         let encoded = record.encode();
         Finished { record, encoded }
     }

@@ -4,7 +4,7 @@ use super::*;
 use http::Method;
 
 fn done() -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint: [7; 32],
         saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
@@ -35,7 +35,7 @@ fn round_trips() {
             token: [1; 16],
             fingerprint: [2; 32],
         },
-        Record::Done {
+        Record::Finished {
             fingerprint: [3; 32],
             saved: Saved::NotReplayable {
                 status: StatusCode::OK,
@@ -91,7 +91,7 @@ fn resolvable() -> Resolvable {
 }
 
 fn resolved() -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint: [4; 32],
         saved: Saved::Resolved(SavedResponse {
             status: StatusCode::OK,

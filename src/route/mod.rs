@@ -12,14 +12,14 @@ use serde::Deserialize;
 
 mod grpc;
 mod jsonrpc;
-mod lookup;
 mod normalise;
+mod resolve;
 mod webhook;
 
 pub use grpc::GrpcSettings;
 pub use jsonrpc::JsonRpcSettings;
-pub use lookup::{LookupTemplate, Piece, ResolveSettings};
 pub use normalise::normalise;
+pub use resolve::{LookupTemplate, Piece, ResolveSettings};
 pub(crate) use webhook::BASE64;
 pub use webhook::{
     Encoding, HmacScheme, MAX_SECRETS, Provider, Secrets, SecretsError, WebhookSettings,

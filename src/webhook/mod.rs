@@ -415,9 +415,9 @@ fn event(
     signed_id: Option<&[u8]>,
 ) -> (Option<Event>, Option<String>) {
     let header = |name: &HeaderName| match signature::one(&head.headers, name) {
-        signature::Lookup::One(value) => Some(value.as_bytes().to_vec()),
+        signature::Occurrence::One(value) => Some(value.as_bytes().to_vec()),
         // Absent, or two lines: no one value.
-        signature::Lookup::Absent | signature::Lookup::Repeated => None,
+        signature::Occurrence::Absent | signature::Occurrence::Repeated => None,
     };
     let label = |name: &HeaderName| {
         header(name)

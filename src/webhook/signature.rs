@@ -243,11 +243,11 @@ pub(super) fn timestamp(text: &[u8]) -> Option<u64> {
 /// The signature header's value: exactly one line of visible ASCII.
 fn signature_text<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Result<&'h str, Rejection> {
     match one(headers, name) {
-        Lookup::Absent => Err(Rejection::MissingSignature {
+        Occurrence::Absent => Err(Rejection::MissingSignature {
             header: name.clone(),
         }),
-        Lookup::Repeated => Err(malformed(name.clone(), "appears more than once")),
-        Lookup::One(value) => value
+        Occurrence::Repeated => Err(malformed(name.clone(), "appears more than once")),
+        Occurrence::One(value) => value
             .to_str()
             .map(str::trim)
             .map_err(|_| malformed(name.clone(), "is not visible ASCII")),
@@ -257,25 +257,26 @@ fn signature_text<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Result<&'h s
 /// A header that is signed with the body (the id, the timestamp): exactly one, as bytes.
 fn companion<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Result<&'h [u8], Rejection> {
     match one(headers, name) {
-        Lookup::Absent => Err(malformed(name.clone(), "is missing")),
-        Lookup::Repeated => Err(malformed(name.clone(), "appears more than once")),
-        Lookup::One(value) => Ok(value.as_bytes()),
+        Occurrence::Absent => Err(malformed(name.clone(), "is missing")),
+        Occurrence::Repeated => Err(malformed(name.clone(), "appears more than once")),
+        Occurrence::One(value) => Ok(value.as_bytes()),
     }
 }
 
-pub(super) enum Lookup<'h> {
+/// How often a header appears.
+pub(super) enum Occurrence<'h> {
     Absent,
     One(&'h HeaderValue),
     Repeated,
 }
 
 /// A header that must appear at most once: two lines are ambiguous (which one was signed?).
-pub(super) fn one<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Lookup<'h> {
+pub(super) fn one<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Occurrence<'h> {
     let mut values = headers.get_all(name).iter();
     match (values.next(), values.next()) {
-        (None, _) => Lookup::Absent,
-        (Some(value), None) => Lookup::One(value),
-        (Some(_), Some(_)) => Lookup::Repeated,
+        (None, _) => Occurrence::Absent,
+        (Some(value), None) => Occurrence::One(value),
+        (Some(_), Some(_)) => Occurrence::Repeated,
     }
 }
 

@@ -38,7 +38,7 @@ fn record_seeds() -> Vec<(&'static str, Record)> {
         ),
         (
             "done-response",
-            Record::Done {
+            Record::Finished {
                 fingerprint: [0x33; 32],
                 saved: response(
                     vec![
@@ -53,21 +53,21 @@ fn record_seeds() -> Vec<(&'static str, Record)> {
         ),
         (
             "done-empty",
-            Record::Done {
+            Record::Finished {
                 fingerprint: [0; 32],
                 saved: response(vec![], b""),
             },
         ),
         (
             "done-binary",
-            Record::Done {
+            Record::Finished {
                 fingerprint: [0xff; 32],
                 saved: response(vec![("etag", "\"v1\"")], b"\x00\x01\xfe\xff"),
             },
         ),
         (
             "not-replayable",
-            Record::Done {
+            Record::Finished {
                 fingerprint: [0x44; 32],
                 saved: Saved::NotReplayable {
                     status: StatusCode::OK,
@@ -80,7 +80,7 @@ fn record_seeds() -> Vec<(&'static str, Record)> {
         ),
         (
             "resolved-response",
-            Record::Done {
+            Record::Finished {
                 fingerprint: [0x55; 32],
                 saved: match response(vec![("content-type", "application/json")], b"{}") {
                     Saved::Response(r) => Saved::Resolved(r),

@@ -262,7 +262,7 @@ fn entry() -> impl Strategy<Value = Record> {
         (any::<[u8; 16]>(), any::<[u8; 32]>())
             .prop_map(|(token, fingerprint)| Record::InFlight { token, fingerprint }),
         (any::<[u8; 32]>(), saved)
-            .prop_map(|(fingerprint, saved)| Record::Done { fingerprint, saved }),
+            .prop_map(|(fingerprint, saved)| Record::Finished { fingerprint, saved }),
         resolvable().prop_map(|r| Record::Resolvable(Box::new(r))),
     ]
 }
@@ -273,11 +273,11 @@ fn prefix(record: &Record) -> &'static [u8] {
         Record::InFlight { .. } => b"IDP\x01P",
         Record::Resolvable(r) if r.legacy => b"IDP\x02Q",
         Record::Resolvable(_) => b"IDP\x03Q",
-        Record::Done {
+        Record::Finished {
             saved: Saved::Resolved(_),
             ..
         } => b"IDP\x02D",
-        Record::Done { .. } => b"IDP\x01D",
+        Record::Finished { .. } => b"IDP\x01D",
     }
 }
 

@@ -15,7 +15,7 @@ use harness::{
 };
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome};
-use idemproxy::proxy::{Proxy, RecordLookup};
+use idemproxy::proxy::{Proxy, RecordName};
 use idemproxy::store::memory::MemoryStore;
 use idemproxy::store::{Held, Store, StoreError, StoreHandle, StoreKey, Wrap};
 use reqwest::header::{HeaderName, HeaderValue};
@@ -299,7 +299,7 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
         .keys()
         .store_key(
             "create-booking",
-            RecordLookup::Key(raw),
+            RecordName::Key(raw),
             &http::HeaderMap::new(),
         )
         .expect("an idempotent route");
@@ -311,7 +311,7 @@ async fn store_key_is_prefix_route_and_hash_with_a_ttl(backend: Backend) {
         .await
         .expect("store read");
     assert!(
-        matches!(entry, Some(idemproxy::record::Record::Done { .. })),
+        matches!(entry, Some(idemproxy::record::Record::Finished { .. })),
         "the finished record lives under {expected}: {entry:?}"
     );
     let suffix = expected
@@ -379,7 +379,7 @@ async fn custom_key_prefix_is_honoured(backend: Backend) {
         .keys()
         .store_key(
             "create-booking",
-            RecordLookup::Key("pfx"),
+            RecordName::Key("pfx"),
             &http::HeaderMap::new(),
         )
         .expect("an idempotent route");

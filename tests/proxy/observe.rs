@@ -20,7 +20,7 @@ use harness::{
 };
 use idemproxy::config::Config;
 use idemproxy::metrics::{Metrics, Outcome, Would};
-use idemproxy::proxy::{Proxy, RecordLookup, Reloaded};
+use idemproxy::proxy::{Proxy, RecordName, Reloaded};
 use idemproxy::record::{Record, Saved};
 use idemproxy::store::StoreHandle;
 use tokio::net::TcpListener;
@@ -113,7 +113,7 @@ fn claims(proxy: &TestProxy) -> u64 {
 async fn record(proxy: &Proxy, key: &str) -> Option<Record> {
     let store_key = proxy
         .keys()
-        .store_key(ROUTE, RecordLookup::Key(key), &http::HeaderMap::new())
+        .store_key(ROUTE, RecordName::Key(key), &http::HeaderMap::new())
         .expect("an idempotent route");
     proxy.store().get(&store_key).await.expect("store read")
 }
@@ -122,7 +122,7 @@ async fn record(proxy: &Proxy, key: &str) -> Option<Record> {
 async fn until_saved(proxy: &Proxy, key: &str) -> (u16, Bytes) {
     let deadline = Instant::now() + LANDS_WITHIN;
     loop {
-        if let Some(Record::Done { saved, .. }) = record(proxy, key).await {
+        if let Some(Record::Finished { saved, .. }) = record(proxy, key).await {
             let Saved::Response(saved) = saved else {
                 panic!("{key}: a response was saved, not {saved:?}");
             };
@@ -772,7 +772,7 @@ async fn redis_an_observed_answer_does_not_wait_for_a_slow_store() {
                 .query(&mut conn)
                 .expect("GET");
             let done =
-                raw.is_some_and(|raw| matches!(Record::decode(&raw), Ok(Record::Done { .. })));
+                raw.is_some_and(|raw| matches!(Record::decode(&raw), Ok(Record::Finished { .. })));
             if done {
                 break;
             }

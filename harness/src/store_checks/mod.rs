@@ -40,7 +40,7 @@ pub fn done(fingerprint: [u8; 32], body: &'static str) -> Record {
 
 /// A finished record: a 201 JSON response with `body`.
 pub fn done_with(fingerprint: [u8; 32], body: Bytes) -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint,
         saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,

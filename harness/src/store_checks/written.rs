@@ -64,7 +64,7 @@ pub async fn what_each_transition_writes_decodes(raw: Arc<dyn Store>) {
     s.claim(&k, &plain, LONG).await.expect("claim");
     assert_eq!(stored(&raw, &k).await, plain.record);
     let finished = Finished::new([3; 32], {
-        let Record::Done { saved, .. } = done([3; 32], "{\"id\":1}") else {
+        let Record::Finished { saved, .. } = done([3; 32], "{\"id\":1}") else {
             unreachable!("done() is a finished record")
         };
         saved

@@ -126,7 +126,7 @@ async fn a_save_past_the_bounds_keeps_its_lease_and_saves_result_not_kept() {
         .await
         .expect("the background save ends once the store takes it");
 
-    let Ok(Some(Record::Done {
+    let Ok(Some(Record::Finished {
         fingerprint,
         saved: Saved::Response(saved),
     })) = store.get(&key).await

@@ -136,7 +136,7 @@ impl Shadow {
                 return self.duplicate(Would::Mismatch, &existing);
             }
             match &existing {
-                Record::Done { .. } => return self.duplicate(Would::Replay, &existing),
+                Record::Finished { .. } => return self.duplicate(Would::Replay, &existing),
                 Record::InFlight { .. } | Record::Resolvable(_) => {
                     let now = Instant::now();
                     if self.context.policy.on_conflict == OnConflict::Reject || now >= wait_until {
@@ -301,16 +301,18 @@ impl Shadow {
     fn duplicate(&self, would: Would, existing: &Record) {
         self.observed.would(would);
         let (first, enforce) = match (would, existing) {
-            (Would::Mismatch, Record::Done { .. }) => ("finished", "422 idempotency-key-reused"),
+            (Would::Mismatch, Record::Finished { .. }) => {
+                ("finished", "422 idempotency-key-reused")
+            }
             (Would::Mismatch, _) => ("in_flight", "422 idempotency-key-reused"),
             (
                 _,
-                Record::Done {
+                Record::Finished {
                     saved: Saved::NotReplayable { .. },
                     ..
                 },
             ) => ("finished", "409 response-not-replayable"),
-            (_, Record::Done { .. }) => ("finished", "the saved response, replayed"),
+            (_, Record::Finished { .. }) => ("finished", "the saved response, replayed"),
             _ => ("in_flight", "409 request-in-progress"),
         };
         tracing::info!(

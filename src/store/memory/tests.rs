@@ -32,7 +32,7 @@ fn held(fp: u8) -> Held {
 }
 
 fn done(fp: u8) -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint: [fp; 32],
         saved: Saved::NotReplayable {
             status: StatusCode::OK,

@@ -200,7 +200,7 @@ mod tests {
         assert_eq!(
             staging_key(
                 "idemproxy:x:00",
-                &Held::new(Record::Done {
+                &Held::new(Record::Finished {
                     fingerprint: [7; 32],
                     saved: crate::record::Saved::NotReplayable {
                         status: http::StatusCode::OK

@@ -93,7 +93,7 @@ fn held(fp: u8) -> Held {
 }
 
 fn done(fp: u8) -> Record {
-    Record::Done {
+    Record::Finished {
         fingerprint: [fp; 32],
         saved: Saved::NotReplayable {
             status: StatusCode::OK,
@@ -300,7 +300,7 @@ async fn a_record_of_several_mib_round_trips_byte_for_byte() {
     let a = held(1);
     assert!(s.claim(&k(1), &a, LEASE).await.is_ok());
     let body: Vec<u8> = (0..6 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
-    let big = Record::Done {
+    let big = Record::Finished {
         fingerprint: [1; 32],
         saved: Saved::Response(SavedResponse {
             status: StatusCode::CREATED,
