@@ -252,6 +252,111 @@ mod tests {
         assert_eq!(verdict(&HeaderMap::new(), None, &[8, 14]), Verdict::Cut);
     }
 
+    /// SPEC §4.11's list, one row a problem the proxy can answer on a `grpc:` route.
+    #[test]
+    #[allow(clippy::too_many_lines)] // A table: one row a problem.
+    fn every_problem_on_a_grpc_route_has_the_status_the_spec_lists() {
+        let up = || "ledger".to_owned();
+        let rows = [
+            (
+                Problem::MissingKey {
+                    header: header::HeaderName::from_static("idempotency-key"),
+                },
+                code::INVALID_ARGUMENT,
+            ),
+            (
+                Problem::InvalidKey {
+                    detail: "too long".into(),
+                },
+                code::INVALID_ARGUMENT,
+            ),
+            (
+                Problem::UnreadableKeyPart {
+                    detail: "x-ref".into(),
+                },
+                code::INVALID_ARGUMENT,
+            ),
+            (
+                Problem::HeadersTooLarge {
+                    limit: crate::problem::HeadLimit::Count(97),
+                },
+                code::INVALID_ARGUMENT,
+            ),
+            (
+                Problem::HopByHopConflict {
+                    header: header::HeaderName::from_static("idempotency-key"),
+                },
+                code::INVALID_ARGUMENT,
+            ),
+            (
+                Problem::UpstreamUnavailable {
+                    upstream: up(),
+                    detail: "refused".into(),
+                },
+                code::UNAVAILABLE,
+            ),
+            (
+                Problem::InProgress {
+                    retry_after: Duration::from_secs(1),
+                },
+                code::UNAVAILABLE,
+            ),
+            (Problem::KeyReused, code::FAILED_PRECONDITION),
+            (
+                Problem::BodyTooLarge { limit: 64 },
+                code::RESOURCE_EXHAUSTED,
+            ),
+            (
+                Problem::StoreUnavailable {
+                    detail: "down".into(),
+                },
+                code::UNAVAILABLE,
+            ),
+            (
+                Problem::UpstreamFailed {
+                    upstream: up(),
+                    detail: "reset".into(),
+                },
+                code::UNKNOWN,
+            ),
+            (
+                Problem::UpstreamTimeout { upstream: up() },
+                code::DEADLINE_EXCEEDED,
+            ),
+            (
+                Problem::NotReplayable {
+                    status: StatusCode::OK,
+                },
+                code::FAILED_PRECONDITION,
+            ),
+            (
+                Problem::ResultNotKept {
+                    status: StatusCode::OK,
+                },
+                code::FAILED_PRECONDITION,
+            ),
+        ];
+        for (problem, code) in rows {
+            let resp = answer(&problem);
+            assert_eq!(resp.status(), StatusCode::OK, "{problem:?}");
+            assert_eq!(
+                resp.headers()[GRPC_STATUS],
+                code.to_string().as_str(),
+                "{problem:?}"
+            );
+            assert_eq!(
+                resp.headers()[PROBLEM_TYPE],
+                format!("urn:idemproxy:problem:{}", problem.slug()).as_str()
+            );
+            // Only the in-flight answer tells a retry policy when to come back.
+            assert_eq!(
+                resp.headers().contains_key(GRPC_RETRY_PUSHBACK_MS),
+                matches!(problem, Problem::InProgress { .. }),
+                "{problem:?}"
+            );
+        }
+    }
+
     #[test]
     fn problems_are_trailers_only_answers() {
         let resp = answer(&Problem::InProgress {

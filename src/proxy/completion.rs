@@ -4,6 +4,7 @@
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 
+use crate::grpc;
 use crate::problem::Problem;
 use crate::record::{Finished, Record, Saved};
 
@@ -29,17 +30,19 @@ impl Completion {
     }
 
     /// Lets go of the result, keeping the record that says it was not kept. The status the
-    /// first client got goes into the record: it tells the caller the operation ran.
-    pub(crate) fn downgrade(&mut self) {
-        let small = Finished::new(
-            *self.done.record().fingerprint(),
-            Saved::Response(
-                Problem::ResultNotKept {
-                    status: self.status(),
-                }
-                .saved(),
-            ),
-        );
+    /// first client got goes into the record: it tells the caller the operation ran. On a gRPC
+    /// route (`grpc`) the record is that answer as a gRPC status, as every answer of the proxy's
+    /// own to a call is (SPEC §4.11).
+    pub(crate) fn downgrade(&mut self, grpc: bool) {
+        let problem = Problem::ResultNotKept {
+            status: self.status(),
+        };
+        let saved = if grpc {
+            grpc::saved(&problem)
+        } else {
+            problem.saved()
+        };
+        let small = Finished::new(*self.done.record().fingerprint(), Saved::Response(saved));
         self.whole_digest = Some(Sha256::digest(self.done.encoded()).into());
         self.done = small;
     }

@@ -163,6 +163,7 @@ impl Context {
             self.policy.lock_ttl,
             claimed_at,
         )
+        .on_grpc_route(self.route.settings.grpc.is_some())
     }
 
     /// The header not to forward: the key header of a route with `forward_key: false`.

@@ -11,7 +11,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 
 use super::context::Context;
-use super::matched::{Answer, forward_plain, refuse};
+use super::matched::{Answer, Route, forward_plain, refuse};
 use super::{Proxy, admission, body_with_deadline};
 use crate::body::Body;
 use crate::grpc;
@@ -57,6 +57,23 @@ impl Proxy {
             },
         };
         (as_status(resp), outcome)
+    }
+}
+
+/// `problem` as `route` answers a request with this method and head before its flow runs (a
+/// head over the limits): a gRPC status for a gRPC call on a gRPC route, problem+json for
+/// anything else — a client that is not a gRPC one gets a plain HTTP answer it can read, as
+/// the `415` does.
+pub(super) fn refusal(
+    route: &Route,
+    method: &http::Method,
+    headers: &http::HeaderMap,
+    problem: &Problem,
+) -> Response<Body> {
+    if route.settings.grpc.is_some() && grpc::is_call(method, headers) {
+        grpc::answer(problem)
+    } else {
+        problem.response()
     }
 }
 

@@ -90,7 +90,7 @@ use crate::body::{self, Body};
 use crate::config::{Config, Limits};
 use crate::key;
 use crate::metrics::{Metrics, Outcome};
-use crate::problem::Problem;
+use crate::problem::{HeadLimit, Problem};
 use crate::route;
 use crate::store::StoreHandle;
 use crate::traces::{self, FutureExt as _, Traces};
@@ -354,6 +354,30 @@ impl Proxy {
             "request"
         );
         resp
+    }
+
+    /// The answer to a request whose head is over the proxy's limits, refused before any step
+    /// of the flow: in the terms of the route it came for, found first (on a `grpc:` route a
+    /// gRPC call gets `INVALID_ARGUMENT`, SPEC §4.11), problem+json on any other.
+    pub(crate) fn refuse_head<B>(
+        &self,
+        req: &Request<B>,
+        limit: HeadLimit,
+        worker: usize,
+    ) -> Response<Body> {
+        let problem = Problem::HeadersTooLarge { limit };
+        let generation = self.current.load();
+        let route = route::find(
+            generation.routes(worker),
+            |r| &r.settings,
+            generation.webhooks,
+            req.method(),
+            req.uri().path(),
+        );
+        match route {
+            Some(route) => grpc::refusal(route, req.method(), req.headers(), &problem),
+            None => problem.response(),
+        }
     }
 
     /// A request on an idempotent route: admitted (or refused, or passed through without a

@@ -53,7 +53,9 @@ pub(super) async fn serve<H: Handler>(
     let service = service_fn(move |req| {
         // Counted from here until the response body is finished or dropped.
         let request = InProgress::start(&books);
-        let answer = handler.clone().call(req, peer_info.clone());
+        // Boxed where it is made: a task a request holds it over HTTP/2 (see `BoxedSpawn`), and
+        // the proxy's is large (every step of the flow), so the stream's task stays small.
+        let answer = Box::pin(handler.clone().call(req, peer_info.clone()));
         async move {
             let response = answer.await?;
             Ok::<_, H::Error>(response.map(|body| Tracked::new(body, request)))

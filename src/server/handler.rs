@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioTimer;
 use hyper_util::server::conn::auto;
 use tokio_rustls::TlsAcceptor;
 
@@ -99,7 +99,7 @@ pub struct LiveLimits(ArcSwap<ConnectionSettings>);
 /// per change rather than once per connection.
 pub(super) struct ConnectionSettings {
     pub(super) limits: ListenerLimits,
-    pub(super) builder: auto::Builder<TokioExecutor>,
+    pub(super) builder: auto::Builder<BoxedSpawn>,
 }
 
 impl LiveLimits {
@@ -127,13 +127,29 @@ impl ConnectionSettings {
     }
 }
 
+/// Runs the task hyper spawns for each HTTP/2 request (the stream: the handler's future and
+/// the response it sends) boxed. The proxy's future is large (every step of the flow): in the
+/// runtime's task cell it would be copied whole at the spawn and again at each change of the
+/// task's stage, several times a request; boxed, once. HTTP/1.1 spawns nothing a request.
+#[derive(Clone, Copy)]
+pub(super) struct BoxedSpawn;
+
+impl<F> hyper::rt::Executor<F> for BoxedSpawn
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, future: F) {
+        tokio::spawn(Box::pin(future));
+    }
+}
+
 /// hyper refuses a smaller HTTP/1 buffer (it must hold a request line and a few headers).
 const MIN_HEAD_BYTES: usize = 8192;
 
 /// The builder the connections share: hyper's own limits.
-fn builder(limits: &ListenerLimits) -> auto::Builder<TokioExecutor> {
+fn builder(limits: &ListenerLimits) -> auto::Builder<BoxedSpawn> {
     let head_bytes = limits.max_head_bytes.max(MIN_HEAD_BYTES);
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(BoxedSpawn);
     builder
         .http1()
         .timer(TokioTimer::new())

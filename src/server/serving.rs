@@ -15,7 +15,6 @@ use super::head::{HYPER_HEAD_FACTOR, MAX_HEAD_BYTES, MAX_HEADERS, over_head_limi
 use super::listener::{Counted, Handler, Listener, ListenerLimits, Peer};
 use crate::body::Body;
 use crate::config::Limits;
-use crate::problem::Problem;
 use crate::proxy::Proxy;
 
 /// How one worker's drain ended.
@@ -229,7 +228,8 @@ impl Handler for ProxyService {
         let client = peer.addr();
         if let Some(limit) = over_head_limits(&req) {
             tracing::debug!(%client, ?limit, "request head over the proxy's limits: refused");
-            return Ok(Problem::HeadersTooLarge { limit }.response());
+            // In the terms of the route it came for: a gRPC call gets a gRPC status.
+            return Ok(self.proxy.refuse_head(&req, limit, self.worker));
         }
         Ok(self.proxy.handle(req, client, self.worker).await)
     }

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use http::{Request, Response, Uri};
 use hyper::client::conn::http2::{self, SendRequest};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioTimer;
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -175,7 +175,7 @@ impl Inner {
             .call(self.target.clone())
             .await
             .map_err(|e| SendError::Connect(crate::upstream::error_chain(&*e)))?;
-        let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+        let (sender, conn) = http2::Builder::new(BoxedSpawn)
             .timer(TokioTimer::new())
             .handshake(io)
             .await
@@ -230,6 +230,23 @@ impl Inner {
         if current.as_ref().is_some_and(|c| c.id == id) {
             *current = None;
         }
+    }
+}
+
+/// Runs the tasks hyper's HTTP/2 client spawns — the connection's, and per request one that
+/// waits for its response and one that sends its body — each boxed. hyper spawns all of them as
+/// one enum, as large as its largest variant, the connection (its IO and codec): unboxed, every
+/// request's two small tasks would copy that whole size into the runtime's task cell, and again
+/// at each change of the task's stage, several times a request.
+#[derive(Clone, Copy)]
+struct BoxedSpawn;
+
+impl<F> hyper::rt::Executor<F> for BoxedSpawn
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, future: F) {
+        tokio::spawn(Box::pin(future));
     }
 }
 

@@ -2,7 +2,7 @@
 //! server (the `h2` crate) that refuses, answers, stalls or goes away as each test says: a stream
 //! refused with `REFUSED_STREAM` is sent again on a fresh connection and runs once; a stream with
 //! no answer by the deadline is reset; a `GOAWAY` with an error after the request is an unknown
-//! outcome.
+//! outcome (on a `grpc:` route, `UNKNOWN`, kept).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -204,5 +204,50 @@ async fn a_goaway_with_an_error_after_the_request_is_an_unknown_outcome() {
         "true",
         "kept, never sent twice"
     );
+    assert_eq!(seen.processed.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_goaway_after_a_call_is_unknown_and_kept_as_a_grpc_status() {
+    let env = Env::new(Backend::Memory).await;
+    let (addr, seen) = upstream(&[Act::GoAway]).await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0
+{store}upstreams:
+  ledger:
+    url: http://{addr}
+    protocol: h2c
+    connect_timeout: 200ms
+    timeout: 2s
+routes:
+  - name: transfer
+    path: /ledger.v1.Ledger/Transfer
+    upstream: ledger
+    grpc: {{}}
+",
+        store = env.store_yaml(""),
+    );
+    let proxy = env.proxy(&yaml).await;
+    let call = || async {
+        send(
+            client()
+                .post(proxy.url("/ledger.v1.Ledger/Transfer"))
+                .header("content-type", "application/grpc")
+                .header("idempotency-key", "k-goaway")
+                .body(Bytes::from_static(b"\0\0\0\0\x02\x0a\0")),
+        )
+        .await
+    };
+    let first = call().await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    assert_eq!(first.header("grpc-status"), "2", "UNKNOWN");
+    assert_eq!(
+        first.header("idemproxy-problem-type"),
+        "urn:idemproxy:problem:upstream-failed"
+    );
+    // Kept (the default): the repeat gets the same status, nothing is sent again.
+    let again = call().await;
+    assert_eq!(again.header("grpc-status"), "2");
+    assert_eq!(again.header("idempotent-replayed"), "true");
     assert_eq!(seen.processed.load(Ordering::SeqCst), 1);
 }

@@ -45,6 +45,23 @@ enum Command {
         #[arg(long, default_value_t = 2400)]
         amount: i64,
     },
+    /// Sends many `Transfer` calls, 4 at a time on one HTTP/2 connection, and fails unless each
+    /// got `grpc-status: 0`: a load for counting what the proxy spends on a call.
+    #[command(hide = true)]
+    GrpcCalls {
+        /// The base URL to call (HTTP/2 with prior knowledge).
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        /// How many calls.
+        #[arg(long, default_value_t = 1000)]
+        calls: u32,
+        /// Each call's `idempotency-key` is this and its number (none without it).
+        #[arg(long)]
+        key_prefix: Option<String>,
+        /// Every call's key is the prefix alone: one key, replayed.
+        #[arg(long, requires = "key_prefix")]
+        fixed: bool,
+    },
 }
 
 #[tokio::main]
@@ -58,6 +75,15 @@ async fn main() -> std::io::Result<()> {
     }) = args.command
     {
         return grpc::transfer(&url, &key, &reference, amount).await;
+    }
+    if let Some(Command::GrpcCalls {
+        url,
+        calls,
+        key_prefix,
+        fixed,
+    }) = args.command
+    {
+        return grpc::calls(&url, calls, key_prefix.as_deref(), fixed).await;
     }
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -59,6 +59,8 @@ pub(super) struct Lease {
     round_trip: Duration,
     /// Set once the lease is known lost, so it is logged and counted once.
     lost: bool,
+    /// Whether the route is a gRPC one: a result not kept is saved as a gRPC status.
+    grpc: bool,
 }
 
 impl Lease {
@@ -83,7 +85,15 @@ impl Lease {
             // The claim was answered just now: its round trip is the first one seen.
             round_trip: Instant::now().saturating_duration_since(claimed_at),
             lost: false,
+            grpc: false,
         }
+    }
+
+    /// The lease of a claim on a gRPC route: what it saves in place of a result it cannot
+    /// keep is a gRPC status (SPEC §4.11).
+    pub(crate) fn on_grpc_route(mut self, grpc: bool) -> Lease {
+        self.grpc = grpc;
+        self
     }
 
     /// Drives `call` to its end, renewing the lease meanwhile (see the module's *When renewals
@@ -301,7 +311,7 @@ impl Lease {
              (502) is saved in its place as soon as the store takes it, so the operation never runs twice"
         );
         self.metrics.result_not_kept();
-        completion.downgrade();
+        completion.downgrade(self.grpc);
     }
 
     /// The compare-and-set failed: either an earlier attempt whose answer was lost did complete
