@@ -274,7 +274,7 @@ impl Proxy {
     /// and store connections are that worker's). Never fails: every failure is an HTTP answer.
     pub(crate) async fn handle(
         self: &Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         client: SocketAddr,
         worker: usize,
     ) -> Response<Body> {
@@ -298,11 +298,12 @@ impl Proxy {
             tracing::debug!(%method, path = uri.path(), "no route");
             return Problem::NoRoute.response();
         };
-        // Only with `tracing:`: the request's span, and the context its future runs in.
+        // Only with `tracing:` and a recorded request: its span, and the context its future
+        // runs in (an unrecorded one only has its `traceparent` rewritten for the upstream).
         let traced = self
             .traces
             .as_ref()
-            .map(|traces| traces.request(req.headers(), &method, &route.settings.name));
+            .and_then(|traces| traces.request(req.headers_mut(), &method, &route.settings.name));
         let (parts, incoming) = req.into_parts();
         let limits = generation.config.limits;
         let answering = async {

@@ -146,38 +146,53 @@ impl Traces {
         }
     }
 
-    /// A request's server span, the child of the client's `traceparent` if it sent one, in a
-    /// context for the request's future to run in.
+    /// A recorded request's server span, the child of the client's `traceparent` if it sent
+    /// one, in a context for the request's future to run in.
     ///
     /// Whether it is recorded is decided first, as the sampler would (parent-based; the ratio
-    /// on the trace id otherwise): a request left unrecorded gets no span, only a span context
-    /// of its own (the client's trace id or a new one, a new span id, the unsampled flag) that
-    /// its upstream call sends on — a few words on the stack and one allocation.
-    pub(crate) fn request(&self, headers: &HeaderMap, method: &Method, route: &str) -> Context {
+    /// on the trace id otherwise). A request left unrecorded gets no span and no context: its
+    /// `traceparent` is rewritten in `headers` as its upstream call would have sent it (the
+    /// client's trace id or a new one, a span id of the proxy's, the unsampled flag; the
+    /// client's `tracestate` kept), and it runs as untraced requests do. `None` then.
+    pub(crate) fn request(
+        &self,
+        headers: &mut HeaderMap,
+        method: &Method,
+        route: &str,
+    ) -> Option<Context> {
         let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
         let remote = parent.span().span_context().clone();
-        let ids = RandomIdGenerator::default();
-        let trace_id = if remote.is_valid() {
-            remote.trace_id()
-        } else {
-            ids.new_trace_id()
-        };
         let recorded = if remote.is_valid() {
             remote.is_sampled()
         } else {
-            let decided =
-                self.ratio
-                    .should_sample(None, trace_id, route, &SpanKind::Server, &[], &[]);
-            decided.decision == SamplingDecision::RecordAndSample
+            self.ratio
+                .should_sample(
+                    None,
+                    RandomIdGenerator::default().new_trace_id(),
+                    route,
+                    &SpanKind::Server,
+                    &[],
+                    &[],
+                )
+                .decision
+                == SamplingDecision::RecordAndSample
         };
         if !recorded {
-            return Context::new().with_remote_span_context(SpanContext::new(
+            let ids = RandomIdGenerator::default();
+            let trace_id = if remote.is_valid() {
+                remote.trace_id()
+            } else {
+                ids.new_trace_id()
+            };
+            let sent = Context::new().with_remote_span_context(SpanContext::new(
                 trace_id,
                 ids.new_span_id(),
                 TraceFlags::default(),
                 false,
                 remote.trace_state().clone(),
             ));
+            TraceContextPropagator::new().inject_context(&sent, &mut HeaderInjector(headers));
+            return None;
         }
         let span = self
             .tracer
@@ -188,9 +203,11 @@ impl Traces {
                 KeyValue::new("http.route", route.to_owned()),
             ])
             .start_with_context(&self.tracer, &parent);
-        parent
-            .with_span(span)
-            .with_value(Active(self.tracer.clone()))
+        Some(
+            parent
+                .with_span(span)
+                .with_value(Active(self.tracer.clone())),
+        )
     }
 }
 
@@ -255,14 +272,9 @@ impl Child {
     pub(crate) fn upstream<B>(req: &mut http::Request<B>, server: &str) -> Child {
         Child(Context::map_current(|cx| {
             let method = req.method();
+            // Not recorded (or no `tracing:`): no span; an unrecorded request's `traceparent`
+            // was written into its headers when it arrived (`Traces::request`).
             if !sampled(cx) {
-                // Not recorded: no span, but the upstream still gets the trace id and the
-                // unsampled flag, under the request's own span context (none without
-                // `tracing:`: the context is empty then, and nothing is sent).
-                if cx.span().span_context().is_valid() {
-                    TraceContextPropagator::new()
-                        .inject_context(cx, &mut HeaderInjector(req.headers_mut()));
-                }
                 return None;
             }
             let Active(tracer) = cx.get::<Active>()?;
