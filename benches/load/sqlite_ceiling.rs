@@ -75,8 +75,8 @@ const CLAIM: &str = "
         SET token = excluded.token, value = excluded.value, expires_at = excluded.expires_at
         WHERE records.expires_at <= ?5
     RETURNING 1";
-/// `COMPLETE` of `src/store/sqlite/ops.rs`.
-const COMPLETE: &str = "
+/// `SAVE` of `src/store/sqlite/ops.rs`.
+const SAVE: &str = "
     UPDATE records SET token = NULL, value = ?3, expires_at = ?4
     WHERE key = ?1 AND token = ?2 AND expires_at > ?5";
 
@@ -203,7 +203,7 @@ struct Writer<'c> {
     savepoint: Statement<'c>,
     release_savepoint: Statement<'c>,
     claim: Statement<'c>,
-    complete: Statement<'c>,
+    save: Statement<'c>,
     /// Requests a batch holds.
     batch: usize,
     /// Makes this run's keys unlike those of an earlier run in the same directory.
@@ -234,7 +234,7 @@ impl<'c> Writer<'c> {
             savepoint: prepare("SAVEPOINT op")?,
             release_savepoint: prepare("RELEASE op")?,
             claim: prepare(CLAIM)?,
-            complete: prepare(COMPLETE)?,
+            save: prepare(SAVE)?,
             batch,
             nonce: u64::try_from(now_ms()).unwrap_or(0),
             next: 0,
@@ -339,11 +339,11 @@ impl<'c> Writer<'c> {
         Ok(wrote.is_some())
     }
 
-    /// The completion of `Ops::complete`: `true` when it replaced its claim.
+    /// The completion of `Ops::save`: `true` when it replaced its claim.
     fn complete_one(&mut self, r: &Request, now: i64) -> rusqlite::Result<bool> {
         let expires_at = now.saturating_add(TTL_MILLIS as i64);
         let changed =
-            self.complete
+            self.save
                 .execute(params![r.key, &r.token[..], self.finished, expires_at, now])?;
         Ok(changed == 1)
     }

@@ -26,7 +26,7 @@ pub(crate) struct RawLimits {
     /// idempotent requests get a 503 before anything is claimed. Default 1000.
     #[serde(default = "defaults::max_detached_exchanges")]
     pub max_detached_exchanges: u32,
-    /// Results whose completion is being retried in the background, held whole, at most; past
+    /// Results whose save is being retried in the background, held whole, at most; past
     /// it (or past `max_pending_save_bytes`) the oldest lets go of its response and saves a
     /// `502 result-not-kept` in its place, keeping its lease meanwhile. Default 1000.
     #[serde(default = "defaults::max_pending_saves")]
@@ -108,7 +108,7 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     /// Exchanges still running after their client left, at most.
     pub max_detached_exchanges: u32,
-    /// Completions retried in the background, at most.
+    /// Saves retried in the background, at most.
     pub max_pending_saves: u32,
     /// Bytes of those, at most.
     pub max_pending_save_bytes: u64,

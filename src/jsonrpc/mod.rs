@@ -221,7 +221,7 @@ pub struct Found {
 }
 
 impl Found {
-    /// Whether the claim is released rather than completed: an error code the route lists in
+    /// Whether the claim is released rather than saved: an error code the route lists in
     /// `retry_errors`, or a result that asks for input.
     pub fn releases(&self, retry_errors: &[i64]) -> bool {
         self.input_required || self.error_code.is_some_and(|c| retry_errors.contains(&c))

@@ -127,7 +127,9 @@ impl Outcome {
 pub enum StoreOp {
     Claim,
     Renew,
-    Complete,
+    /// The save of a finished record; its label value stays `complete`, as dashboards and the
+    /// operations guide know it.
+    Save,
     Release,
     Get,
     Ping,
@@ -140,7 +142,7 @@ impl StoreOp {
     pub const ALL: [StoreOp; 7] = [
         StoreOp::Claim,
         StoreOp::Renew,
-        StoreOp::Complete,
+        StoreOp::Save,
         StoreOp::Release,
         StoreOp::Get,
         StoreOp::Ping,
@@ -152,7 +154,7 @@ impl StoreOp {
         match self {
             StoreOp::Claim => "claim",
             StoreOp::Renew => "renew",
-            StoreOp::Complete => "complete",
+            StoreOp::Save => "complete",
             StoreOp::Release => "release",
             StoreOp::Get => "get",
             StoreOp::Ping => "ping",
@@ -285,9 +287,9 @@ pub struct Metrics {
     config_reloads: Family<ResultLabel, Counter>,
     /// `idemproxy_config_reload_key_changes_total{route,field}`.
     reload_key_changes: Family<RouteField, Counter>,
-    /// Completions being retried in the background.
+    /// Saves being retried in the background.
     pub pending_saves: Gauge,
-    /// Bytes of the results those completions hold.
+    /// Bytes of the results those saves hold.
     pub pending_save_bytes: Gauge,
     /// Exchanges still running after their client left.
     pub detached_exchanges: Gauge,

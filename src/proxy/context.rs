@@ -21,7 +21,7 @@ use crate::route::IdempotencySettings;
 use crate::store::{Held, StoreHandle};
 
 /// What every exchange shares with the proxy: the store, the tracker of the background tasks
-/// (detached exchanges, completions) that shutdown waits for, the saves being retried, and
+/// (detached exchanges, saves) that shutdown waits for, the saves being retried, and
 /// the count of work running after its client was answered (`idemproxy_detached_exchanges`).
 pub(super) struct Shared {
     pub store: StoreHandle,

@@ -15,8 +15,8 @@
 //!   of rules both modes apply.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
-//! - [`pending`] and [`completion`]: completions retried in the background, their bounds, and
-//!   the `result-not-kept` record a completion past those bounds writes instead of its response.
+//! - [`pending`] and [`save`]: saves retried in the background, their bounds, and
+//!   the `result-not-kept` record a save past those bounds writes instead of its response.
 //! - [`resolve`]: a route under `on_unknown_outcome: resolve` — its lookup, rendered before
 //!   the claim, and asked of the upstream when the outcome is unknown.
 //! - [`jsonrpc`]: a JSON-RPC route — a `POST` read as one message, a call of a claimed method
@@ -32,10 +32,10 @@
 //!   (`Store::claim`); nothing here checks first and acts after.
 //! - Everything the proxy refuses (400, 413, 422, 409) is decided before or instead of a claim,
 //!   so a refused request never holds a key.
-//! - The claim, the upstream call and the completion are never cancelled: they run in the
+//! - The claim, the upstream call and the save are never cancelled: they run in the
 //!   request's task and move to a task of their own if the client disconnects ([`detach`]), so
 //!   a client that leaves drops only its wait for the answer, never a claim half made, the call
-//!   or the completion, and its retry is a replay.
+//!   or the save, and its retry is a replay.
 //! - The holder renews its lease every `lock_ttl/3` while the upstream call runs, and writes
 //!   the result with a compare-and-set on its token. A holder that lost its lease (it stalled
 //!   past `lock_ttl` and someone else claimed the key) cannot overwrite the newer record.
@@ -43,8 +43,8 @@
 //!   instant taken before its claim was sent (checked before every write, the connection reset
 //!   then): a holder that stalls and wakes after another instance took its claim over writes
 //!   nothing (SPEC §4.8).
-//! - If the completion fails because the store stalls, the client still gets the upstream's
-//!   answer and the completion is retried in the background for as long as the lease may still
+//! - If the save fails because the store stalls, the client still gets the upstream's
+//!   answer and the save is retried in the background for as long as the lease may still
 //!   be valid. Past the pending-save bounds a save drops its response but never its lease: it
 //!   saves `result-not-kept` instead, so a retry never runs the operation again.
 //! - A claim answered `lock_ttl` or more after it was sent may have outlived its lease: it is
@@ -54,7 +54,6 @@
 //!   claim saves, under its token, exactly what enforce would have saved.
 
 pub mod admission;
-mod completion;
 mod context;
 mod detach;
 mod exchange;
@@ -71,6 +70,7 @@ mod pending;
 mod reload;
 mod replay;
 mod resolve;
+mod saving;
 mod settle;
 mod webhook;
 
@@ -107,7 +107,7 @@ pub use keys::{RecordName, RecordNameError, RouteKeys};
 pub use reload::{Changes, KeyChange, Reloaded};
 
 /// The proxy: the configuration in force (routes, upstream clients), the store, metrics, and
-/// the tracker of background tasks (upstream calls and completions) that shutdown waits for.
+/// the tracker of background tasks (upstream calls and saves) that shutdown waits for.
 ///
 /// One `Proxy` serves every worker (`workers:`, see `server::workers`): the configuration in
 /// force is one `ArcSwap` that they all load, so a reload swaps it once and the next request on
@@ -238,7 +238,7 @@ impl Proxy {
         self.current.load().keys.clone()
     }
 
-    /// The background tasks (upstream calls, completions) that must finish before the process
+    /// The background tasks (upstream calls, saves) that must finish before the process
     /// exits.
     pub(crate) fn tasks(&self) -> &TaskTracker {
         &self.worker(0).tasks
@@ -437,7 +437,7 @@ impl Proxy {
         }
         // From the claim on, nothing is cancelled: a client that goes away cancels neither a
         // claim in flight (which would leave the key blocked until its lease expired) nor the
-        // upstream call and the completion (its retry gets a replay).
+        // upstream call and the save (its retry gets a replay).
         let (attachment, ended, watch) = detach::guards(self.metrics.detached_exchanges.clone());
         let key_hash = KeyHash {
             id: *admitted.key.id(),

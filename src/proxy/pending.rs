@@ -1,4 +1,4 @@
-//! Results whose completion is being retried in the background, and the bounds on them.
+//! Results whose save is being retried in the background, and the bounds on them.
 //!
 //! SPEC §4.5: when the store fails after the upstream answered, the proxy keeps retrying the
 //! save for as long as its lease can still be valid. A store that keeps refusing writes (Redis
@@ -87,7 +87,7 @@ impl PendingSaves {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts tracking a completion of a `bytes` long result for the key whose hash is `key`;
+    /// Starts tracking a save of a `bytes` long result for the key whose hash is `key`;
     /// downgrades the oldest whole ones — this one too, if it alone is over the byte bound —
     /// while the bounds are exceeded.
     pub(crate) fn begin(&self, route: Arc<str>, key: String, bytes: u64) -> Ticket {

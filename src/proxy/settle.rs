@@ -279,7 +279,7 @@ impl Settlement {
     }
 
     /// Carries it out on the held claim: completes it with the result under `fingerprint`
-    /// (retried in the background if the store fails, see [`Lease::complete`]), or releases
+    /// (retried in the background if the store fails, see [`Lease::save`]), or releases
     /// it.
     pub(super) async fn apply(
         self,
@@ -295,7 +295,7 @@ impl Settlement {
                 let done = Finished::new(fingerprint, saved);
                 let shared = &context.shared;
                 lease
-                    .complete(done, context.policy.ttl, &shared.tasks, &shared.pending)
+                    .save(done, context.policy.ttl, &shared.tasks, &shared.pending)
                     .await;
             }
             Action::Release => lease.release().await,
@@ -320,7 +320,7 @@ impl Settlement {
                 let done = Finished::new(fingerprint, Saved::Response(failure.saved()));
                 let shared = &context.shared;
                 lease
-                    .complete(done, context.policy.ttl, &shared.tasks, &shared.pending)
+                    .save(done, context.policy.ttl, &shared.tasks, &shared.pending)
                     .await;
             }
         }

@@ -72,7 +72,7 @@ pub use resolvable::{Lookup, Phase, Resolvable};
 /// the key tooling can show which delivery ran it. Never replayed, never shown as a header.
 pub const DELIVERY_LABEL: HeaderName = HeaderName::from_static("idemproxy-delivery-label");
 
-/// A claim's fencing token: random, so only the claimant can complete or release the claim.
+/// A claim's fencing token: random, so only the claimant can save or release the claim.
 pub(crate) type Token = [u8; 16];
 
 /// A new random token.
@@ -290,7 +290,7 @@ impl Record {
 }
 
 /// A claim held by this proxy: the in-progress record and its encoding, compared byte for byte
-/// by the store's `renew`, `complete` and `release` (and so encoded once, here).
+/// by the store's `renew`, `save` and `release` (and so encoded once, here).
 #[derive(Debug, Clone)]
 pub struct Held {
     /// The in-progress record (token and fingerprint).
@@ -315,7 +315,7 @@ impl Held {
     }
 }
 
-/// A finished record, encoded once: what a completion writes. A completion retried after a
+/// A finished record, encoded once: what a save writes. A save retried after a
 /// store failure writes these very bytes again, so the store's "already holds exactly this"
 /// check holds, and the pending-save bounds count them.
 #[derive(Debug, Clone)]
@@ -341,7 +341,7 @@ impl Finished {
     }
 }
 
-/// A record's bytes, as a completion hands them to the store: a [`Finished`] record, which the
+/// A record's bytes, as a save hands them to the store: a [`Finished`] record, which the
 /// proxy writes; or `Bytes` encoded elsewhere (a tool, or a check that writes what it read
 /// back, or bytes that are no record at all).
 pub trait Encoded {

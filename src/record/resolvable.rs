@@ -63,7 +63,7 @@ pub struct Lookup {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resolvable {
     /// The holder's fencing token. The stores compare this (not the whole value, whose times
-    /// they rewrite) to fence renewals, completions and releases.
+    /// they rewrite) to fence renewals, saves and releases.
     pub token: Token,
     /// The lease: the holder is alive until then; after it, a claim takes the record over.
     pub lease_until: u64,

@@ -13,12 +13,12 @@ use super::{
 use crate::metrics::{Metrics, StoreOp};
 use crate::record::{DecodeError, Encoded, Record};
 
-/// The span of a store operation (`tracing:`); a completion is the save.
+/// The span of a store operation (`tracing:`); a save is the save.
 fn span_name(op: StoreOp) -> &'static str {
     match op {
         StoreOp::Claim => "idemproxy.store.claim",
         StoreOp::Renew => "idemproxy.store.renew",
-        StoreOp::Complete => "idemproxy.store.save",
+        StoreOp::Save => "idemproxy.store.save",
         StoreOp::Release => "idemproxy.store.release",
         StoreOp::Get => "idemproxy.store.get",
         StoreOp::Ping => "idemproxy.store.ping",
@@ -93,11 +93,11 @@ impl StoreHandle {
             .await
     }
 
-    /// See [`Store::complete`]; `done` was encoded once, by [`crate::record`] (a
-    /// [`Finished`](crate::record::Finished) record), so a retried completion writes the very
+    /// See [`Store::save`]; `done` was encoded once, by [`crate::record`] (a
+    /// [`Finished`](crate::record::Finished) record), so a retried save writes the very
     /// same bytes. Records cross here in one direction: the store decodes what it reads, and
     /// never encodes a finished record itself.
-    pub async fn complete(
+    pub async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -105,7 +105,7 @@ impl StoreHandle {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let done = done.encoded().clone();
-        self.timed(StoreOp::Complete, self.inner.complete(key, held, done, ttl))
+        self.timed(StoreOp::Save, self.inner.save(key, held, done, ttl))
             .await
     }
 

@@ -170,7 +170,7 @@ pub enum ResolvableClaim {
 /// A store backend. Implementations make each method one atomic step on one key.
 ///
 /// The flow's steps: [`claim`](Store::claim), [`renew`](Store::renew),
-/// [`complete`](Store::complete), [`release`](Store::release); for `on_conflict: wait`,
+/// [`complete`](Store::save), [`release`](Store::release); for `on_conflict: wait`,
 /// [`get`](Store::get) and [`wait_change`](Store::wait_change); [`ping`](Store::ping) for
 /// readiness; [`inspect`](Store::inspect) and [`forget`](Store::forget) for the key tooling;
 /// and [`deadline`](Store::deadline), how long an operation may take in all.
@@ -197,9 +197,9 @@ pub trait Store: Send + Sync + 'static {
     async fn renew(&self, key: &StoreKey, held: &Held, lease: Duration)
     -> Result<bool, StoreError>;
     /// Replaces the claim by the finished record `done`, kept for `ttl`, if `held` still holds
-    /// the key; `true` too if the key already holds exactly `done` (a completion retried after
+    /// the key; `true` too if the key already holds exactly `done` (a save retried after
     /// its answer was lost). `false`: the lease was lost and nothing was written.
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,

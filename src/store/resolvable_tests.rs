@@ -70,8 +70,8 @@ async fn get_resolvable(s: &StoreHandle, key: &StoreKey) -> Resolvable {
 }
 
 /// Claim, conflict, renewal, takeover after the lease, fencing of the old holder, resolving,
-/// completion with a found response.
-pub(crate) async fn claim_takeover_and_complete<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
+/// save with a found response.
+pub(crate) async fn claim_takeover_and_save<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
 where
     F: Fn(Duration) -> Fut,
     Fut: Future<Output = ()>,
@@ -167,7 +167,7 @@ async fn fenced_then_resolved(s: &StoreHandle, key: &StoreKey, a: &Held, b: &Hel
         None
     );
     assert!(
-        !s.complete(key, a, &found(1), Duration::from_secs(60))
+        !s.save(key, a, &found(1), Duration::from_secs(60))
             .await
             .expect("complete")
     );
@@ -185,14 +185,14 @@ async fn fenced_then_resolved(s: &StoreHandle, key: &StoreKey, a: &Held, b: &Hel
     assert_eq!(resolving.lease_until, at + 10_000);
     let done = found(1);
     assert!(
-        s.complete(key, b, &done, Duration::from_secs(60))
+        s.save(key, b, &done, Duration::from_secs(60))
             .await
             .expect("complete")
     );
     assert_eq!(s.get(key).await.expect("get").as_ref(), Some(done.record()));
     // Sent again after its answer was lost: done already.
     assert!(
-        s.complete(key, b, &done, Duration::from_secs(60))
+        s.save(key, b, &done, Duration::from_secs(60))
             .await
             .expect("complete")
     );

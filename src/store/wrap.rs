@@ -40,15 +40,15 @@ pub trait Wrap: Send + Sync + 'static {
     ) -> Result<bool, StoreError> {
         self.inner().renew(key, held, lease).await
     }
-    /// See [`Store::complete`].
-    async fn complete(
+    /// See [`Store::save`].
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner().complete(key, held, done, ttl).await
+        self.inner().save(key, held, done, ttl).await
     }
     /// See [`Store::release`].
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
@@ -122,14 +122,14 @@ impl<W: Wrap> Store for W {
     ) -> Result<bool, StoreError> {
         Wrap::renew(self, key, held, lease).await
     }
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Wrap::complete(self, key, held, done, ttl).await
+        Wrap::save(self, key, held, done, ttl).await
     }
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {
         Wrap::release(self, key, held).await

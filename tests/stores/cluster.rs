@@ -4,7 +4,7 @@
 //! with the same assertions (running all of them a third time would triple the suite's
 //! time), then what only a cluster has: keys spread over every primary, scripts reloaded per
 //! node, a slot moved while requests run (MOVED and ASK followed; large records among them),
-//! a large completion while its slot moves, and a coordinated failover while requests run —
+//! a large save while its slot moves, and a coordinated failover while requests run —
 //! never a duplicate forward, a bounded number of 503s, and traffic that recovers.
 
 use std::sync::Arc;
@@ -423,7 +423,7 @@ async fn scripts_are_reloaded_on_every_node_after_a_flush() {
             .query(&mut w.cluster.conn(node.port))
             .expect("SCRIPT FLUSH");
     }
-    // Renewals (the call outlives lock_ttl) and completions, on keys of every primary.
+    // Renewals (the call outlives lock_ttl) and saves, on keys of every primary.
     let mut tasks = Vec::new();
     for n in 0..6 {
         let url = proxy.url("/bookings");
@@ -700,7 +700,7 @@ async fn slot_migration_during_traffic() {
     );
 }
 
-/// A large completion while its slot moves, for a claim taken before the move: the staging key
+/// A large save while its slot moves, for a claim taken before the move: the staging key
 /// is new, so the old primary sends its `SET` on to the new one (ASK); the script names the
 /// claim, still on the old primary, and the staging key, already on the new one, and is told
 /// to try again (TRYAGAIN) until the claim has moved too; then it runs on the new primary
@@ -743,7 +743,7 @@ async fn large_completion_while_its_slot_moves() {
         .find(|m| m.id != from.id)
         .expect("another primary");
 
-    // The slot is marked migrating; its keys move once the completion has been sent.
+    // The slot is marked migrating; its keys move once the save has been sent.
     let (migrating, marked) = std::sync::mpsc::channel();
     let (go, sent) = std::sync::mpsc::channel::<()>();
     let mover = {
@@ -768,7 +768,7 @@ async fn large_completion_while_its_slot_moves() {
             (store.clone(), key.clone(), held.clone(), record.encode());
         tokio::spawn(async move {
             store
-                .complete(&key, &held, &encoded, Duration::from_secs(3600))
+                .save(&key, &held, &encoded, Duration::from_secs(3600))
                 .await
         })
     };

@@ -1,6 +1,6 @@
 //! The stores under faults of their own: a Redis that restarted or dropped an idle connection
 //! between two requests (the first store operation afterwards must not be a 503), a reply lost
-//! after a release or a large completion landed (the operation sent again must not count as a
+//! after a release or a large save landed (the operation sent again must not count as a
 //! lost lease), on one Redis, a Redis with `wait_replicas` and a Redis Cluster; and what a large
 //! record leaves in Redis on its way in (a staging key with a TTL, then nothing beside it).
 
@@ -552,14 +552,14 @@ async fn a_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind(backend: B
     );
     assert!(
         !store
-            .complete(key, &a, &from_a.encode(), hour)
+            .save(key, &a, &from_a.encode(), hour)
             .await
             .expect("A completes late"),
         "A's lease is lost"
     );
     assert!(
         store
-            .complete(key, &b, &from_b.encode(), hour)
+            .save(key, &b, &from_b.encode(), hour)
             .await
             .expect("B completes")
     );
@@ -633,7 +633,7 @@ async fn cluster_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind() {
     a_large_record_is_staged_with_a_ttl_and_leaves_no_key_behind(Backend::RedisCluster).await;
 }
 
-/// The connection breaks after Redis ran a staged completion whole (the `SET` and the move)
+/// The connection breaks after Redis ran a staged save whole (the `SET` and the move)
 /// and before the script's answer came back: the store sends both again on a new connection;
 /// the script finds the very record under the key, deletes the second staged copy and answers
 /// done. Saved once, moved once, nothing left behind.
@@ -643,14 +643,14 @@ async fn redis_large_completion_whose_answer_was_lost_is_done() {
     let a = held(1);
     let long = Duration::from_secs(30);
 
-    // A first staged completion loads the script (no NOSCRIPT answer below).
+    // A first staged save loads the script (no NOSCRIPT answer below).
     let warm = &store_key(52);
     assert_eq!(
         store.claim(warm, &a, long).await.expect("claim"),
         Claim::Claimed
     );
     let record = harness::store_checks::large(b'w').encode();
-    assert!(store.complete(warm, &a, &record, long).await.expect("warm"));
+    assert!(store.save(warm, &a, &record, long).await.expect("warm"));
 
     let key = &store_key(53);
     assert_eq!(
@@ -662,7 +662,7 @@ async fn redis_large_completion_whose_answer_was_lost_is_done() {
     relay.cut_after(Direction::Down, Some(relay.stats().bytes_down + 5));
 
     let record = harness::store_checks::large(b'x').encode();
-    let done = store.complete(key, &a, &record, long).await;
+    let done = store.save(key, &a, &record, long).await;
     assert_eq!(relay.stats().resets, 1, "the script's answer was cut off");
     assert!(
         done.as_ref().is_ok_and(|d| *d),

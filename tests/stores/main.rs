@@ -3,7 +3,7 @@
 //!
 //! - [`contract`] — the store contract, each check on every store.
 //! - [`faults`] — reconnecting after a restart or a dropped connection, replies lost after a
-//!   release or a large completion, large records staged on their way in.
+//!   release or a large save, large records staged on their way in.
 //! - [`redis`] — TLS and passwords, scripts Redis forgot.
 //! - [`wait_replicas`] — `store.wait_replicas`.
 //! - [`cluster`] — `redis-cluster`, slot moves and failover.

@@ -168,7 +168,7 @@ async fn a_lost_lease_is_fenced() {
     harness::store_checks::stale_holder_cannot_overwrite_a_newer_holder(&store).await;
 }
 
-/// Release, forget, inspect and a repeated completion answer as on the other stores, and the
+/// Release, forget, inspect and a repeated save answer as on the other stores, and the
 /// table is the documented one (logged, tuned for churn, token cleared once finished).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_contract_and_the_table_as_documented() {
@@ -189,7 +189,7 @@ async fn the_contract_and_the_table_as_documented() {
     assert!(handle.release(&key(1), &a).await.expect("release again"));
     assert_eq!(handle.get(&key(1)).await.expect("get"), None);
 
-    // Completion, sent twice; then nobody may release or renew the finished record.
+    // Saving, sent twice; then nobody may release or renew the finished record.
     assert_eq!(
         handle.claim(&key(2), &a, lease).await.ok(),
         Some(Claim::Claimed)
@@ -201,20 +201,15 @@ async fn the_contract_and_the_table_as_documented() {
     assert_eq!(token, "01".repeat(16), "the claim's token, in its column");
     assert!(
         handle
-            .complete(&key(2), &a, &done, lease)
+            .save(&key(2), &a, &done, lease)
             .await
             .expect("complete")
     );
-    assert!(
-        handle
-            .complete(&key(2), &a, &done, lease)
-            .await
-            .expect("again")
-    );
+    assert!(handle.save(&key(2), &a, &done, lease).await.expect("again"));
     let other = harness::store_checks::done([7; 32], r#"{"id":"2"}"#).encode();
     assert!(
         !handle
-            .complete(&key(2), &a, &other, lease)
+            .save(&key(2), &a, &other, lease)
             .await
             .expect("other bytes")
     );
@@ -284,7 +279,7 @@ async fn the_contract_and_the_table_as_documented() {
     );
     assert!(
         handle
-            .complete(&key(5), &a, &done, Duration::MAX)
+            .save(&key(5), &a, &done, Duration::MAX)
             .await
             .expect("complete")
     );
@@ -1168,7 +1163,7 @@ async fn a_claim_reads_its_row_by_key_whatever_lapsed_rows_the_table_holds() {
         );
         assert!(
             handle
-                .complete(&key(n), &a, &done, lease)
+                .save(&key(n), &a, &done, lease)
                 .await
                 .expect("complete")
         );

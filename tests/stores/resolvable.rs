@@ -184,7 +184,7 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     );
     let done = found();
     let ttl = Duration::from_secs(60);
-    assert!(!s.complete(&k, &a, &done, ttl).await.expect("complete"));
+    assert!(!s.save(&k, &a, &done, ttl).await.expect("complete"));
     assert!(!s.release(&k, &a).await.expect("release"));
 
     let at = s
@@ -199,8 +199,8 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
         }
         other => panic!("expected the claim resolving, got {other:?}"),
     }
-    assert!(s.complete(&k, &b, &done, ttl).await.expect("complete"));
-    assert!(s.complete(&k, &b, &done, ttl).await.expect("sent again"));
+    assert!(s.save(&k, &b, &done, ttl).await.expect("complete"));
+    assert!(s.save(&k, &b, &done, ttl).await.expect("sent again"));
     assert_eq!(s.get(&k).await.expect("get").as_ref(), Some(done.record()));
 }
 
@@ -281,7 +281,7 @@ async fn a_claim_is_released_and_a_resolved_record_forgotten(backend: Backend) {
             .expect("claim"),
     );
     let done = found();
-    assert!(s.complete(&k, &b, &done, lifetime).await.expect("complete"));
+    assert!(s.save(&k, &b, &done, lifetime).await.expect("complete"));
     assert_eq!(raw.forget(&k).await.expect("forget"), Forgotten::Forgotten);
     assert_eq!(s.get(&k).await.expect("get"), None);
 }
@@ -460,7 +460,7 @@ async fn a_version_2_claim_is_taken_over_and_counts_from_the_timeout(backend: Ba
     );
     // Its new holder completes it.
     assert!(
-        s.complete(&k, &held, &found(), Duration::from_secs(60))
+        s.save(&k, &held, &found(), Duration::from_secs(60))
             .await
             .expect("complete")
     );

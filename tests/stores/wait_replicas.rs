@@ -127,7 +127,7 @@ async fn acknowledged_claims_forward_and_replay() {
     );
     // The series are exported from the start (metric_value panics on a missing one).
     assert_eq!(acks_missing(&proxy, StoreOp::Claim), 0.0);
-    assert_eq!(acks_missing(&proxy, StoreOp::Complete), 0.0);
+    assert_eq!(acks_missing(&proxy, StoreOp::Save), 0.0);
 }
 
 /// A large response is saved in two writes on the dedicated connection (the staging `SET`,
@@ -157,7 +157,7 @@ async fn acknowledged_large_record_is_whole_on_the_replica() {
     assert_eq!(keys, [key], "no staging key on the replica");
     assert_replay_of(&post(&proxy, "wr-large", &[]).await, &first);
     assert_eq!(r.env.mock.calls("wr-large"), 1);
-    assert_eq!(acks_missing(&proxy, StoreOp::Complete), 0.0);
+    assert_eq!(acks_missing(&proxy, StoreOp::Save), 0.0);
 }
 
 /// The replica stopped (SIGSTOP): the claim is not acknowledged within `store.timeout`, so it
@@ -279,7 +279,7 @@ async fn unacknowledged_save_still_answers_and_is_counted() {
     assert_forwarded(&first);
     assert!(
         eventually(Duration::from_secs(3), || {
-            acks_missing(&proxy, StoreOp::Complete) == 1.0
+            acks_missing(&proxy, StoreOp::Save) == 1.0
         })
         .await,
         "the short acknowledgement of the save is counted"

@@ -126,7 +126,7 @@ pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
     let from_b = done(fp, r#"{"id":"from B"}"#);
     assert!(
         !store
-            .complete(key, &a, &from_a.encode(), long)
+            .save(key, &a, &from_a.encode(), long)
             .await
             .expect("A completes"),
         "A's save must not land"
@@ -141,20 +141,20 @@ pub async fn stale_holder_cannot_overwrite_a_newer_holder(store: &StoreHandle) {
 
     assert!(
         store
-            .complete(key, &b, &from_b.encode(), long)
+            .save(key, &b, &from_b.encode(), long)
             .await
             .expect("B completes")
     );
     assert!(
         store
-            .complete(key, &b, &from_b.encode(), long)
+            .save(key, &b, &from_b.encode(), long)
             .await
             .expect("B's completion sent twice"),
         "a completion sent again after it landed counts as done"
     );
     assert!(
         !store
-            .complete(key, &a, &from_a.encode(), long)
+            .save(key, &a, &from_a.encode(), long)
             .await
             .expect("A completes late")
     );
@@ -203,7 +203,7 @@ pub async fn a_claim_is_exclusive_and_a_finished_record_is_what_claims_read(raw:
     let finished = done([7; 32], r#"{"id":"bk_1"}"#);
     assert!(
         store
-            .complete(&key(1), &a, &finished.encode(), LONG)
+            .save(&key(1), &a, &finished.encode(), LONG)
             .await
             .expect("A completes")
     );
@@ -239,7 +239,7 @@ pub async fn a_repeated_key_is_free_once_its_record_expires(raw: Arc<dyn Store>)
     let finished = done([7; 32], r#"{"id":"bk_5"}"#);
     assert!(
         store
-            .complete(&key(5), &a, &finished.encode(), ttl)
+            .save(&key(5), &a, &finished.encode(), ttl)
             .await
             .expect("A completes")
     );
@@ -356,7 +356,7 @@ pub async fn a_lapsed_claim_can_neither_renew_nor_complete(raw: Arc<dyn Store>) 
     let finished = done([7; 32], r#"{"id":"late"}"#);
     assert!(
         !store
-            .complete(&key(5), &a, &finished.encode(), LONG)
+            .save(&key(5), &a, &finished.encode(), LONG)
             .await
             .expect("A completes"),
         "a lapsed lease never completes"
@@ -417,7 +417,7 @@ pub async fn release_frees_only_the_holders_claim(raw: Arc<dyn Store>) {
     let finished = done([7; 32], r#"{"id":"by B"}"#);
     assert!(
         store
-            .complete(&key(6), &b, &finished.encode(), LONG)
+            .save(&key(6), &b, &finished.encode(), LONG)
             .await
             .expect("B completes")
     );
@@ -430,8 +430,8 @@ pub async fn release_frees_only_the_holders_claim(raw: Arc<dyn Store>) {
     assert_eq!(store.get(&key(6)).await.expect("get"), Some(finished));
 }
 
-/// A completion sent again counts as done only when the key holds exactly what it sends: a
-/// second, different completion is refused and changes nothing.
+/// A save sent again counts as done only when the key holds exactly what it sends: a
+/// second, different save is refused and changes nothing.
 pub async fn only_the_same_completion_counts_twice(raw: Arc<dyn Store>) {
     let store = handle(raw);
     let a = claim(1);
@@ -443,20 +443,20 @@ pub async fn only_the_same_completion_counts_twice(raw: Arc<dyn Store>) {
     let other = done([7; 32], r#"{"id":"other"}"#);
     assert!(
         store
-            .complete(&key(7), &a, &first.encode(), LONG)
+            .save(&key(7), &a, &first.encode(), LONG)
             .await
             .expect("A completes")
     );
     assert!(
         store
-            .complete(&key(7), &a, &first.encode(), LONG)
+            .save(&key(7), &a, &first.encode(), LONG)
             .await
             .expect("again"),
         "the same completion again counts as done"
     );
     assert!(
         !store
-            .complete(&key(7), &a, &other.encode(), LONG)
+            .save(&key(7), &a, &other.encode(), LONG)
             .await
             .expect("another completion"),
         "another completion does not"
@@ -485,7 +485,7 @@ pub async fn inspect_shows_the_remaining_time_to_live(raw: Arc<dyn Store>) {
     let finished = done([7; 32], r#"{"id":"bk"}"#);
     assert!(
         store
-            .complete(&key(8), &a, &finished.encode(), hour)
+            .save(&key(8), &a, &finished.encode(), hour)
             .await
             .expect("A completes")
     );
@@ -518,7 +518,7 @@ pub async fn forget_deletes_only_a_finished_record(raw: Arc<dyn Store>) {
     let finished = done([7; 32], r#"{"id":"bk"}"#);
     assert!(
         store
-            .complete(&key(9), &a, &finished.encode(), LONG)
+            .save(&key(9), &a, &finished.encode(), LONG)
             .await
             .expect("A completes")
     );
@@ -533,7 +533,7 @@ pub async fn forget_deletes_only_a_finished_record(raw: Arc<dyn Store>) {
         "a forgotten key is free"
     );
 
-    // Bytes that decode as no record (written as a completion, as a corrupted save would be):
+    // Bytes that decode as no record (written as a save, as a corrupted save would be):
     // a store error when read, and never forgotten.
     let c = claim(3);
     assert_eq!(
@@ -543,7 +543,7 @@ pub async fn forget_deletes_only_a_finished_record(raw: Arc<dyn Store>) {
     let garbage = Bytes::from_static(b"\x00\xffnot a record");
     assert!(
         store
-            .complete(&key(10), &c, &garbage, LONG)
+            .save(&key(10), &c, &garbage, LONG)
             .await
             .expect("C completes")
     );
@@ -574,7 +574,7 @@ pub async fn a_record_of_several_mib_round_trips(raw: Arc<dyn Store>) {
     let big = done_with([7; 32], body);
     assert!(
         store
-            .complete(&key(11), &a, &big.encode(), LONG)
+            .save(&key(11), &a, &big.encode(), LONG)
             .await
             .expect("A completes with 4 MiB")
     );
@@ -613,7 +613,7 @@ pub async fn a_large_record_is_fenced_like_a_small_one(raw: Arc<dyn Store>) {
     until_absent(&store, &key(13), "A's lease").await;
     assert!(
         !store
-            .complete(&key(13), &a, &from_a.encode(), LONG)
+            .save(&key(13), &a, &from_a.encode(), LONG)
             .await
             .expect("A completes after its lease"),
         "a lapsed lease never completes"
@@ -630,7 +630,7 @@ pub async fn a_large_record_is_fenced_like_a_small_one(raw: Arc<dyn Store>) {
     );
     assert!(
         !store
-            .complete(&key(13), &a, &from_a.encode(), LONG)
+            .save(&key(13), &a, &from_a.encode(), LONG)
             .await
             .expect("A completes over B's claim"),
         "A's large save must not land"
@@ -643,13 +643,13 @@ pub async fn a_large_record_is_fenced_like_a_small_one(raw: Arc<dyn Store>) {
 
     assert!(
         store
-            .complete(&key(13), &b, &from_b.encode(), LONG)
+            .save(&key(13), &b, &from_b.encode(), LONG)
             .await
             .expect("B completes")
     );
     assert!(
         store
-            .complete(&key(13), &b, &from_b.encode(), LONG)
+            .save(&key(13), &b, &from_b.encode(), LONG)
             .await
             .expect("B's completion sent again"),
         "the same large completion again counts as done"
@@ -657,7 +657,7 @@ pub async fn a_large_record_is_fenced_like_a_small_one(raw: Arc<dyn Store>) {
     for (what, held, record) in [("A, late", &a, &from_a), ("B, another", &b, &other_b)] {
         assert!(
             !store
-                .complete(&key(13), held, &record.encode(), LONG)
+                .save(&key(13), held, &record.encode(), LONG)
                 .await
                 .expect("a completion"),
             "{what}: a record of the same length is another record"
@@ -701,7 +701,7 @@ pub async fn wait_change_returns_by_its_bound(raw: Arc<dyn Store>) {
         let a = a.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            store.complete(&key(12), &a, &finished.encode(), LONG).await
+            store.save(&key(12), &a, &finished.encode(), LONG).await
         })
     };
     let start = Instant::now();

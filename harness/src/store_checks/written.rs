@@ -69,7 +69,7 @@ pub async fn what_each_transition_writes_decodes(raw: Arc<dyn Store>) {
         };
         saved
     });
-    assert!(s.complete(&k, &plain, &finished, LONG).await.expect("save"));
+    assert!(s.save(&k, &plain, &finished, LONG).await.expect("save"));
     assert_eq!(&stored(&raw, &k).await, finished.record());
 
     // A resolvable claim: stamped by the store on its clock.
@@ -170,6 +170,6 @@ pub async fn what_each_transition_writes_decodes(raw: Arc<dyn Store>) {
             body: Bytes::from_static(b"{\"id\":\"bk_9\"}"),
         }),
     );
-    assert!(s.complete(&k, &b, &found, LONG).await.expect("save"));
+    assert!(s.save(&k, &b, &found, LONG).await.expect("save"));
     assert_eq!(&stored(&raw, &k).await, found.record());
 }

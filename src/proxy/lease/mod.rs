@@ -26,8 +26,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::completion::Completion;
 use super::pending::PendingSaves;
+use super::saving::Saving;
 use crate::key::StoreKey;
 use crate::metrics::RouteMetrics;
 use crate::record::Finished;
@@ -187,20 +187,20 @@ impl Lease {
         }
     }
 
-    /// Completes the claim with the finished record (compare-and-set on the token). If the store
-    /// fails, the completion goes on in the background (tracked by `tasks`, bounded by
+    /// Saves the claim with the finished record (compare-and-set on the token). If the store
+    /// fails, the save goes on in the background (tracked by `tasks`, bounded by
     /// `pending`: past its bounds it saves `result-not-kept` instead) while the lease may still
     /// be valid; the caller answers the client at once either way.
-    pub(crate) async fn complete(
+    pub(crate) async fn save(
         mut self,
         done: Finished,
         ttl: Duration,
         tasks: &TaskTracker,
         pending: &Arc<PendingSaves>,
     ) {
-        match self.store.complete(&self.key, &self.held, &done, ttl).await {
+        match self.store.save(&self.key, &self.held, &done, ttl).await {
             Ok(true) => {}
-            Ok(false) => self.lost_or_completed(&Completion::whole(done)).await,
+            Ok(false) => self.lost_or_saved(&Saving::whole(done)).await,
             Err(e) => {
                 tracing::warn!(
                     route = %self.route,
@@ -213,8 +213,8 @@ impl Lease {
                 let pending = pending.clone();
                 // The retries are the request's store operations still: in its trace.
                 tasks.spawn(crate::traces::carried(async move {
-                    let completion = Completion::whole(done);
-                    self.complete_in_background(completion, ttl, &ticket.downgrade)
+                    let completion = Saving::whole(done);
+                    self.save_in_background(completion, ttl, &ticket.downgrade)
                         .await;
                     pending.finish(&ticket);
                 }));
@@ -234,16 +234,16 @@ impl Lease {
         }
     }
 
-    /// Retries a failed completion with backoff, renewing the lease meanwhile, for as long as
+    /// Retries a failed save with backoff, renewing the lease meanwhile, for as long as
     /// the lease may still be valid. The backoff doubles up to a steady slow pace (every
     /// [`SLOWEST_RETRY`], or a third of the lease if that is shorter, so renewals keep up).
     ///
     /// Once `downgrade` is cancelled (the pending-save bounds), the result is dropped and the
     /// retries go on with `result-not-kept`: the lease is kept all the same, because a key
     /// freed now would let a retry run the operation a second time.
-    async fn complete_in_background(
+    async fn save_in_background(
         &mut self,
-        mut completion: Completion,
+        mut completion: Saving,
         ttl: Duration,
         downgrade: &CancellationToken,
     ) {
@@ -273,7 +273,7 @@ impl Lease {
             backoff = (backoff * 2).min(slowest);
             match self
                 .store
-                .complete(&self.key, &self.held, &completion.done, ttl)
+                .save(&self.key, &self.held, &completion.done, ttl)
                 .await
             {
                 Ok(true) if completion.is_downgraded() => {
@@ -284,13 +284,13 @@ impl Lease {
                     tracing::info!(route = %self.route, key = %self.key.id_hex(), "result saved after retrying");
                     return;
                 }
-                Ok(false) => return self.lost_or_completed(&completion).await,
+                Ok(false) => return self.lost_or_saved(&completion).await,
                 // Keep the lease alive while the store comes back.
                 Err(_) => {
                     let sent = Instant::now();
                     match self.store.renew(&self.key, &self.held, self.lock_ttl).await {
                         Ok(true) => self.valid_until = sent + self.lock_ttl,
-                        Ok(false) => return self.lost_or_completed(&completion).await,
+                        Ok(false) => return self.lost_or_saved(&completion).await,
                         Err(_) => {}
                     }
                 }
@@ -300,7 +300,7 @@ impl Lease {
 
     /// Drops the result of a save the pending-save bounds cannot keep; logged (with the key's
     /// hash, for reconciliation) and counted.
-    fn downgrade(&self, completion: &mut Completion) {
+    fn downgrade(&self, completion: &mut Saving) {
         tracing::error!(
             route = %self.route,
             key = %self.key.id_hex(),
@@ -316,7 +316,7 @@ impl Lease {
 
     /// The compare-and-set failed: either an earlier attempt whose answer was lost did complete
     /// (the record is ours), or the lease was lost to another request.
-    async fn lost_or_completed(&mut self, completion: &Completion) {
+    async fn lost_or_saved(&mut self, completion: &Saving) {
         match self.store.get(&self.key).await {
             Ok(Some(current)) if completion.wrote(&current) => {}
             Ok(_) => self.mark_lost("the key was claimed by another request"),

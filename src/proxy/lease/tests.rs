@@ -19,7 +19,7 @@ impl Wrap for ReadsFail {
     async fn renew(&self, _: &StoreKey, _: &Held, _: Duration) -> Result<bool, StoreError> {
         Ok(false)
     }
-    async fn complete(
+    async fn save(
         &self,
         _: &StoreKey,
         _: &Held,
@@ -51,7 +51,7 @@ impl Wrap for RefusesSaves {
     fn inner(&self) -> &dyn Store {
         &self.inner
     }
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -64,7 +64,7 @@ impl Wrap for RefusesSaves {
                 after: Duration::from_millis(1),
             });
         }
-        self.inner.complete(key, held, done, ttl).await
+        self.inner.save(key, held, done, ttl).await
     }
 }
 
@@ -115,7 +115,7 @@ async fn a_save_past_the_bounds_keeps_its_lease_and_saves_result_not_kept() {
     ));
     let tasks = TaskTracker::new();
     lease
-        .complete(done, Duration::from_secs(60), &tasks, &pending)
+        .save(done, Duration::from_secs(60), &tasks, &pending)
         .await;
     tokio::time::sleep(lock_ttl * 3).await;
     refusing
@@ -293,7 +293,7 @@ async fn a_refused_save_whose_confirming_read_fails_is_not_counted_as_a_lost_lea
         Default::default(),
     ));
     lease(store.clone(), &metrics)
-        .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
+        .save(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
         .await;
     assert!(
         metrics
@@ -322,7 +322,7 @@ async fn a_refused_save_whose_key_holds_another_record_is_a_lost_lease() {
         Default::default(),
     ));
     lease(store, &metrics)
-        .complete(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
+        .save(done, Duration::from_secs(1), &TaskTracker::new(), &pending)
         .await;
     assert!(
         metrics

@@ -378,7 +378,7 @@ impl Unknown {
             Saved::Response(response) => Saved::Resolved(response),
             other => other,
         };
-        self.complete(saved).await;
+        self.save(saved).await;
     }
 
     /// Saves what `keep` would have, as `outcome-unknown`, saying what the last lookup
@@ -390,10 +390,10 @@ impl Unknown {
             status: self.failure.status(),
             last,
         };
-        self.complete(Saved::Response(problem.saved())).await;
+        self.save(Saved::Response(problem.saved())).await;
     }
 
-    async fn complete(self, saved: Saved) {
+    async fn save(self, saved: Saved) {
         let Unknown {
             context,
             lease,
@@ -402,7 +402,7 @@ impl Unknown {
         } = self;
         let shared = &context.shared;
         lease
-            .complete(
+            .save(
                 Finished::new(fingerprint, saved),
                 context.policy.ttl,
                 &shared.tasks,

@@ -310,7 +310,7 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -326,7 +326,7 @@ impl Store for MemoryStore {
             shard.holds(&key, held, now)
         };
         let Some(slot) = holds else {
-            // A completion sent again after it landed counts as done, as on Redis.
+            // A save sent again after it landed counts as done, as on Redis.
             let landed = shard
                 .map
                 .get(&key)

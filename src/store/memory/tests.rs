@@ -55,10 +55,10 @@ async fn claim_is_exclusive_and_expires() {
     // a's lease expired: b may claim, and a may no longer complete.
     assert_eq!(s.claim(&k(1), &b, lease).await.ok(), Some(Claim::Claimed));
     let d = done(1).encode();
-    assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(false));
+    assert_eq!(s.save(&k(1), &a, &d, lease).await.ok(), Some(false));
     assert_eq!(s.renew(&k(1), &a, lease).await.ok(), Some(false));
     assert_eq!(s.release(&k(1), &a).await.ok(), Some(false));
-    assert_eq!(s.complete(&k(1), &b, &d, lease).await.ok(), Some(true));
+    assert_eq!(s.save(&k(1), &b, &d, lease).await.ok(), Some(true));
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
 }
 
@@ -134,10 +134,7 @@ async fn a_ttl_beyond_any_clock_means_forever_not_a_panic() {
     assert!(s.claim(&k(1), &a, Duration::MAX).await.is_ok());
     assert_eq!(s.renew(&k(1), &a, Duration::MAX).await.ok(), Some(true));
     let d = done(1).encode();
-    assert_eq!(
-        s.complete(&k(1), &a, &d, Duration::MAX).await.ok(),
-        Some(true)
-    );
+    assert_eq!(s.save(&k(1), &a, &d, Duration::MAX).await.ok(), Some(true));
     tokio::time::advance(Duration::from_secs(86_400 * 365)).await;
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
 }
@@ -153,7 +150,7 @@ async fn a_saved_record_is_one_compact_copy() {
     big.extend_from_slice(&d);
     let big = big.freeze();
     assert!(
-        s.complete(&k(1), &a, &big, Duration::from_secs(1))
+        s.save(&k(1), &a, &big, Duration::from_secs(1))
             .await
             .is_ok()
     );
@@ -176,7 +173,7 @@ async fn waiters_wake_on_completion() {
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let d = done(1).encode();
-    assert_eq!(s.complete(&k(1), &a, &d, lease).await.ok(), Some(true));
+    assert_eq!(s.save(&k(1), &a, &d, lease).await.ok(), Some(true));
     let waited = waiter.await.expect("waiter");
     assert!(
         waited < Duration::from_secs(1),
@@ -293,7 +290,7 @@ async fn a_full_store_takes_claims_again_soon_after_records_lapse() {
 async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder() {
     let (s, _) = store(10);
     let advance = |d| tokio::time::advance(d);
-    crate::store::resolvable_tests::claim_takeover_and_complete(&s, &k(1), advance).await;
+    crate::store::resolvable_tests::claim_takeover_and_save(&s, &k(1), advance).await;
 }
 
 #[tokio::test(start_paused = true)]

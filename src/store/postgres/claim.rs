@@ -64,7 +64,7 @@ impl Inner {
         ))
     }
 
-    pub(super) async fn complete(
+    pub(super) async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -80,9 +80,9 @@ impl Inner {
             millis(ttl),
         );
         let statement = if held.resolvable().is_some() {
-            &inner.sql.resolvable.complete
+            &inner.sql.resolvable.save
         } else {
-            &inner.sql.complete
+            &inner.sql.save
         };
         let changed = inner
             .execute("complete", statement, &[&key, &token, &done, &ttl])
@@ -91,10 +91,10 @@ impl Inner {
             inner.recent.note(store_key);
             return Ok(true);
         }
-        // Nothing changed: either the lease was lost, or this completion was sent again after
+        // Nothing changed: either the lease was lost, or this save was sent again after
         // the first landed (its answer lost) and the key already holds exactly `done`.
         let landed = inner
-            .query("complete", &inner.sql.completed, &[&key, &done])
+            .query("complete", &inner.sql.saved, &[&key, &done])
             .await?;
         Ok(!landed.is_empty())
     }

@@ -24,9 +24,9 @@
 //!   taken (`store/recent.rs`) is read first with `get`, the cost of a primary-key read: a
 //!   finished record found is the answer, anything else falls through to the claim.
 //! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
-//! - **Fencing**: renew, complete and release change a row only where `token` is the caller's and
+//! - **Fencing**: renew, save and release change a row only where `token` is the caller's and
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
-//!   `complete` clears the token: a finished record matches no claim.
+//!   `save` clears the token: a finished record matches no claim.
 //! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
 //!   for a connection and every connect bounded by `store.timeout`, every statement prepared on a
 //!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
@@ -318,14 +318,14 @@ impl Store for PostgresStore {
         Ok(changed == 1)
     }
 
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
         done: Bytes,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner.complete(key, held, done, ttl).await
+        self.inner.save(key, held, done, ttl).await
     }
 
     async fn release(&self, key: &StoreKey, held: &Held) -> Result<bool, StoreError> {

@@ -28,9 +28,9 @@ pub(super) struct Statements {
     /// `$1` key, `$2` token, `$3` lease: rows changed (0 or 1).
     pub(super) renew: String,
     /// `$1` key, `$2` token, `$3` the finished record, `$4` ttl: rows changed (0 or 1).
-    pub(super) complete: String,
+    pub(super) save: String,
     /// `$1` key, `$2` the finished record: a row if the key holds exactly it.
-    pub(super) completed: String,
+    pub(super) saved: String,
     /// `$1` key, `$2` token: one row, whether the key is free of that claim.
     pub(super) release: String,
     /// `$1` key: the live value.
@@ -67,7 +67,7 @@ pub(super) struct ResolvableStatements {
     /// `$1` key, `$2` token, `$3` lease, `$4` next lookup in: `now_ms` if done.
     pub(super) resolving: String,
     /// `$1` key, `$2` token, `$3` the finished record, `$4` ttl: rows changed (0 or 1).
-    pub(super) complete: String,
+    pub(super) save: String,
     /// `$1` key, `$2` token: one row, whether the key is free of that claim.
     pub(super) release: String,
     /// The server's clock in milliseconds.
@@ -95,7 +95,7 @@ impl Statements {
             // `upd` takes over a lapsed row; the last branch returns a live row. Cases:
             // - absent: `ins` inserts; `upd` is skipped → (true). Ours.
             // - live: both writers are skipped; the read's value → (false, value), the version
-            //   in the snapshot even while its holder's renew or completion commits, or a
+            //   in the snapshot even while its holder's renew or save commits, or a
             //   release or `forget` deletes it (as if this claim had come just before that
             //   write).
             // - lapsed: `ins` is skipped; `upd` finds the row by its key, locks it and
@@ -114,7 +114,7 @@ impl Statements {
             // answer it (the column is NOT NULL: the same test): the row is then found by its
             // primary key. With the bare comparison a generic plan may walk the `expires_at`
             // index from its start instead, over every lapsed entry and every dead one a
-            // completion left behind (each moves the row's `expires_at`) until a vacuum: a
+            // save left behind (each moves the row's `expires_at`) until a vacuum: a
             // scan that grows with the traffic of the last minutes.
             claim: format!(
                 "WITH cur AS (
@@ -146,17 +146,17 @@ impl Statements {
             ),
             // Fenced like renew; the finished row has no token, so no later claim's token can
             // match it and nothing but forget or expiry removes it. If it finds nothing, the
-            // caller asks `completed` in a statement of its own: a completion sent again while
+            // caller asks `saved` in a statement of its own: a save sent again while
             // the first was still committing waits here for the row's lock, finds its own
             // finished row (token gone) and changes nothing; only a statement started after
-            // that wait has a snapshot that sees the first completion's row.
-            complete: format!(
+            // that wait has a snapshot that sees the first save's row.
+            save: format!(
                 "UPDATE {t}
                  SET token = NULL, value = $3, times = NULL,
                      expires_at = now() + $4::bigint * interval '1 millisecond'
                  WHERE key = $1 AND token = $2 AND expires_at > now()"
             ),
-            completed: format!(
+            saved: format!(
                 "SELECT 1 FROM {t}
                  WHERE key = $1 AND token IS NULL AND value = $2 AND expires_at > now()"
             ),
@@ -200,7 +200,7 @@ impl Statements {
                 UNION ALL SELECT false, {value} FROM {t} AS r WHERE r.key = $1 AND r.expires_at > now()"
             ),
             // One batch of the sweep, oldest first. SKIP LOCKED: a row a claim, renew or
-            // completion holds locked is left for the next sweep, so the sweep never waits on
+            // save holds locked is left for the next sweep, so the sweep never waits on
             // them (and several instances sweeping at once split the rows). FOR UPDATE re-checks
             // the inner WHERE on a row's newest version; the outer re-check says it again, so a
             // row taken over meanwhile (live again) is never deleted. A claim that meets a row
@@ -228,13 +228,13 @@ impl Statements {
             &r.claim,
             &r.renew,
             &r.resolving,
-            &r.complete,
+            &r.save,
             &r.release,
             &r.now,
             &self.claim,
             &self.renew,
-            &self.complete,
-            &self.completed,
+            &self.save,
+            &self.saved,
             &self.release,
             &self.get,
             &self.inspect,
@@ -394,7 +394,7 @@ impl ResolvableStatements {
                 WHERE {held}
                 RETURNING c.ms"
             ),
-            complete: format!(
+            save: format!(
                 "WITH c AS (SELECT {NOW_MS} AS ms)
                 UPDATE {t} AS r
                 SET token = NULL, value = $3, times = NULL,

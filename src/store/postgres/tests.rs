@@ -57,8 +57,8 @@ fn every_statement_names_the_schema_s_table() {
     for statement in [
         &sql.claim,
         &sql.renew,
-        &sql.complete,
-        &sql.completed,
+        &sql.save,
+        &sql.saved,
         &sql.release,
         &sql.get,
         &sql.inspect,
@@ -69,7 +69,7 @@ fn every_statement_names_the_schema_s_table() {
         // Fenced or filtered on the server's clock: an expired row is never acted on as live.
         assert!(statement.contains("now()"), "{statement}");
     }
-    for fenced in [&sql.renew, &sql.complete, &sql.release] {
+    for fenced in [&sql.renew, &sql.save, &sql.release] {
         assert!(fenced.contains("token = $2"), "{fenced}");
         assert!(fenced.contains("expires_at > now()"), "{fenced}");
     }

@@ -75,9 +75,9 @@ impl<C: RedisConnection> RedisStore<C> {
         }
     }
 
-    /// The compare-and-set of a completion on `conn`: inline (the record is an argument of the
+    /// The compare-and-set of a save on `conn`: inline (the record is an argument of the
     /// script), or, for a large record, staged ([`staged`]).
-    pub(super) async fn complete_on(
+    pub(super) async fn save_on(
         &self,
         mut conn: impl ConnectionLike + Clone + Send,
         key: &StoreKey,
@@ -93,7 +93,7 @@ impl<C: RedisConnection> RedisStore<C> {
         if let Some(r) = held.resolvable() {
             let n: i64 = self
                 .resolvable
-                .complete
+                .save
                 .key(key)
                 .arg(&r.token[..])
                 .arg(done.as_ref())
@@ -105,11 +105,10 @@ impl<C: RedisConnection> RedisStore<C> {
         if done.len() >= staged::STAGE_FROM
             && let Some(staging) = staged::staging_key(&key, held)
         {
-            return staged::complete(&self.complete_staged, conn, &key, &staging, held, done, ttl)
-                .await;
+            return staged::save(&self.save_staged, conn, &key, &staging, held, done, ttl).await;
         }
         let n: i64 = self
-            .complete
+            .save
             .key(key)
             .arg(held.encoded.as_ref())
             .arg(done.as_ref())
@@ -172,11 +171,11 @@ impl<C: RedisConnection> RedisStore<C> {
         })
     }
 
-    /// A completion that `replicas` should acknowledge. Once the compare-and-set has landed,
+    /// A save that `replicas` should acknowledge. Once the compare-and-set has landed,
     /// the result is saved whatever the replicas say: a short acknowledgement is logged and
     /// counted, never an error (an error would make the caller retry a save that is done, and
     /// the retry would find no claim and report a lost lease).
-    pub(super) async fn complete_acknowledged(
+    pub(super) async fn save_acknowledged(
         &self,
         replicas: &Replicas,
         key: &StoreKey,
@@ -186,13 +185,13 @@ impl<C: RedisConnection> RedisStore<C> {
     ) -> Result<bool, StoreError> {
         let (dedicated, saved) = replicas
             .write("complete", |conn| async move {
-                self.complete_on(conn, key, held, done, ttl).await
+                self.save_on(conn, key, held, done, ttl).await
             })
             .await?;
         if !saved {
             return Ok(false);
         }
-        if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Complete).await {
+        if let Err(short) = replicas.acknowledged(dedicated, StoreOp::Save).await {
             tracing::warn!(
                 key = %key.id_hex(),
                 why = %short.why,

@@ -4,7 +4,7 @@
 //! - The claim is one command, `SET key value NX PX lease GET` (Redis ≥ 7.0): it takes the key
 //!   if free and otherwise returns what is there, atomically and in one round trip. The replay
 //!   path therefore costs one round trip too.
-//! - Renew, complete and release are Lua scripts that first compare the key's value with the
+//! - Renew, save and release are Lua scripts that first compare the key's value with the
 //!   holder's whole in-progress value (which contains its random token): a holder whose lease
 //!   expired and was re-claimed by another request can never overwrite or delete the newer
 //!   claim. Scripts run by `EVALSHA` and are reloaded on `NOSCRIPT` ([`redis::Script`] does it;
@@ -13,8 +13,8 @@
 //! - A large finished record (from [`staged::STAGE_FROM`] bytes) is not passed to the script:
 //!   Lua would hash every byte of it. It goes to a staging key of its own by a plain `SET`, and
 //!   the script moves it over the claim with `RENAME` ([`staged`] says why that fences as
-//!   strongly); the record key then holds the whole record, as after an inline completion.
-//! - Every command names one record key (the staged completion's script also its staging key,
+//!   strongly); the record key then holds the whole record, as after an inline save.
+//! - Every command names one record key (the staged save's script also its staging key,
 //!   in the same slot), so on a Redis Cluster each one is routed by its key's slot and follows
 //!   `MOVED` and `ASK` redirections like any single-key command: the store is generic over the
 //!   connection ([`RedisConnection`]), the same code on both.
@@ -22,12 +22,12 @@
 //!   per node), created lazily so the proxy starts while Redis is down, and reconnecting by
 //!   itself after Redis comes back. Deadlines are applied by [`super::StoreHandle`], because a
 //!   stopped Redis otherwise hangs a call forever.
-//! - With `store.wait_replicas`, a claim and a completion also wait for replicas to acknowledge
+//! - With `store.wait_replicas`, a claim and a save also wait for replicas to acknowledge
 //!   them (`WAIT`), on a dedicated connection ([`replicas`] says why).
 //! - A command whose connection had dropped (Redis restarted, or closed it idle) is sent once
 //!   more on a new connection, within the same deadline ([`resend`] says when that is safe).
 //!
-//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`staged`] the completion
+//! Layout: this file holds the store; [`scripts`] its Lua scripts, [`staged`] the save
 //! of large records, [`resend`] the second try after a dropped connection, [`connect`] builds
 //! clients from the configuration, [`replicas`] the `WAIT` machinery, [`check`] the start-up
 //! checks of the servers.
@@ -57,7 +57,7 @@ pub use self::connection::RedisConnection;
 pub use self::replicas::RedisSeries;
 use self::replicas::Replicas;
 use self::resolvable::ResolvableScripts;
-use self::scripts::{COMPLETE, COMPLETE_STAGED, INSPECT, RELEASE, RENEW};
+use self::scripts::{INSPECT, RELEASE, RENEW, SAVE, SAVE_STAGED};
 use super::{Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey};
 use crate::config::RedisAccess;
 use crate::metrics::{Metrics, StoreOp};
@@ -70,8 +70,8 @@ pub struct RedisStore<C = ConnectionManager> {
     server: String,
     timeout: Duration,
     renew: Script,
-    complete: Script,
-    complete_staged: Script,
+    save: Script,
+    save_staged: Script,
     release: Script,
     inspect: Script,
     forget: Script,
@@ -125,7 +125,7 @@ impl RedisStore<ConnectionManager> {
     }
 
     /// Prepares a store for one Redis as configured: `url` with the password and CA of
-    /// `access`, and with `wait_replicas` > 0, claims and completions acknowledged by that
+    /// `access`, and with `wait_replicas` > 0, claims and saves acknowledged by that
     /// many replicas (short acknowledgements are counted in `metrics`).
     pub fn connect(
         url: &str,
@@ -183,8 +183,8 @@ impl<C: RedisConnection> RedisStore<C> {
             server,
             timeout,
             renew: Script::new(RENEW),
-            complete: Script::new(COMPLETE),
-            complete_staged: Script::new(COMPLETE_STAGED),
+            save: Script::new(SAVE),
+            save_staged: Script::new(SAVE_STAGED),
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
             forget: Script::new(&scripts::forget()),
@@ -228,8 +228,8 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         match (op, &self.replicas) {
             // Several steps, each bounded by `timeout` on its own (checkout and write, WAIT
             // with its grace, a release): this outer deadline is only a backstop, longer than
-            // their sum, so that it never cuts a completion whose write has landed.
-            (StoreOp::Claim | StoreOp::Complete, Some(_)) => timeout * 5,
+            // their sum, so that it never cuts a save whose write has landed.
+            (StoreOp::Claim | StoreOp::Save, Some(_)) => timeout * 5,
             _ => timeout,
         }
     }
@@ -280,7 +280,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         Ok(n == 1)
     }
 
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -289,12 +289,12 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     ) -> Result<bool, StoreError> {
         match &self.replicas {
             Some(replicas) => {
-                Box::pin(self.complete_acknowledged(replicas, key, held, &done, ttl)).await
+                Box::pin(self.save_acknowledged(replicas, key, held, &done, ttl)).await
             }
             None => {
                 let done = &done;
                 self.shared("complete", |conn| async move {
-                    self.complete_on(conn, key, held, done, ttl).await
+                    self.save_on(conn, key, held, done, ttl).await
                 })
                 .await
             }

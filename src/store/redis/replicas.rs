@@ -51,7 +51,7 @@ pub(crate) struct Replicas {
     series: RedisSeries,
 }
 
-/// The Redis store's series: the writes (claim, complete) fewer replicas acknowledged than
+/// The Redis store's series: the writes (claim, save) fewer replicas acknowledged than
 /// `store.wait_replicas` asks. Exported by a store on one Redis or on a cluster (where it stays
 /// at 0: a cluster waits for no replica).
 #[derive(Clone, Debug)]
@@ -62,7 +62,7 @@ pub struct RedisSeries {
 impl StoreSeries for RedisSeries {
     fn register(registry: &mut Registry) -> Self {
         let acks_missing = Family::<OpLabel, Counter>::default();
-        for op in [StoreOp::Claim, StoreOp::Complete] {
+        for op in [StoreOp::Claim, StoreOp::Save] {
             let _ = acks_missing.get_or_create(&OpLabel { op: op.as_str() });
         }
         let series = RedisSeries { acks_missing };

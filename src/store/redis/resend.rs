@@ -12,8 +12,8 @@
 //! answers the same (the store contract in [`crate::store`]):
 //! - claim: `SET NX GET` finds its own claim (the same token) and reports the key claimed;
 //! - renew: a lease extended twice is extended;
-//! - complete: the script finds its own finished record and answers done (a staged
-//!   completion writes its staging key again, and the script finds the record under the key
+//! - save: the script finds its own finished record and answers done (a staged
+//!   save writes its staging key again, and the script finds the record under the key
 //!   identical to it, and deletes the copy);
 //! - release: the script finds the key gone and answers so, which is no lost lease;
 //! - get, inspect, ping: reads.

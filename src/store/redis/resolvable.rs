@@ -11,7 +11,7 @@ use redis::{RedisResult, Script};
 
 use super::connection::RedisConnection;
 use super::scripts::{
-    NOW, claim_resolvable, complete_resolvable, release_resolvable, renew_resolvable,
+    NOW, claim_resolvable, release_resolvable, renew_resolvable, save_resolvable,
 };
 use super::{RedisStore, bounded, millis};
 use crate::metrics::StoreOp;
@@ -24,7 +24,7 @@ use crate::store::{Held, ResolvableFound, ResolvableTimes, StoreError, StoreKey}
 pub(super) struct ResolvableScripts {
     pub(super) claim: Script,
     pub(super) renew: Script,
-    pub(super) complete: Script,
+    pub(super) save: Script,
     pub(super) release: Script,
     pub(super) now: Script,
 }
@@ -47,7 +47,7 @@ impl ResolvableScripts {
         ResolvableScripts {
             claim: Script::new(&claim_resolvable()),
             renew: Script::new(&renew_resolvable()),
-            complete: Script::new(&complete_resolvable()),
+            save: Script::new(&save_resolvable()),
             release: Script::new(&release_resolvable()),
             now: Script::new(NOW),
         }

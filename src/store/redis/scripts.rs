@@ -1,5 +1,5 @@
 //! The Lua scripts of the store. Each reads and writes one record key (`KEYS[1]`; the staged
-//! completion also its staging key, `KEYS[2]`, in the same slot), so on a Redis Cluster it
+//! save also its staging key, `KEYS[2]`, in the same slot), so on a Redis Cluster it
 //! runs on the node that serves the key's slot, and compares the key's whole value with the
 //! caller's before it changes anything (the token's compare-and-set).
 //!
@@ -22,7 +22,7 @@ return 0";
 /// Replaces the holder's claim (`ARGV[1]`) by the finished record (`ARGV[2]`). A key that already
 /// holds that very record counts as done too: the client library may send a command again
 /// after a connection error (the cluster client does), and the first attempt may have landed.
-pub(crate) const COMPLETE: &str = r"
+pub(crate) const SAVE: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -40,11 +40,11 @@ return 0";
 /// 3: the staging key is not there yet (this ran before the `SET`), nothing changed.
 ///
 /// The claim is compared length first, so that a large record already under the key (a
-/// completion sent again after its first try landed, or a newer holder's) is not copied into
+/// save sent again after its first try landed, or a newer holder's) is not copied into
 /// Lua just to differ. Such a record counts as done when it is exactly the staged one: the
 /// one place where a large value is read into Lua, on a path that follows a lost answer or a
 /// lost lease.
-pub(crate) const COMPLETE_STAGED: &str = r"
+pub(crate) const SAVE_STAGED: &str = r"
 local held = ARGV[1]
 if redis.call('STRLEN', KEYS[1]) == #held and redis.call('GET', KEYS[1]) == held then
   if redis.call('EXISTS', KEYS[2]) == 0 then
@@ -232,8 +232,8 @@ return {{1, now}}",
 
 /// The holder (token `ARGV[1]`, lease live) of a resolvable claim replaces it by the finished
 /// record `ARGV[2]`, kept for `ARGV[3]` milliseconds. A key that already holds that very record
-/// counts as done too (a completion sent again). 1: done; 0: the lease was lost.
-pub(crate) fn complete_resolvable() -> String {
+/// counts as done too (a save sent again). 1: done; 0: the lease was lost.
+pub(crate) fn save_resolvable() -> String {
     format!(
         "{now}{fns}
 local v = redis.call('GET', KEYS[1])

@@ -13,12 +13,12 @@
 //! How, for a record of at least [`STAGE_FROM`] bytes:
 //! 1. `SET <staging key> <record> PX ttl` — a plain command: Redis keeps a large argument's
 //!    buffer as the value, no copy;
-//! 2. the script [`COMPLETE_STAGED`](super::scripts::COMPLETE_STAGED), with the record key and
+//! 2. the script [`SAVE_STAGED`](super::scripts::SAVE_STAGED), with the record key and
 //!    the staging key: only if the record key still holds the caller's claim, `RENAME` the
 //!    staging key over it (O(1): the value moves, nothing is copied) and set the record's TTL.
 //!
-//! Both commands are sent at once, so a completion still costs one round trip, and the record
-//! ends up under its key exactly as an inline completion leaves it: readers, `inspect`,
+//! Both commands are sent at once, so a save still costs one round trip, and the record
+//! ends up under its key exactly as an inline save leaves it: readers, `inspect`,
 //! `forget` and the claim's `GET` see one key holding the whole record, as before (a record
 //! written by an older proxy reads the same; nothing changes for them). Smaller records keep
 //! the inline script: below a few KiB its hash costs less than a second command.
@@ -34,7 +34,7 @@
 //! On a Redis Cluster, both keys must be in one slot (a script's keys must be). The staging key
 //! takes the record key's hash tag when it has one, and otherwise makes the whole record key
 //! its tag (`…{<record key>}`), which hashes to the record key's own slot. A record key with
-//! braces that form no tag (from its `key_prefix`) allows neither, and completes inline.
+//! braces that form no tag (from its `key_prefix`) allows neither, and saves inline.
 
 use std::time::Duration;
 
@@ -46,13 +46,13 @@ use super::millis;
 use crate::record::Record;
 use crate::store::Held;
 
-/// Records of this many bytes or more are staged; smaller ones complete inline. Measured
-/// (redis-server CPU per claim and completion, both one round trip): staging costs a few µs more
+/// Records of this many bytes or more are staged; smaller ones are saved inline. Measured
+/// (redis-server CPU per claim and save, both one round trip): staging costs a few µs more
 /// at 1 KiB (its second command), about the same at 4–8 KiB, a third less at 16 KiB, half at
 /// 64 KiB. Below 8 KiB the proxy's second command would buy Redis nothing.
 pub(crate) const STAGE_FROM: usize = 8 * 1024;
 
-/// The staging key of `held`'s completion under `key`: `<key>:staged:<token hex>`, plus a hash
+/// The staging key of `held`'s save under `key`: `<key>:staged:<token hex>`, plus a hash
 /// tag that puts it in `key`'s slot when `key` has none. `None`: `held` is no claim, or `key`'s
 /// braces allow no tag of the same slot.
 pub(crate) fn staging_key(key: &str, held: &Held) -> Option<String> {
@@ -87,7 +87,7 @@ const LOST: i64 = 0;
 const NOT_STAGED: i64 = 3;
 
 /// Completes `held`'s claim under `key` with `done`, staged under `staging`, for `ttl`: `true`
-/// when the record is in place (now, or by an earlier try of this same completion), `false`
+/// when the record is in place (now, or by an earlier try of this same save), `false`
 /// when the lease was lost and nothing was written.
 ///
 /// The `SET` and the script are sent together, on clones of one connection: in order on one
@@ -95,7 +95,7 @@ const NOT_STAGED: i64 = 3;
 /// follows its own redirects), and their order is not promised. The script therefore tells
 /// "staged" from "not yet": if it ran first, it changed nothing, and it runs again once the
 /// `SET` has answered.
-pub(crate) async fn complete<Conn>(
+pub(crate) async fn save<Conn>(
     script: &Script,
     conn: Conn,
     key: &str,

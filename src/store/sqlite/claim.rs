@@ -50,9 +50,9 @@ impl Ops<'_> {
     }
 
     /// Replaces the claim held by `token` by the finished record `done` (token NULL) until
-    /// `expires_at`; `true` too when the key already holds exactly `done` (a completion sent
+    /// `expires_at`; `true` too when the key already holds exactly `done` (a save sent
     /// again after its answer was lost).
-    pub(super) fn complete(
+    pub(super) fn save(
         &mut self,
         key: &str,
         token: &Token,
@@ -61,7 +61,7 @@ impl Ops<'_> {
         now: i64,
     ) -> rusqlite::Result<bool> {
         let changed = self
-            .complete
+            .save
             .execute(params![key, &token[..], done, expires_at, now])?;
         if changed == 1 {
             return Ok(true);

@@ -6,7 +6,7 @@
 //!
 //! The price (documented for operators): a step of the wall clock moves every deadline with
 //! it. A step forward ends leases and TTLs early — a claim may then be taken over while its
-//! holder still runs, and the holder's completion is fenced off (a lost lease, logged and
+//! holder still runs, and the holder's save is fenced off (a lost lease, logged and
 //! counted), never written over the newer claim. A step back keeps records and leases longer.
 //! NTP slews small corrections rather than stepping, so only a large correction does this.
 

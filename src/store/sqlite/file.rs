@@ -32,7 +32,7 @@ pub(super) const BUSY_TIMEOUT: Duration = Duration::from_millis(250);
 /// The layout agreed with the operations guide (an operator looks records up with `sqlite3`):
 /// - `key`: `StoreKey::text()`;
 /// - `token`: the claim's 16-byte fencing token while in flight, NULL once finished — renew,
-///   complete and release match on it;
+///   save and release match on it;
 /// - `value`: the encoded record, in flight or finished, as the other stores keep it;
 /// - `expires_at`: Unix milliseconds on the host's wall clock; a row is live while
 ///   `expires_at > now`, and an expired row counts as absent everywhere (the sweep deletes it

@@ -7,7 +7,7 @@
 //!   life of the store, refuses a second process. The schema (`records`, its `expires_at`
 //!   index, `schema_version`) is created if missing; a file of a newer layout is refused.
 //! - **One writer thread** (`writer.rs`) owns the write connection and applies queued claims,
-//!   renewals, completions, releases and forgets in one transaction per batch (group commit),
+//!   renewals, saves, releases and forgets in one transaction per batch (group commit),
 //!   and answers each operation only after its batch has committed: a claim is durable before
 //!   the request it admits is forwarded (SPEC §4.6).
 //! - **A checkpoint thread** (`checkpoint.rs`) copies the log back into the file every
@@ -16,13 +16,13 @@
 //!   `ping`'s read, and the first look of a claim of a key lately finished or repeated (a
 //!   likely repeat, `store/recent.rs`), beside the writer (WAL).
 //! - **The SQL** (`ops.rs` the statements; `claim.rs`, `resolvable.rs`, `tooling.rs` by part): the claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE
-//!   expired`; renew, complete and release are fenced on the token and on the lease not
+//!   expired`; renew, save and release are fenced on the token and on the lease not
 //!   having expired.
 //! - **Time** (`clock.rs`): leases and TTLs are Unix milliseconds of the host's wall clock,
 //!   so they mean the same after a restart (a clock step can end leases early).
 //! - **The sweep** (`sweep.rs`) deletes expired rows in small transactions on the writer.
 //! - **Waiters** (`waiters.rs`) for `on_conflict: wait` are woken in-process after the commit
-//!   of a completion or release: this process is the only one on the file.
+//!   of a save or release: this process is the only one on the file.
 
 mod checkpoint;
 mod claim;
@@ -261,7 +261,7 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn complete(
+    async fn save(
         &self,
         key: &StoreKey,
         held: &Held,
@@ -276,7 +276,7 @@ impl Store for SqliteStore {
                 .inner
                 .writer
                 .submit("complete", Some(key.clone()), false, move |ops, now| {
-                    ops.complete_resolvable(&key, &token, &done, deadline(now, ttl), now)
+                    ops.save_resolvable(&key, &token, &done, deadline(now, ttl), now)
                 })
                 .await;
         }
@@ -284,7 +284,7 @@ impl Store for SqliteStore {
             .inner
             .writer
             .submit("complete", Some(key.clone()), false, move |ops, now| {
-                ops.complete(&key, &token, &done, deadline(now, ttl), now)
+                ops.save(&key, &token, &done, deadline(now, ttl), now)
             })
             .await?;
         if landed {

@@ -7,7 +7,7 @@
 //! `INSERT … ON CONFLICT … DO UPDATE … WHERE expired`, so that "free or expired, then ours"
 //! never rests on a read followed by a write.
 //!
-//! Fencing: renew, complete and release change a row only `WHERE key = ? AND token = ? AND
+//! Fencing: renew, save and release change a row only `WHERE key = ? AND token = ? AND
 //! expires_at > now`. A lapsed lease therefore changes nothing, even when nobody has taken the
 //! key since; and a finished row (token NULL) matches no token at all.
 //!
@@ -35,7 +35,7 @@ const LIVE_VALUE: &str = "SELECT value FROM records WHERE key = ?1 AND expires_a
 const RENEW: &str = "
     UPDATE records SET expires_at = ?3
     WHERE key = ?1 AND token = ?2 AND expires_at > ?4";
-const COMPLETE: &str = "
+const SAVE: &str = "
     UPDATE records SET token = NULL, value = ?3, expires_at = ?4
     WHERE key = ?1 AND token = ?2 AND expires_at > ?5";
 const FINISHED_VALUE: &str =
@@ -58,7 +58,7 @@ pub(super) struct Ops<'c> {
     pub(super) claim: Statement<'c>,
     pub(super) live_value: Statement<'c>,
     pub(super) renew: Statement<'c>,
-    pub(super) complete: Statement<'c>,
+    pub(super) save: Statement<'c>,
     pub(super) finished_value: Statement<'c>,
     pub(super) release: Statement<'c>,
     pub(super) live: Statement<'c>,
@@ -75,7 +75,7 @@ impl<'c> Ops<'c> {
             claim: conn.prepare(CLAIM)?,
             live_value: conn.prepare(LIVE_VALUE)?,
             renew: conn.prepare(RENEW)?,
-            complete: conn.prepare(COMPLETE)?,
+            save: conn.prepare(SAVE)?,
             finished_value: conn.prepare(FINISHED_VALUE)?,
             release: conn.prepare(RELEASE)?,
             live: conn.prepare(LIVE)?,

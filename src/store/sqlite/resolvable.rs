@@ -100,9 +100,9 @@ impl Ops<'_> {
         Ok(Some(at))
     }
 
-    /// Completes the resolvable claim of `token` (token and live lease checked here, then the
-    /// fenced completion).
-    pub(super) fn complete_resolvable(
+    /// Saves the resolvable claim of `token` (token and live lease checked here, then the
+    /// fenced save).
+    pub(super) fn save_resolvable(
         &mut self,
         key: &str,
         token: &Token,
@@ -119,7 +119,7 @@ impl Ops<'_> {
                 .optional()?;
             return Ok(landed == Some(true));
         }
-        self.complete(key, token, done, expires_at, now)
+        self.save(key, token, done, expires_at, now)
     }
 
     /// Deletes the resolvable claim of `token` (its token alone: see `Store::release`). `true`

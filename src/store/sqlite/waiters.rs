@@ -1,6 +1,6 @@
 //! In-process wake-ups for `on_conflict: wait`.
 //!
-//! One process owns the file (the lock in `file.rs` makes sure of it), so every completion and
+//! One process owns the file (the lock in `file.rs` makes sure of it), so every save and
 //! release of a key is committed by this process's writer thread: it can wake the requests
 //! waiting on that key itself, right after the commit, instead of leaving them to poll. A
 //! [`Notify`] is made only for a key someone waits on, and dropped by the last waiter to

@@ -19,7 +19,7 @@ async fn the_sweep_deletes_only_expired_rows() {
     let a = held(1);
     assert!(s.claim(&k(4), &a, short).await.is_ok());
     assert!(
-        s.complete(&k(4), &a, &done(1).encode(), LEASE * 100)
+        s.save(&k(4), &a, &done(1).encode(), LEASE * 100)
             .await
             .is_ok()
     );
@@ -105,7 +105,7 @@ async fn reopening_after_drop_keeps_every_record() {
     assert!(f.handle.claim(&k(1), &a, LEASE).await.is_ok());
     assert!(
         f.handle
-            .complete(&k(1), &a, &done(1).encode(), LEASE)
+            .save(&k(1), &a, &done(1).encode(), LEASE)
             .await
             .is_ok()
     );
@@ -218,7 +218,7 @@ async fn the_log_is_copied_into_the_file_beside_the_writer() {
         assert!(f.handle.claim(&key, &h, LEASE).await.is_ok());
         assert!(
             f.handle
-                .complete(&key, &h, &done(1).encode(), LEASE * 100)
+                .save(&key, &h, &done(1).encode(), LEASE * 100)
                 .await
                 .is_ok()
         );

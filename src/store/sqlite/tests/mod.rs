@@ -117,11 +117,11 @@ async fn claim_is_exclusive_and_expires() {
     // a's lease expired: b may claim, and a may no longer complete, renew or release.
     assert_eq!(s.claim(&k(1), &b, LEASE).await.ok(), Some(Claim::Claimed));
     let d = done(1).encode();
-    assert_eq!(s.complete(&k(1), &a, &d, LEASE).await.ok(), Some(false));
+    assert_eq!(s.save(&k(1), &a, &d, LEASE).await.ok(), Some(false));
     assert_eq!(s.renew(&k(1), &a, LEASE).await.ok(), Some(false));
     assert_eq!(s.release(&k(1), &a).await.ok(), Some(false));
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(b.record.clone())));
-    assert_eq!(s.complete(&k(1), &b, &d, LEASE).await.ok(), Some(true));
+    assert_eq!(s.save(&k(1), &b, &d, LEASE).await.ok(), Some(true));
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
     // A finished key replays to every claim.
     assert_eq!(
@@ -171,14 +171,14 @@ async fn a_completion_sent_again_counts_as_done_but_no_other_record_does() {
     let a = held(1);
     assert!(s.claim(&k(1), &a, LEASE).await.is_ok());
     let d = done(1).encode();
-    assert_eq!(s.complete(&k(1), &a, &d, LEASE).await.ok(), Some(true));
-    assert_eq!(s.complete(&k(1), &a, &d, LEASE).await.ok(), Some(true));
+    assert_eq!(s.save(&k(1), &a, &d, LEASE).await.ok(), Some(true));
+    assert_eq!(s.save(&k(1), &a, &d, LEASE).await.ok(), Some(true));
     let other = done(2).encode();
-    assert_eq!(s.complete(&k(1), &a, &other, LEASE).await.ok(), Some(false));
+    assert_eq!(s.save(&k(1), &a, &other, LEASE).await.ok(), Some(false));
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
-    // Once the record's TTL is over, the retried completion finds nothing of its own.
+    // Once the record's TTL is over, the retried save finds nothing of its own.
     f.advance(LEASE + Duration::from_millis(1));
-    assert_eq!(s.complete(&k(1), &a, &d, LEASE).await.ok(), Some(false));
+    assert_eq!(s.save(&k(1), &a, &d, LEASE).await.ok(), Some(false));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,11 +208,7 @@ async fn release_frees_only_the_holders_claim() {
     // A finished record is not a claim: nobody may release it.
     let b = held(1);
     assert!(s.claim(&k(3), &b, LEASE).await.is_ok());
-    assert!(
-        s.complete(&k(3), &b, &done(1).encode(), LEASE)
-            .await
-            .is_ok()
-    );
+    assert!(s.save(&k(3), &b, &done(1).encode(), LEASE).await.is_ok());
     assert_eq!(s.release(&k(3), &b).await.ok(), Some(false));
     assert_eq!(s.get(&k(3)).await.ok(), Some(Some(done(1))));
 }
@@ -225,11 +221,7 @@ async fn forget_deletes_only_a_finished_record() {
     let a = held(1);
     assert!(s.claim(&k(1), &a, LEASE).await.is_ok());
     assert_eq!(s.forget(&k(1)).await.ok(), Some(Forgotten::InFlight));
-    assert!(
-        s.complete(&k(1), &a, &done(1).encode(), LEASE)
-            .await
-            .is_ok()
-    );
+    assert!(s.save(&k(1), &a, &done(1).encode(), LEASE).await.is_ok());
     assert_eq!(s.forget(&k(1)).await.ok(), Some(Forgotten::Forgotten));
     assert_eq!(s.get(&k(1)).await.ok(), Some(None));
     assert_eq!(
@@ -268,11 +260,7 @@ async fn inspect_gives_the_time_left() {
         "{ttl:?} left"
     );
     let ttl_done = Duration::from_secs(3600);
-    assert!(
-        s.complete(&k(1), &a, &done(1).encode(), ttl_done)
-            .await
-            .is_ok()
-    );
+    assert!(s.save(&k(1), &a, &done(1).encode(), ttl_done).await.is_ok());
     let (_, ttl) = s.inspect(&k(1)).await.expect("inspect").expect("held");
     assert!(ttl > Duration::from_secs(3590), "{ttl:?} left");
 }
@@ -285,10 +273,7 @@ async fn a_ttl_beyond_any_clock_means_forever_not_a_panic() {
     assert!(s.claim(&k(1), &a, Duration::MAX).await.is_ok());
     assert_eq!(s.renew(&k(1), &a, Duration::MAX).await.ok(), Some(true));
     let d = done(1).encode();
-    assert_eq!(
-        s.complete(&k(1), &a, &d, Duration::MAX).await.ok(),
-        Some(true)
-    );
+    assert_eq!(s.save(&k(1), &a, &d, Duration::MAX).await.ok(), Some(true));
     f.advance(Duration::from_secs(86_400 * 365 * 100));
     assert_eq!(s.get(&k(1)).await.ok(), Some(Some(done(1))));
 }
@@ -309,12 +294,9 @@ async fn a_record_of_several_mib_round_trips_byte_for_byte() {
         }),
     };
     let encoded = big.encode();
+    assert_eq!(s.save(&k(1), &a, &encoded, LEASE).await.ok(), Some(true));
     assert_eq!(
-        s.complete(&k(1), &a, &encoded, LEASE).await.ok(),
-        Some(true)
-    );
-    assert_eq!(
-        s.complete(&k(1), &a, &encoded, LEASE).await.ok(),
+        s.save(&k(1), &a, &encoded, LEASE).await.ok(),
         Some(true),
         "a retried completion compares several MiB"
     );
@@ -339,10 +321,7 @@ async fn waiters_wake_on_completion() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let d = done(1).encode();
-    assert_eq!(
-        f.handle.complete(&k(1), &a, &d, LEASE).await.ok(),
-        Some(true)
-    );
+    assert_eq!(f.handle.save(&k(1), &a, &d, LEASE).await.ok(), Some(true));
     let waited = waiter.await.expect("waiter");
     assert!(
         waited < Duration::from_secs(10),
@@ -376,7 +355,7 @@ async fn a_lapsed_lease_can_never_complete() {
     assert!(s.claim(&k(1), &a, Duration::from_secs(1)).await.is_ok());
     f.advance(Duration::from_millis(1001));
     let d = done(1).encode();
-    assert_eq!(s.complete(&k(1), &a, &d, LEASE).await.ok(), Some(false));
+    assert_eq!(s.save(&k(1), &a, &d, LEASE).await.ok(), Some(false));
     assert_eq!(s.get(&k(1)).await.ok(), Some(None));
     let token: Option<Vec<u8>> = f
         .shell()
@@ -477,7 +456,7 @@ async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_h
         f.advance(d);
         std::future::ready(())
     };
-    crate::store::resolvable_tests::claim_takeover_and_complete(&f.handle, &k(1), advance).await;
+    crate::store::resolvable_tests::claim_takeover_and_save(&f.handle, &k(1), advance).await;
 }
 
 #[tokio::test]

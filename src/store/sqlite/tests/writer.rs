@@ -51,7 +51,7 @@ async fn group_commit_batches_concurrent_claims() {
     assert_eq!(f.rows(), 200);
 }
 
-/// Acknowledged only after the commit: once a claim (or a completion) is answered, a
+/// Acknowledged only after the commit: once a claim (or a save) is answered, a
 /// connection of its own sees it in the file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answered_write_is_committed() {
@@ -79,7 +79,7 @@ async fn an_answered_write_is_committed() {
         );
         assert_eq!(
             f.handle
-                .complete(&k(n), &a, &done(1).encode(), LEASE)
+                .save(&k(n), &a, &done(1).encode(), LEASE)
                 .await
                 .ok(),
             Some(true)

@@ -1,4 +1,4 @@
-//! What a completion retried in the background writes: the whole result, or the small
+//! What a save retried in the background writes: the whole result, or the small
 //! `result-not-kept` record the pending-save bounds downgrade it to (see [`super::pending`]).
 
 use http::StatusCode;
@@ -8,18 +8,18 @@ use crate::grpc;
 use crate::problem::Problem;
 use crate::record::{Finished, Record, Saved};
 
-/// A finished record a background completion is writing: the whole result, or, once the
+/// A finished record a background save is writing: the whole result, or, once the
 /// pending-save bounds downgraded it, the small `result-not-kept` record that stands in for it.
-pub(super) struct Completion {
+pub(super) struct Saving {
     pub done: Finished,
     /// The SHA-256 of the whole result's encoding, once downgraded: an attempt made before,
     /// whose answer was lost, may have written it, and then the record is ours.
     whole_digest: Option<[u8; 32]>,
 }
 
-impl Completion {
-    pub(crate) fn whole(done: Finished) -> Completion {
-        Completion {
+impl Saving {
+    pub(crate) fn whole(done: Finished) -> Saving {
+        Saving {
             done,
             whole_digest: None,
         }
@@ -47,7 +47,7 @@ impl Completion {
         self.done = small;
     }
 
-    /// Whether `current`, read back from the store, is what this completion (or an earlier attempt
+    /// Whether `current`, read back from the store, is what this save (or an earlier attempt
     /// of it) wrote.
     pub(crate) fn wrote(&self, current: &Record) -> bool {
         current == self.done.record()
