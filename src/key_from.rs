@@ -76,7 +76,7 @@ pub fn read(
     head: &Parts,
     body: &[u8],
 ) -> Result<Vec<Value>, Unreadable> {
-    let mut json: Option<Result<serde_json::Value, String>> = None;
+    let mut json: Option<Result<&serde_json::value::RawValue, String>> = None;
     parts
         .iter()
         .map(|part| {
@@ -109,15 +109,48 @@ pub fn read(
                         serde_json::from_slice(body)
                             .map_err(|e| format!("the body is not JSON ({e})"))
                     });
-                    let doc = doc.as_ref().map_err(|e| fail(e.clone()))?;
-                    let v = doc
-                        .pointer(pointer)
+                    let doc = *doc.as_ref().map_err(|e| fail(e.clone()))?;
+                    let v = at_pointer(doc, pointer)
                         .ok_or_else(|| fail("the body has nothing at this pointer".into()))?;
-                    json_value(v).map_err(fail)
+                    json_value(&v).map_err(fail)
                 }
             }
         })
         .collect()
+}
+
+/// The value at `pointer` (RFC 6901, as `serde_json::Value::pointer` reads it) in `doc`, a
+/// whole JSON text already checked. Only the objects and arrays on the pointer's way are split
+/// into their members, each member left as raw text; only the value found is parsed into a
+/// tree. A body's other members — a tool call's arguments, its `_meta` — cost a scan, never
+/// a tree of their own.
+fn at_pointer(doc: &serde_json::value::RawValue, pointer: &str) -> Option<serde_json::Value> {
+    use serde_json::value::RawValue;
+    if !pointer.is_empty() && !pointer.starts_with('/') {
+        return None;
+    }
+    let mut here: &RawValue = doc;
+    for token in pointer.split('/').skip(1) {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        here = match here.get().trim_start().as_bytes().first() {
+            Some(b'{') => {
+                // A key written twice counts by its last value, as in a `Value`'s map.
+                let members: std::collections::HashMap<String, &RawValue> =
+                    serde_json::from_str(here.get()).ok()?;
+                members.get(&token).copied()?
+            }
+            Some(b'[') => {
+                if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+                    return None;
+                }
+                let index: usize = token.parse().ok()?;
+                let items: Vec<&RawValue> = serde_json::from_str(here.get()).ok()?;
+                items.get(index).copied()?
+            }
+            _ => return None,
+        };
+    }
+    serde_json::from_str(here.get()).ok()
 }
 
 /// The path and query of a route's lookup (`resolve.request`, SPEC §4.8), its parts read from

@@ -25,9 +25,8 @@
 
 mod sse;
 
-use std::collections::HashMap;
-
 use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 
 use crate::key_from::{canonical_number, canonical_value};
@@ -123,6 +122,48 @@ fn accepts_json(accept: &[u8]) -> bool {
     })
 }
 
+/// The members of a JSON-RPC message this module reads, borrowed from the text as written
+/// (every other member is skipped unread). Read in one pass, without a map of every member.
+#[derive(Deserialize, Default)]
+struct Members<'a> {
+    #[serde(borrow, default, deserialize_with = "raw")]
+    jsonrpc: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    method: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    params: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    result: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    error: Option<&'a RawValue>,
+}
+
+/// The members of a result or an error object this module reads.
+#[derive(Deserialize, Default)]
+struct Fields<'a> {
+    #[serde(borrow, default, deserialize_with = "raw", rename = "resultType")]
+    result_type: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "raw")]
+    code: Option<&'a RawValue>,
+}
+
+/// A member present, whatever its value — `null` included (an `"id": null` is an id, and a
+/// wrong one, not a missing one).
+fn raw<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// The members of `text` if it is one JSON object (a derived struct would also take an array,
+/// member by member: the first byte decides first). A member that appears twice is an error.
+fn object_of<'a, T: Deserialize<'a>>(text: &'a [u8]) -> Result<T, Option<serde_json::Error>> {
+    if text.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(None);
+    }
+    serde_json::from_slice(text).map_err(Some)
+}
+
 /// Reads a body as one JSON-RPC 2.0 message.
 pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
     let invalid = |detail: &str| Invalid {
@@ -131,18 +172,20 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
     };
     // One parse on the way every call takes; a body that is not an object is looked at again
     // only to tell "not JSON" from "not a JSON-RPC object".
-    let members: HashMap<String, &RawValue> = match serde_json::from_slice(body) {
+    let members: Members<'_> = match object_of(body) {
         Ok(members) => members,
-        Err(e) => return Err(not_an_object(body, &e)),
+        Err(e) => return Err(not_an_object(body, e.as_ref())),
     };
-    let version: Option<String> = members
-        .get("jsonrpc")
-        .and_then(|v| serde_json::from_str(v.get()).ok());
-    if version.as_deref() != Some("2.0") {
-        return Err(invalid("the member \"jsonrpc\" is not \"2.0\""));
+    if members.jsonrpc.map(|v| v.get().trim()) != Some("\"2.0\"") {
+        let version: Option<String> = members
+            .jsonrpc
+            .and_then(|v| serde_json::from_str(v.get()).ok());
+        if version.as_deref() != Some("2.0") {
+            return Err(invalid("the member \"jsonrpc\" is not \"2.0\""));
+        }
     }
-    let Some(method) = members.get("method") else {
-        if members.contains_key("result") || members.contains_key("error") {
+    let Some(method) = members.method else {
+        if members.result.is_some() || members.error.is_some() {
             return Ok(Message::Response);
         }
         return Err(invalid(
@@ -151,20 +194,20 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
     };
     let method: String = serde_json::from_str(method.get())
         .map_err(|_| invalid("the member \"method\" is not a string"))?;
-    if let Some(params) = members.get("params")
+    if let Some(params) = members.params
         && !matches!(params.get().as_bytes().first(), Some(b'{' | b'['))
     {
         return Err(invalid(
             "the member \"params\" is not an object or an array",
         ));
     }
-    let Some(id) = members.get("id") else {
+    let Some(id) = members.id else {
         return Ok(Message::Notification { method });
     };
     if !matches!(id.get().as_bytes().first(), Some(b'"' | b'-' | b'0'..=b'9')) {
         return Err(invalid("the member \"id\" is not a string or a number"));
     }
-    let params = match members.get("params") {
+    let params = match members.params {
         None => b"null".to_vec(),
         Some(raw) => {
             let mut value: serde_json::Value = serde_json::from_str(raw.get())
@@ -178,7 +221,7 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
         }
     };
     Ok(Message::Call(Call {
-        id: (*id).to_owned(),
+        id: id.to_owned(),
         method,
         params,
         json: true,
@@ -187,7 +230,7 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
 
 /// Why a body that is not a JSON object was refused: `-32700` when it is not JSON at all,
 /// `-32600` for a batch or any other JSON value.
-fn not_an_object(body: &[u8], e: &serde_json::Error) -> Invalid {
+fn not_an_object(body: &[u8], e: Option<&serde_json::Error>) -> Invalid {
     if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
         return Invalid {
             code: PARSE_ERROR,
@@ -199,7 +242,10 @@ fn not_an_object(body: &[u8], e: &serde_json::Error) -> Invalid {
         Some(b'[') => {
             "a batch (a JSON array) is not accepted on this route: send one call a request".into()
         }
-        Some(b'{') => format!("the body is not a JSON-RPC 2.0 object: {e}"),
+        Some(b'{') => match e {
+            Some(e) => format!("the body is not a JSON-RPC 2.0 object: {e}"),
+            None => "the body is not a JSON-RPC 2.0 object".into(),
+        },
         _ => "the body is not a JSON-RPC 2.0 object".into(),
     };
     Invalid {
@@ -239,15 +285,15 @@ pub fn find_response(call: &Call, text: &[u8]) -> Option<Found> {
             .iter()
             .find_map(|item| find_response(call, item.get().as_bytes()));
     }
-    let members: HashMap<String, &RawValue> = serde_json::from_slice(text).ok()?;
-    if members.contains_key("method") {
+    let members: Members<'_> = object_of(text).ok()?;
+    if members.method.is_some() {
         return None;
     }
-    let id = members.get("id")?;
+    let id = members.id?;
     if !same_id(call.id.get(), id.get()) {
         return None;
     }
-    let (name, value) = match (members.get("result"), members.get("error")) {
+    let (name, value) = match (members.result, members.error) {
         (Some(result), None) => ("result", result),
         (None, Some(error)) => ("error", error),
         _ => return None,
@@ -258,14 +304,14 @@ pub fn find_response(call: &Call, text: &[u8]) -> Option<Found> {
     member.put_slice(b"\":");
     member.put_slice(value.get().as_bytes());
     member.put_u8(b'}');
-    let fields: HashMap<String, &RawValue> = serde_json::from_str(value.get()).unwrap_or_default();
+    let fields: Fields<'_> = object_of(value.get().as_bytes()).unwrap_or_default();
     let error_code = (name == "error")
-        .then(|| fields.get("code"))
+        .then_some(fields.code)
         .flatten()
         .and_then(|c| serde_json::from_str::<i64>(c.get()).ok());
     let input_required = name == "result"
         && fields
-            .get("resultType")
+            .result_type
             .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
             .is_some_and(|t| t == "input_required");
     Some(Found {
