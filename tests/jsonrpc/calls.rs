@@ -299,7 +299,8 @@ async fn an_event_stream_reaches_the_first_client_as_it_streams_and_replays_as_j
         !seen.contains("booked"),
         "the result is not there yet: {seen}"
     );
-    server.seen.release.notify_waiters();
+    // A permit, not a wake-up: the tool may not be waiting yet when the event arrives.
+    server.seen.release.notify_one();
     while let Some(chunk) = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
         .await
         .expect("the rest of the stream")
@@ -680,7 +681,8 @@ async fn observe_mode_streams_and_its_records_replay_once_enforced() {
             .expect("a chunk before the end");
         seen.push_str(&String::from_utf8_lossy(&chunk));
     }
-    server.seen.release.notify_waiters();
+    // A permit, not a wake-up: the tool may not be waiting yet when the event arrives.
+    server.seen.release.notify_one();
     while let Some(chunk) = tokio::time::timeout(Duration::from_secs(5), resp.chunk())
         .await
         .expect("the rest of the stream")
