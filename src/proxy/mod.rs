@@ -15,7 +15,7 @@
 //!   of rules both modes apply.
 //! - [`lease`]: renewing the claim while the call runs, completing or releasing it.
 //! - [`replay`]: a saved response, as the repeat gets it.
-//! - [`pending`] and [`save`]: saves retried in the background, their bounds, and
+//! - [`pending`] and [`saving`]: saves retried in the background, their bounds, and
 //!   the `result-not-kept` record a save past those bounds writes instead of its response.
 //! - [`resolve`]: a route under `on_unknown_outcome: resolve` — its lookup, rendered before
 //!   the claim, and asked of the upstream when the outcome is unknown.
