@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use harness::postgres::{PgServer, store_block, store_only};
-use http::{HeaderName, HeaderValue, Method};
 use idemproxy::config::{BackendSettings, Config};
 use idemproxy::metrics::Metrics;
-use idemproxy::record::{Held, Lookup, Record, Resolvable, resolvable};
+use idemproxy::record::{Held, resolvable};
+
+use super::renewals::claim;
 use idemproxy::store::postgres::PostgresStore;
 use idemproxy::store::{ResolvableClaim, ResolvableTimes, Store, StoreHandle, StoreKey};
 
@@ -53,30 +54,6 @@ fn key(n: u8) -> StoreKey {
         0,
         [0xD0 | n; 32],
     )
-}
-
-/// A resolvable claim whose lookup copies a header of `header_len` bytes, none repeating its
-/// neighbour (so no compression makes it small).
-fn claim(token: u8, header_len: usize) -> Held {
-    let value: String = (0..header_len)
-        .map(|i| char::from(b'!' + u8::try_from((i * 7 + i / 94) % 94).unwrap_or(0)))
-        .collect();
-    Held::new(Record::Resolvable(Box::new(Resolvable::claim(
-        [token; 16],
-        [5; 32],
-        Lookup {
-            upstream: "booking".into(),
-            method: Method::GET,
-            target: "/bookings/by-reference/r-1".into(),
-            headers: vec![(
-                HeaderName::from_static("authorization"),
-                HeaderValue::from_str(&value).expect("a header value"),
-            )],
-        },
-        Duration::from_secs(60),
-        Duration::from_secs(5),
-        Duration::from_secs(600),
-    ))))
 }
 
 const TIMES: ResolvableTimes = ResolvableTimes {

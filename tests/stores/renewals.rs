@@ -26,7 +26,7 @@ fn key(n: u8) -> StoreKey {
 }
 
 /// A resolvable claim whose lookup copies a header of `header_len` bytes.
-fn claim(token: u8, header_len: usize) -> Held {
+pub(super) fn claim(token: u8, header_len: usize) -> Held {
     // Not compressible, so no store can make it small: every byte differs from its neighbour.
     let value: String = (0..header_len)
         .map(|i| char::from(b'!' + u8::try_from((i * 7 + i / 94) % 94).unwrap_or(0)))
