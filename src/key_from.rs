@@ -15,8 +15,12 @@
 //! one key. In the store it is hashed like a header key, under a domain of its own, so a client
 //! that sends `derived-…` in the header can never land on a derived record.
 
+use std::borrow::Cow;
+
 use http::request::Parts;
 use http::{HeaderMap, HeaderName};
+use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use crate::route::{KeyPart, LookupTemplate, PathPattern, Piece};
@@ -76,7 +80,7 @@ pub fn read(
     head: &Parts,
     body: &[u8],
 ) -> Result<Vec<Value>, Unreadable> {
-    let mut json: Option<Result<&serde_json::value::RawValue, String>> = None;
+    let mut json: Option<Result<&RawValue, String>> = None;
     parts
         .iter()
         .map(|part| {
@@ -124,20 +128,26 @@ pub fn read(
 /// into their members, each member left as raw text; only the value found is parsed into a
 /// tree. A body's other members — a tool call's arguments, its `_meta` — cost a scan, never
 /// a tree of their own.
-fn at_pointer(doc: &serde_json::value::RawValue, pointer: &str) -> Option<serde_json::Value> {
-    use serde_json::value::RawValue;
+fn at_pointer(doc: &RawValue, pointer: &str) -> Option<serde_json::Value> {
     if !pointer.is_empty() && !pointer.starts_with('/') {
         return None;
     }
     let mut here: &RawValue = doc;
     for token in pointer.split('/').skip(1) {
-        let token = token.replace("~1", "/").replace("~0", "~");
+        let token: Cow<'_, str> = if token.contains('~') {
+            Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
+        } else {
+            Cow::Borrowed(token)
+        };
         here = match here.get().trim_start().as_bytes().first() {
+            // A key written twice counts by its last value, as in a `Value`'s map.
             Some(b'{') => {
-                // A key written twice counts by its last value, as in a `Value`'s map.
-                let members: std::collections::HashMap<String, &RawValue> =
-                    serde_json::from_str(here.get()).ok()?;
-                members.get(&token).copied()?
+                members(here)
+                    .ok()?
+                    .into_iter()
+                    .rev()
+                    .find(|(name, _)| *name == token)?
+                    .1
             }
             Some(b'[') => {
                 if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
@@ -151,6 +161,114 @@ fn at_pointer(doc: &serde_json::value::RawValue, pointer: &str) -> Option<serde_
         };
     }
     serde_json::from_str(here.get()).ok()
+}
+
+/// A member name as written when it has no escapes (most do), else unescaped.
+struct Name<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'de> Visitor<'de> for Text {
+            type Value = Name<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Name<'de>, E> {
+                Ok(Name(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Name<'de>, E> {
+                Ok(Name(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Name<'de>, E> {
+                Ok(Name(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(Text)
+    }
+}
+
+/// The members of the JSON object `object` in the order written, each value as raw text:
+/// one scan, no map, and no name copied unless it has an escape.
+fn members(object: &RawValue) -> Result<Vec<(Cow<'_, str>, &RawValue)>, serde_json::Error> {
+    struct Members;
+    impl<'de> Visitor<'de> for Members {
+        type Value = Vec<(Cow<'de, str>, &'de RawValue)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(map.size_hint().unwrap_or(4));
+            while let Some(Name(name)) = map.next_key::<Name<'de>>()? {
+                out.push((name, map.next_value::<&'de RawValue>()?));
+            }
+            Ok(out)
+        }
+    }
+    let mut d = serde_json::Deserializer::from_str(object.get());
+    let out = d.deserialize_map(Members)?;
+    d.end()?;
+    Ok(out)
+}
+
+/// Writes the JSON value `raw` as canonical JSON (see [`canonical_json`]) straight from its
+/// text: objects split into their members and sorted, arrays into their items, strings
+/// unescaped and written again, numbers by [`canonical_number`] on their text (the crate reads
+/// numbers with `arbitrary_precision`, so a `Value`'s number is its text: the same bytes as
+/// through a tree, without building one). At the top level a member named `skip` is left out
+/// (a JSON-RPC call's `_meta`). An error when a string or number in it cannot be read.
+pub(crate) fn canonical_raw(
+    raw: &RawValue,
+    skip: Option<&str>,
+    out: &mut Vec<u8>,
+) -> Result<(), serde_json::Error> {
+    let text = raw.get().trim();
+    match text.as_bytes().first() {
+        Some(b'{') => {
+            let mut members = members(raw)?;
+            // A name written twice counts by its last value, as in a `Value`'s map: a stable
+            // sort keeps the written order among equal names, and the last of each run is kept.
+            members.sort_by(|a, b| a.0.cmp(&b.0));
+            out.push(b'{');
+            let mut first = true;
+            for (i, (name, value)) in members.iter().enumerate() {
+                let last_of_name = members.get(i + 1).is_none_or(|next| next.0 != *name);
+                if !last_of_name || skip == Some(name.as_ref()) {
+                    continue;
+                }
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                write_string(name, out);
+                out.push(b':');
+                canonical_raw(value, None, out)?;
+            }
+            out.push(b'}');
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text)?;
+            out.push(b'[');
+            for (i, item) in items.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical_raw(item, None, out)?;
+            }
+            out.push(b']');
+        }
+        Some(b'"') => {
+            let Name(s) = serde_json::from_str(text)?;
+            write_string(&s, out);
+        }
+        Some(b'-' | b'0'..=b'9') => match canonical_number(text) {
+            Some(canonical) => out.extend_from_slice(canonical.as_bytes()),
+            None => out.extend_from_slice(text.as_bytes()),
+        },
+        // `true`, `false`, `null`: checked when the text was read.
+        _ => out.extend_from_slice(text.as_bytes()),
+    }
+    Ok(())
 }
 
 /// The path and query of a route's lookup (`resolve.request`, SPEC §4.8), its parts read from
@@ -340,18 +458,15 @@ fn name(part: &KeyPart) -> &[u8] {
 /// a job that re-serialises the same payload has the same fingerprint. `None` when the body is
 /// not JSON.
 pub(crate) fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let raw: &RawValue = serde_json::from_slice(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
-    write_canonical(&v, &mut out);
+    canonical_raw(raw, None, &mut out).ok()?;
     Some(out)
 }
 
-/// Writes `v` as canonical JSON (see [`canonical_json`]): a JSON-RPC call's `params` are
-/// compared this way.
-pub(crate) fn canonical_value(v: &serde_json::Value, out: &mut Vec<u8>) {
-    write_canonical(v, out);
-}
-
+/// The canonical form through a `serde_json::Value` tree, as it was computed before
+/// [`canonical_raw`]: what the tests hold the raw writer to, byte for byte.
+#[cfg(test)]
 fn write_canonical(v: &serde_json::Value, out: &mut Vec<u8>) {
     match v {
         serde_json::Value::Null => out.extend_from_slice(b"null"),
@@ -391,10 +506,8 @@ fn write_canonical(v: &serde_json::Value, out: &mut Vec<u8>) {
 }
 
 fn write_string(s: &str, out: &mut Vec<u8>) {
-    // Serialising a str cannot fail.
-    if let Ok(text) = serde_json::to_string(s) {
-        out.extend_from_slice(text.as_bytes());
-    }
+    // Writing a str into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
 }
 
 /// The store id of a derived key: hashed under a domain of its own, so that a client sending
@@ -491,6 +604,78 @@ mod tests {
             canonical_json(br#"{"b":1}"#)
         );
         assert_eq!(canonical_json(b"not json"), None);
+    }
+
+    /// JSON text as clients write it: numbers spelt every way, strings with escapes and
+    /// non-ASCII, names repeated, whitespace between tokens.
+    fn json_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just("null".to_owned()),
+            Just("true".to_owned()),
+            Just("false".to_owned()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            (any::<i32>(), 0u32..1000, -30i32..30).prop_map(|(a, b, e)| format!("{a}.{b}e{e}")),
+            Just("123456789012345678901234567890".to_owned()),
+            Just("-0.0".to_owned()),
+            "[a-c _\\\"é😀]{0,6}".prop_map(|s| serde_json::to_string(&s).unwrap_or_default()),
+            Just(r#""\u00e9\n\/x""#.to_owned()),
+        ];
+        leaf.prop_recursive(4, 32, 5, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..5)
+                    .prop_map(|items| format!("[ {} ]", items.join(" , "))),
+                proptest::collection::vec(("[a-c_]{0,2}|\\u0061|_meta", inner), 0..5).prop_map(
+                    |members| {
+                        let members: Vec<String> = members
+                            .iter()
+                            .map(|(k, v)| format!("\"{k}\" :{v}"))
+                            .collect();
+                        format!("{{ {} }}", members.join(","))
+                    }
+                ),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_raw_canonical_form_is_the_trees(text in json_text()) {
+            let tree: serde_json::Value = serde_json::from_str(&text).expect("generated JSON");
+            let mut through_tree = Vec::new();
+            write_canonical(&tree, &mut through_tree);
+            let raw: &RawValue = serde_json::from_str(&text).expect("generated JSON");
+            let mut from_text = Vec::new();
+            canonical_raw(raw, None, &mut from_text).expect("readable");
+            proptest::prop_assert_eq!(&from_text, &through_tree, "{}", text);
+            // `_meta` left out at the top level only, as a call's params are read.
+            let mut without_meta = Vec::new();
+            canonical_raw(raw, Some("_meta"), &mut without_meta).expect("readable");
+            let mut tree = tree;
+            if let serde_json::Value::Object(map) = &mut tree {
+                map.remove("_meta");
+            }
+            let mut through_tree = Vec::new();
+            write_canonical(&tree, &mut through_tree);
+            proptest::prop_assert_eq!(&without_meta, &through_tree, "{}", text);
+        }
+
+        #[test]
+        fn a_pointer_finds_what_the_trees_pointer_finds(text in json_text(), path in proptest::collection::vec("[a-c_]{0,2}|0|1", 0..3)) {
+            let pointer: String = path.iter().map(|t| format!("/{t}")).collect();
+            let tree: serde_json::Value = serde_json::from_str(&text).expect("generated JSON");
+            let raw: &RawValue = serde_json::from_str(&text).expect("generated JSON");
+            let found = at_pointer(raw, &pointer);
+            proptest::prop_assert_eq!(found.as_ref(), tree.pointer(&pointer));
+        }
+    }
+
+    #[test]
+    fn a_number_that_overflows_a_float_is_still_read() {
+        let raw: &RawValue = serde_json::from_str(r#"{"n":1e400}"#).expect("JSON");
+        let mut out = Vec::new();
+        assert!(canonical_raw(raw, None, &mut out).is_ok());
+        assert_eq!(out, br#"{"n":1e400}"#);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 
-use crate::key_from::{canonical_number, canonical_value};
+use crate::key_from::{canonical_number, canonical_raw};
 use crate::problem::Problem;
 
 pub use sse::{EventStream, SseError};
@@ -110,15 +110,29 @@ impl Call {
 
 /// Whether an `Accept` value takes `application/json`.
 fn accepts_json(accept: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(accept).to_ascii_lowercase();
-    text.split(',').any(|range| {
-        let mut parts = range.split(';');
-        let kind = parts.next().unwrap_or("").trim();
+    accept.split(|&b| b == b',').any(|range| {
+        let mut parts = range.split(|&b| b == b';');
+        let kind = parts.next().unwrap_or_default().trim_ascii();
         let refused = parts.any(|p| {
-            let p = p.trim().replace(' ', "");
-            p == "q=0" || p == "q=0.0" || p == "q=0.00" || p == "q=0.000"
+            // `q=0`, `q = 0.00`: spaces anywhere, up to three zero decimals.
+            let p: Vec<u8> = p.iter().copied().filter(|&b| b != b' ').collect();
+            let p = p.trim_ascii();
+            matches!(
+                p,
+                b"q=0"
+                    | b"q=0.0"
+                    | b"q=0.00"
+                    | b"q=0.000"
+                    | b"Q=0"
+                    | b"Q=0.0"
+                    | b"Q=0.00"
+                    | b"Q=0.000"
+            )
         });
-        !refused && matches!(kind, "application/json" | "application/*" | "*/*")
+        !refused
+            && (kind.eq_ignore_ascii_case(b"application/json")
+                || kind.eq_ignore_ascii_case(b"application/*")
+                || kind == b"*/*")
     })
 }
 
@@ -210,13 +224,9 @@ pub fn parse(body: &[u8]) -> Result<Message, Invalid> {
     let params = match members.params {
         None => b"null".to_vec(),
         Some(raw) => {
-            let mut value: serde_json::Value = serde_json::from_str(raw.get())
-                .map_err(|e| invalid(&format!("the member \"params\" cannot be read: {e}")))?;
-            if let serde_json::Value::Object(map) = &mut value {
-                map.remove("_meta");
-            }
             let mut out = Vec::with_capacity(raw.get().len());
-            canonical_value(&value, &mut out);
+            canonical_raw(raw, Some("_meta"), &mut out)
+                .map_err(|e| invalid(&format!("the member \"params\" cannot be read: {e}")))?;
             out
         }
     };

@@ -108,7 +108,7 @@ pub(super) async fn admit(context: &Context, parts: Parts, incoming: Incoming) -
             return Admission::Refused(p, outcome);
         }
     };
-    match with_body(context, source, parts, body) {
+    match with_body(context, source, parts, body, None) {
         Ok(admitted) => Admission::Admitted(admitted),
         Err(underived) => Admission::Refused(underived.problem, Outcome::InvalidKey),
     }
@@ -212,15 +212,20 @@ pub(super) struct Underived {
 }
 
 /// The fingerprint and the key of a request whose head passed [`check_head`] (`source`) and
-/// whose body has been read.
+/// whose body has been read. A JSON-RPC call (`call`) is fingerprinted by its method and
+/// params, never by the body that carries its `id` (SPEC §4.10).
 pub(super) fn with_body(
     context: &Context,
     source: KeySource,
     mut parts: Parts,
     body: Bytes,
+    call: Option<Arc<Call>>,
 ) -> Result<Admitted, Box<Underived>> {
     let (route, idem) = (&context.route, &*context.policy);
-    let fingerprint = fingerprint::compute(&idem.fingerprint, &parts, &body);
+    let fingerprint = match &call {
+        Some(call) => fingerprint::of_call(&idem.fingerprint, &parts, &call.fingerprint_bytes()),
+        None => fingerprint::compute(&idem.fingerprint, &parts, &body),
+    };
     let mut derived_key: Option<String> = None;
     let (id, origin) = match &source {
         KeySource::Header(raw_key) => (
@@ -284,7 +289,7 @@ pub(super) fn with_body(
         body,
         fingerprint,
         origin,
-        call: None,
+        call,
     })
 }
 

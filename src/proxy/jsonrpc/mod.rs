@@ -19,7 +19,6 @@ use super::matched::{Answer, forward_plain};
 use super::observe::refused::refused_head;
 use super::{Proxy, body_with_deadline};
 use crate::body;
-use crate::fingerprint;
 use crate::jsonrpc::{self, Call, Message};
 use crate::metrics::{CallResult, Outcome};
 use crate::problem::Problem;
@@ -126,24 +125,17 @@ fn admit(context: &Context, parts: Parts, body: Bytes, call: Arc<Call>) -> CallA
         Ok(source) => source,
         Err((problem, outcome)) => return CallAdmission::Refused(problem, outcome, parts, body),
     };
-    let mut admitted = match admission::with_body(context, source, parts, body) {
-        Ok(admitted) => admitted,
+    match admission::with_body(context, source, parts, body, Some(call)) {
+        Ok(admitted) => CallAdmission::Admitted(Box::new(admitted)),
         Err(underived) => {
             let admission::Underived {
                 problem,
                 parts,
                 body,
             } = *underived;
-            return CallAdmission::Refused(problem, Outcome::InvalidKey, parts, body);
+            CallAdmission::Refused(problem, Outcome::InvalidKey, parts, body)
         }
-    };
-    admitted.fingerprint = fingerprint::of_call(
-        &idem.fingerprint,
-        &admitted.parts,
-        &call.fingerprint_bytes(),
-    );
-    admitted.call = Some(call);
-    CallAdmission::Admitted(Box::new(admitted))
+    }
 }
 
 /// The proxy's own answer to a call (a problem, in the response's extensions) as a JSON-RPC

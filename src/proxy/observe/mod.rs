@@ -179,7 +179,7 @@ async fn admit(
         // (and a pass-through route) would, which is no idempotency refusal.
         Err(problem) => return Err(refuse(problem, Outcome::BadRequest)),
     };
-    let admitted = match admission::with_body(context, source, parts, body) {
+    let admitted = match admission::with_body(context, source, parts, body, None) {
         Ok(admitted) => admitted,
         Err(underived) => {
             let Underived {
