@@ -86,9 +86,10 @@ macro_rules! every_store {
 }
 
 /// Starts, once per test binary and in the background, the spare one-node clusters (2s each
-/// before a new primary says `cluster_state:ok`). `every_store!` calls it first thing in every
-/// test: libtest runs `memory::*` first, so by the time the first `redis_cluster::` test asks
-/// for its store, one is ready, instead of both test threads waiting for it. (Each spare has
+/// before a new primary says `cluster_state:ok`). `every_store!` and `store_contract!` call it
+/// first thing in every test: where libtest runs `memory::*` first, by the time the first
+/// `redis_cluster::` test asks for its store, one is ready, instead of both test threads
+/// waiting for it. (Each spare has
 /// its watchdog from the moment it is spawned, so a binary that exits meanwhile leaves none
 /// behind. The shared PostgreSQL server is not started ahead: between its spawn and its
 /// watchdog, an exit would leave it running.)

@@ -26,7 +26,8 @@
 //! - [`otlp::OtlpReceiver`]: an OTLP/HTTP trace receiver decoding the spans the proxy exports.
 //! - [`mock::start`]: the mock booking service on a free port, with its counters.
 //! - [`metric_value`]: a series' value in the Prometheus text, read as a scraper reads it.
-//! - [`store_checks`]: the store contract, checked on a store handle of any backend.
+//! - [`store_checks`]: the store contract, one suite every backend's test module runs through
+//!   [`store_contract!`], with a flag for each optional capability.
 //!
 //! Every behaviour test is written once and run against every store with [`every_store!`].
 

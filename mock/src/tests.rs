@@ -1,6 +1,6 @@
 //! The lookup by reference, the lost responses and the webhook handler, through
 //! [`MockUpstream::handle`] on paused time (a hang of a minute takes no real time). Over a real
-//! socket, in the main crate: `tests/mock.rs`.
+//! socket, as the `mock-upstream` binary serves it: `tests/socket.rs`.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -57,9 +57,6 @@ pub mod redis;
 pub mod sqlite;
 pub mod wrap;
 
-#[cfg(test)]
-pub(crate) mod resolvable_tests;
-
 use std::time::Duration;
 
 use async_trait::async_trait;

@@ -1,4 +1,6 @@
 //! The checks: the exactly-once invariants, from the run's evidence and its loss windows.
+//! [`check`] runs one function per invariant, in the order their failures are reported, then
+//! sums the run up.
 
 use super::*;
 
@@ -27,36 +29,91 @@ pub(crate) struct Outcome {
     pub(crate) summary: String,
 }
 
+/// Every invariant checked against the run's evidence, one function each, in the order their
+/// failures are reported; then the run summed up.
 pub(crate) fn check(d: &RunData<'_>) -> Outcome {
     let mut failures = Vec::new();
-    // With a persistent Redis and no proxy kills, nothing may run twice — unless the machine
-    // stalled long enough to lose a lease (measured, and printed in the timeline).
-    let strict = d.spec.store == StoreKind::PersistentRedis;
-    let losses: Vec<LossWindow> = loss_windows(&d.windows, d.spec.lock_ttl)
-        .into_iter()
-        .filter(|w| !strict || w.machine)
-        .collect();
-    let slack = Duration::from_secs(1) + max_upstream_latency(&d.windows);
+    let ev = Evidence::of(d);
+    let execs_of = the_tap_is_whole(d, &mut failures);
+    every_answer_is_allowed(d, &mut failures);
+    let bookings_of = a_booking_answers_its_own_request(d, &mut failures);
+    let reexecuted = every_reexecution_is_explained(d, &ev, &execs_of, &bookings_of, &mut failures);
+    one_result_per_operation(d, &ev, &mut failures);
+    let settled = nothing_hangs(d, &ev, &mut failures);
+    no_in_progress_record_outlives_lock_ttl(d, &mut failures);
+    the_closing_requests_replay(d, &ev, &settled.at, &mut failures);
+    let summary = summary(d, &ev, &reexecuted, settled.after_fault);
+    Outcome { failures, summary }
+}
+
+/// What the invariants read beside the run's data: the windows in which a claim could be lost
+/// (which explain a re-execution), the slack around them, and each operation's attempts.
+struct Evidence<'d> {
+    strict: bool,
+    losses: Vec<LossWindow>,
+    slack: Duration,
+    attempts_of: HashMap<usize, Vec<&'d Attempt>>,
+}
+
+impl<'d> Evidence<'d> {
+    fn of(d: &'d RunData<'_>) -> Evidence<'d> {
+        // With a persistent Redis and no proxy kills, nothing may run twice — unless the machine
+        // stalled long enough to lose a lease (measured, and printed in the timeline).
+        let strict = d.spec.store == StoreKind::PersistentRedis;
+        let losses: Vec<LossWindow> = loss_windows(&d.windows, d.spec.lock_ttl)
+            .into_iter()
+            .filter(|w| !strict || w.machine)
+            .collect();
+        let slack = Duration::from_secs(1) + max_upstream_latency(&d.windows);
+        let mut attempts_of: HashMap<usize, Vec<&Attempt>> = HashMap::new();
+        for a in &d.attempts {
+            attempts_of.entry(a.op).or_default().push(a);
+        }
+        for v in attempts_of.values_mut() {
+            v.sort_by_key(|a| (a.sent, a.id));
+        }
+        Evidence {
+            strict,
+            losses,
+            slack,
+            attempts_of,
+        }
+    }
+
+    /// The operation's attempts (the first 30), a line each, for a failure's message.
+    fn history(&self, op: usize) -> String {
+        let mut s = String::new();
+        for a in self.attempts_of.get(&op).into_iter().flatten().take(30) {
+            let _ = write!(s, "\n      {}", a.line());
+        }
+        s
+    }
+}
+
+/// How many operations ran more than once, and what explained their re-executions.
+struct Reexecuted {
+    twice: usize,
+    explained_by: BTreeMap<String, usize>,
+}
+
+/// When each operation settled, and how long after the last fault the last one did.
+struct Settled {
+    at: HashMap<usize, Duration>,
+    after_fault: Duration,
+}
+
+/// The tap is the evidence: it must be whole — every execution the upstream received is one a
+/// client sent, and the mock counted none the tap missed. Each operation's executions, in
+/// order.
+fn the_tap_is_whole<'d>(
+    d: &'d RunData<'_>,
+    failures: &mut Vec<String>,
+) -> HashMap<usize, Vec<&'d Exec>> {
     let op_of: HashMap<(String, String), usize> = d
         .ops
         .iter()
         .map(|o| ((format!("Bearer {}", o.tenant), o.key.clone()), o.idx))
         .collect();
-    let mut attempts_of: HashMap<usize, Vec<&Attempt>> = HashMap::new();
-    for a in &d.attempts {
-        attempts_of.entry(a.op).or_default().push(a);
-    }
-    for v in attempts_of.values_mut() {
-        v.sort_by_key(|a| (a.sent, a.id));
-    }
-    let history = |op: usize| -> String {
-        let mut s = String::new();
-        for a in attempts_of.get(&op).into_iter().flatten().take(30) {
-            let _ = write!(s, "\n      {}", a.line());
-        }
-        s
-    };
-
     // The tap is the evidence: it must be whole.
     for e in &d.tap_errors {
         failures.push(format!("harness: the upstream tap lost track: {e}"));
@@ -84,8 +141,11 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
         }
     }
-    let ledger_total: u64 = d.ledger.values().sum();
+    execs_of
+}
 
+/// Every answer is one the contract allows.
+fn every_answer_is_allowed(d: &RunData<'_>, failures: &mut Vec<String>) {
     // Every answer is one the contract allows.
     for a in &d.attempts {
         if let Verdict::Unexpected(why) = verdict(&a.result, d.ops[a.op].reference.is_some()) {
@@ -96,7 +156,14 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
         }
     }
+}
 
+/// A booking embeds its own request, and a booking id answers one operation. The booking ids
+/// each operation was answered.
+fn a_booking_answers_its_own_request(
+    d: &RunData<'_>,
+    failures: &mut Vec<String>,
+) -> HashMap<usize, HashSet<String>> {
     // Bodies: a booking embeds its own request; a booking id answers one operation.
     let mut booking_owner: HashMap<String, usize> = HashMap::new();
     let mut bookings_of: HashMap<usize, HashSet<String>> = HashMap::new();
@@ -153,7 +220,21 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
         }
         bookings_of.entry(a.op).or_default().insert(id.to_owned());
     }
+    bookings_of
+}
 
+/// Every re-execution is explained by a window in which its claim could be lost, or there is
+/// none at all (a persistent run); on the resolve route, only a store that lost the record.
+fn every_reexecution_is_explained(
+    d: &RunData<'_>,
+    ev: &Evidence<'_>,
+    execs_of: &HashMap<usize, Vec<&Exec>>,
+    bookings_of: &HashMap<usize, HashSet<String>>,
+    failures: &mut Vec<String>,
+) -> Reexecuted {
+    let (strict, losses, slack) = (ev.strict, &ev.losses, ev.slack);
+    let attempts_of = &ev.attempts_of;
+    let history = |op: usize| ev.history(op);
     // Executions: every re-execution explained, or none at all (persistent run).
     let mut twice = 0usize;
     let mut explained_by: BTreeMap<String, usize> = BTreeMap::new();
@@ -299,38 +380,24 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
         }
     }
+    Reexecuted {
+        twice,
+        explained_by,
+    }
+}
 
+/// One result per operation: replays byte-identical, unless a claim-losing fault touched its
+/// lifetime.
+fn one_result_per_operation(d: &RunData<'_>, ev: &Evidence<'_>, failures: &mut Vec<String>) {
+    let (losses, slack) = (&ev.losses, ev.slack);
+    let attempts_of = &ev.attempts_of;
+    let history = |op: usize| ev.history(op);
     // Results: one body per operation, unless a claim-losing fault touched its lifetime.
     // On the resolve route a fresh 502/504 is no result (the key is being resolved); a found
     // booking, replayed, and a saved `outcome-unknown` are.
-    let is_result = |a: &Attempt| match &a.result {
-        AttemptResult::Answer {
-            status,
-            problem,
-            replayed,
-            resolved,
-            ..
-        } => {
-            let resolve = d.ops[a.op].reference.is_some();
-            *status == 201
-                || (resolve && *status == 200 && *resolved)
-                || ((*replayed || !resolve)
-                    && ((*status == 502 && problem.as_deref() == Some("upstream-failed"))
-                        || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))))
-                || (resolve
-                    && *replayed
-                    && matches!(*status, 502 | 504)
-                    && problem.as_deref() == Some("outcome-unknown"))
-        }
-        AttemptResult::Error(_) => false,
-    };
-    let body_of = |a: &Attempt| match &a.result {
-        AttemptResult::Answer { body, status, .. } => Some((*status, body.clone())),
-        AttemptResult::Error(_) => None,
-    };
     for op in d.ops {
         let all = attempts_of.get(&op.idx).cloned().unwrap_or_default();
-        let results: Vec<&&Attempt> = all.iter().filter(|a| is_result(a)).collect();
+        let results: Vec<&&Attempt> = all.iter().filter(|a| is_result(d, a)).collect();
         let distinct: HashSet<(u16, Bytes)> = results.iter().filter_map(|a| body_of(a)).collect();
         let (Some(first), Some(last)) = (all.first(), all.iter().map(|a| a.ended).max()) else {
             continue;
@@ -352,7 +419,12 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ));
         }
     }
+}
 
+/// Nothing hangs: every client settles within the bound after the last fault. When each
+/// operation settled, and how long after the last fault the last one did.
+fn nothing_hangs(d: &RunData<'_>, ev: &Evidence<'_>, failures: &mut Vec<String>) -> Settled {
+    let history = |op: usize| ev.history(op);
     // Nothing hangs.
     let mut settle_after_fault = Duration::ZERO;
     let mut settled_at: HashMap<usize, Duration> = HashMap::new();
@@ -373,14 +445,34 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             ClientEnd::Unexpected => {}
         }
     }
+    Settled {
+        at: settled_at,
+        after_fault: settle_after_fault,
+    }
+}
 
+/// No in-progress record outlives lock_ttl after the last fault.
+fn no_in_progress_record_outlives_lock_ttl(d: &RunData<'_>, failures: &mut Vec<String>) {
     // No in-progress record outlives lock_ttl after the last fault.
     for r in &d.in_progress {
         failures.push(format!(
             "an in-progress record outlived lock_ttl after the last fault: {r}"
         ));
     }
+}
 
+/// The closing requests: two of each operation, after the faults, a result and its
+/// byte-identical replay; without a claim-losing fault since the operation settled, its
+/// record answers unchanged.
+fn the_closing_requests_replay(
+    d: &RunData<'_>,
+    ev: &Evidence<'_>,
+    settled_at: &HashMap<usize, Duration>,
+    failures: &mut Vec<String>,
+) {
+    let (losses, slack) = (&ev.losses, ev.slack);
+    let attempts_of = &ev.attempts_of;
+    let history = |op: usize| ev.history(op);
     // The closing replays.
     for (op, a, b) in &d.verifications {
         let (Some(ra), Some(rb)) = (body_of(a), body_of(b)) else {
@@ -422,7 +514,7 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
                 .get(op)
                 .into_iter()
                 .flatten()
-                .filter(|x| x.client != VERIFY && is_result(x))
+                .filter(|x| x.client != VERIFY && is_result(d, x))
                 .max_by_key(|x| x.ended)
                 .and_then(|x| body_of(x));
             if !a_replayed || last_result.as_ref() != Some(&ra) {
@@ -434,7 +526,23 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             }
         }
     }
+}
 
+/// The run in numbers: answers, executions, re-executions and what explained them, the resolve
+/// lane, the claim-losing windows and the crashes.
+fn summary(
+    d: &RunData<'_>,
+    ev: &Evidence<'_>,
+    reexecuted: &Reexecuted,
+    settle_after_fault: Duration,
+) -> String {
+    let (losses, slack) = (&ev.losses, ev.slack);
+    let attempts_of = &ev.attempts_of;
+    let Reexecuted {
+        twice,
+        explained_by,
+    } = reexecuted;
+    let ledger_total: u64 = d.ledger.values().sum();
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
     for a in &d.attempts {
         let k = match &a.result {
@@ -508,7 +616,7 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
         killed_in_lifetime
     );
     let _ = write!(summary, "claim-losing windows (slack {}s):", secs(slack));
-    for w in &losses {
+    for w in losses {
         let _ = write!(
             summary,
             "\n  +{}..+{} {}: {}",
@@ -532,5 +640,40 @@ pub(crate) fn check(d: &RunData<'_>) -> Outcome {
             crashes.join(", ")
         );
     }
-    Outcome { failures, summary }
+    summary
+}
+
+/// Whether an attempt's answer is a result of its operation. On the resolve route a fresh
+/// 502/504 is no result (the key is being resolved); a found booking, replayed, and a saved
+/// `outcome-unknown` are.
+fn is_result(d: &RunData<'_>, a: &Attempt) -> bool {
+    match &a.result {
+        AttemptResult::Answer {
+            status,
+            problem,
+            replayed,
+            resolved,
+            ..
+        } => {
+            let resolve = d.ops[a.op].reference.is_some();
+            *status == 201
+                || (resolve && *status == 200 && *resolved)
+                || ((*replayed || !resolve)
+                    && ((*status == 502 && problem.as_deref() == Some("upstream-failed"))
+                        || (*status == 504 && problem.as_deref() == Some("upstream-timeout"))))
+                || (resolve
+                    && *replayed
+                    && matches!(*status, 502 | 504)
+                    && problem.as_deref() == Some("outcome-unknown"))
+        }
+        AttemptResult::Error(_) => false,
+    }
+}
+
+/// An answer's status and body.
+fn body_of(a: &Attempt) -> Option<(u16, Bytes)> {
+    match &a.result {
+        AttemptResult::Answer { body, status, .. } => Some((*status, body.clone())),
+        AttemptResult::Error(_) => None,
+    }
 }

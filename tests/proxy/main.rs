@@ -11,6 +11,9 @@
 //! - [`store_errors`] — the answers when the store fails.
 //! - [`observe`] — `mode: observe`.
 //! - [`key_from`] — keys derived from the request.
+//! - [`resolve`] — `on_unknown_outcome: resolve`: a lost response resolved by the upstream's
+//!   lookup.
+//! - [`webhooks`] — webhook routes: signatures verified, deliveries and redeliveries once.
 
 mod admission;
 mod claim;
@@ -18,6 +21,8 @@ mod key_from;
 mod lease;
 mod observe;
 mod replay;
+mod resolve;
 mod store_errors;
 mod support;
 mod upstream;
+mod webhooks;

@@ -22,6 +22,9 @@ use idemproxy::record::Record;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Claim, Held, StoreHandle, StoreKey};
 
+// The store contract, each check a test of its own (`harness::store_checks`): a one-node cluster of its own; shared by several proxies.
+harness::store_contract!(RedisCluster { shared });
+
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
 

@@ -1,24 +1,25 @@
-//! The stores against real servers of the tests' own: the contract every store keeps, then what
-//! each backend adds.
+//! The stores against real servers of the tests' own: each backend's module runs the store
+//! contract (`harness::store_checks`, through `harness::store_contract!`, as its `contract`
+//! module: `cargo test --test stores -- sqlite::contract::` runs it on one store), then what
+//! that backend adds.
 //!
-//! - [`contract`] — the store contract, each check on every store.
-//! - [`faults`] — reconnecting after a restart or a dropped connection, replies lost after a
-//!   release or a large save, large records staged on their way in.
+//! - [`memory`] — the memory store: the contract, also on Tokio's paused clock.
+//! - [`sqlite`] — the SQLite store; the contract, also on its clock moved ahead.
+//! - [`postgres`] — the PostgreSQL store.
+//! - [`pg_versions`] — PostgreSQL schema versions, the lease the operations guide's query reads.
 //! - [`redis`] — TLS and passwords, scripts Redis forgot.
 //! - [`wait_replicas`] — `store.wait_replicas`.
 //! - [`cluster`] — `redis-cluster`, slot moves and failover.
-//! - [`postgres`] — the PostgreSQL store.
-//! - [`sqlite`] — the SQLite store.
-//! - [`resolvable`] — the claim of a `resolve` route: takeover, lifetime, fencing.
-//! - [`renewals`] — what renewing such a claim writes, whatever its lookup's size.
+//! - [`faults`] — reconnecting after a restart or a dropped connection, replies lost after a
+//!   release or a large save, large records staged on their way in.
+//! - [`renewals`] — what renewing a resolvable claim writes, whatever its lookup's size.
 
 mod cluster;
-mod contract;
 mod faults;
+mod memory;
 mod pg_versions;
 mod postgres;
 mod redis;
 mod renewals;
-mod resolvable;
 mod sqlite;
 mod wait_replicas;

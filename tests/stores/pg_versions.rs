@@ -13,6 +13,8 @@ use idemproxy::metrics::Metrics;
 use idemproxy::record::{Held, resolvable};
 
 use super::renewals::claim;
+use harness::store_checks::resolvable as claims;
+use harness::{Backend, Env};
 use idemproxy::store::postgres::PostgresStore;
 use idemproxy::store::{ResolvableClaim, ResolvableTimes, Store, StoreHandle, StoreKey};
 
@@ -291,5 +293,48 @@ async fn postgres_a_version_1_schema_is_served_then_upgraded() {
             .expect("resolving")
             .is_some(),
         "the holder still holds it"
+    );
+}
+
+/// The operations guide's `psql` expression reads a claim's lease out of its value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_documented_query_reads_the_lease() {
+    let env = Env::new(Backend::Postgres).await;
+    let s = harness::store_checks::handle(env.store().await);
+    let k = claims::key(4);
+    let a = claims::resolvable(Duration::from_secs(30));
+    let (a, _) = claims::ours(
+        s.claim_resolvable(
+            &k,
+            &a,
+            claims::times(Duration::ZERO, Duration::from_secs(60)),
+        )
+        .await
+        .expect("claim"),
+    );
+    let pg = env.postgres();
+    let read = || {
+        pg.server().sql(&format!(
+            "SELECT ('x' || encode(greatest(substring(times FROM 1 FOR 8), substring(value FROM 22 FOR 8)), 'hex'))::bit(64)::bigint
+             FROM {}.records
+             WHERE substring(value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)
+               AND key = '{}'",
+            pg.schema,
+            k.text()
+        ))
+    };
+    let claimed_lease = claims::stamped(&a).lease_until;
+    assert_eq!(read(), claimed_lease.to_string());
+    // After a renewal (written into `times`), the query reads the renewed lease.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        s.renew(&k, &a, Duration::from_secs(90))
+            .await
+            .expect("renew")
+    );
+    let renewed: u64 = read().parse().expect("a number");
+    assert!(
+        renewed > claimed_lease + 30_000,
+        "{renewed} after {claimed_lease}"
     );
 }

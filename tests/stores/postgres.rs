@@ -18,6 +18,9 @@ use idemproxy::record::Record;
 use idemproxy::store::postgres::PostgresStore;
 use idemproxy::store::{Claim, Forgotten, Held, Store, StoreHandle, StoreKey};
 
+// The store contract, each check a test of its own (`harness::store_checks`): a schema of its own; shared by several proxies.
+harness::store_contract!(Postgres { shared });
+
 const BODY: &str = r#"{"room":"101"}"#;
 
 /// The harness: a private server on a free port, as an unprivileged user, crash and restart.

@@ -14,6 +14,9 @@ use idemproxy::record::Record;
 use idemproxy::store::redis::RedisStore;
 use idemproxy::store::{Held, StoreHandle, StoreKey};
 
+// The store contract, each check a test of its own (`harness::store_checks`): a server of its own; shared by several proxies.
+harness::store_contract!(Redis { shared });
+
 const BODY: &str = r#"{"seat":"12A"}"#;
 
 async fn post(proxy: &TestProxy, key: &str) -> Reply {

@@ -14,6 +14,9 @@ use idemproxy::metrics::Metrics;
 use idemproxy::store::StoreHandle;
 use idemproxy::store::sqlite::SqliteStore;
 
+// The store contract, each check a test of its own (`harness::store_checks`): a file of its own, its clock moved ahead for the checks of minutes.
+harness::store_contract!(Sqlite { moved_clock });
+
 /// The request body every booking here sends.
 const BODY: &str = r#"{"seat":"12A"}"#;
 

@@ -7,11 +7,15 @@
 use std::time::{Duration, Instant};
 
 use harness::cluster::wait_for;
+use harness::store_checks::resolvable as claims;
 use harness::{
     Backend, Env, ProxyProcess, RedisServer, Reply, TestProxy, book_with, booking_store_key,
     client, eventually, send, spawn_booking,
 };
 use idemproxy::metrics::StoreOp;
+use idemproxy::record::Record;
+use idemproxy::store::StoreHandle;
+use std::sync::Arc;
 
 const BODY: &str = r#"{"seat":"12A"}"#;
 
@@ -308,4 +312,90 @@ async fn too_few_replicas_are_warned_about_at_start() {
     })
     .await;
     assert!(warned, "no warning; log:\n{}", p.log());
+}
+
+/// With `store.wait_replicas`, a fresh claim too few replicas acknowledged is released (it was
+/// never sent), and a takeover is not (it may have been sent: it stays to be resolved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_claim_too_few_replicas_acknowledge_is_released_and_a_takeover_kept() {
+    use harness::RedisServer;
+    use idemproxy::config::RedisAccess;
+    use idemproxy::metrics::Metrics;
+    use idemproxy::store::StoreError;
+    use idemproxy::store::redis::RedisStore;
+
+    let env = Env::new(Backend::Redis).await;
+    let primary = env.redis().port();
+    let replica = tokio::task::spawn_blocking(move || {
+        RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.to_string()])
+    })
+    .await
+    .expect("start the replica");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut c = ::redis::Client::open(replica.url())
+            .expect("replica url")
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .expect("connect to the replica");
+        let info: String = ::redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut c)
+            .expect("INFO");
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica did not sync");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let timeout = Duration::from_millis(500);
+    let metrics = Arc::new(Metrics::new());
+    let store = RedisStore::connect(
+        &env.redis().url(),
+        &RedisAccess::default(),
+        1,
+        timeout,
+        metrics.clone(),
+    )
+    .expect("redis store");
+    let s = StoreHandle::new(Arc::new(store), timeout, metrics);
+    let lifetime = Duration::from_secs(60);
+    let a = claims::resolvable(Duration::from_secs(30));
+    let (a, _) = claims::ours(
+        s.claim_resolvable(&claims::key(5), &a, claims::times(Duration::ZERO, lifetime))
+            .await
+            .expect("an acknowledged claim"),
+    );
+
+    replica.pause();
+    let fresh = claims::resolvable(Duration::from_secs(30));
+    match s
+        .claim_resolvable(
+            &claims::key(6),
+            &fresh,
+            claims::times(Duration::ZERO, lifetime),
+        )
+        .await
+    {
+        Err(StoreError::ReplicasMissing { .. }) => {}
+        other => panic!("expected too few replicas, got {other:?}"),
+    }
+    assert_eq!(s.get(&claims::key(6)).await.expect("get"), None, "released");
+
+    claims::until_lapsed(&s, &claims::key(5), &a).await;
+    let b = claims::resolvable(Duration::from_secs(30));
+    match s
+        .claim_resolvable(&claims::key(5), &b, claims::times(Duration::ZERO, lifetime))
+        .await
+    {
+        Err(StoreError::ReplicasMissing { .. }) => {}
+        other => panic!("expected too few replicas, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            s.get(&claims::key(5)).await.expect("get"),
+            Some(Record::Resolvable(_))
+        ),
+        "a takeover stays to be resolved"
+    );
+    replica.resume();
 }

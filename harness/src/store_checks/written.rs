@@ -11,7 +11,7 @@ use http::{HeaderName, HeaderValue, Method, StatusCode};
 use idemproxy::record::{Finished, Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
 use idemproxy::store::{Held, ResolvableClaim, ResolvableTimes, Store, StoreKey};
 
-use super::{LONG, done, handle, key};
+use super::{LONG, Subject, done, handle, key};
 
 /// The record under `key`, as the store holds it, decoded.
 async fn stored(raw: &Arc<dyn Store>, key: &StoreKey) -> Record {
@@ -52,7 +52,8 @@ fn resolvable(token: u8) -> Held {
 }
 
 /// Every record kind and transition, written by the store, decodes to what was meant.
-pub async fn what_each_transition_writes_decodes(raw: Arc<dyn Store>) {
+pub async fn what_each_transition_writes_decodes(subject: &Subject) {
+    let raw = subject.raw.clone();
     let s = handle(raw.clone());
 
     // A claim in flight, then its finished record.
@@ -146,7 +147,7 @@ pub async fn what_each_transition_writes_decodes(raw: Arc<dyn Store>) {
                     std::time::Instant::now() < deadline,
                     "the lease did not lapse"
                 );
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                subject.clock.pass(Duration::from_millis(50)).await;
             }
             other => panic!("expected a takeover, got {other:?}"),
         }

@@ -283,26 +283,3 @@ async fn a_full_store_takes_claims_again_soon_after_records_lapse() {
         );
     }
 }
-
-// A claim that can be resolved (`on_unknown_outcome: resolve`): the shared contract.
-
-#[tokio::test(start_paused = true)]
-async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder() {
-    let (s, _) = store(10);
-    let advance = |d| tokio::time::advance(d);
-    crate::store::resolvable_tests::claim_takeover_and_save(&s, &k(1), advance).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_resolvable_claim_lives_its_lifetime_whatever_its_lease() {
-    let (s, _) = store(10);
-    let advance = |d| tokio::time::advance(d);
-    crate::store::resolvable_tests::lifetime_and_give_up(&s, &k(2), advance).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_resolvable_claim_is_released_only_while_its_lease_holds() {
-    let (s, _) = store(10);
-    let advance = |d| tokio::time::advance(d);
-    crate::store::resolvable_tests::release_is_fenced(&s, &k(3), advance).await;
-}

@@ -12,15 +12,16 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-pauses"))]
 use std::sync::atomic::{AtomicI64, Ordering};
 
-/// The wall clock, read by the writer and the readers alike. Unit tests move it forward
-/// instead of sleeping.
+/// The wall clock, read by the writer and the readers alike. Tests move it forward instead of
+/// sleeping: the unit tests, and (in the tests' builds, the `test-pauses` feature) the store
+/// contract's checks of long leases and lifetimes (`SqliteStore::advance_clock`).
 #[derive(Debug, Default)]
 pub(super) struct Clock {
     /// Milliseconds added to the wall clock (tests only).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "test-pauses"))]
     ahead: AtomicI64,
 }
 
@@ -36,13 +37,13 @@ impl Clock {
             .duration_since(UNIX_EPOCH)
             .map(millis)
             .unwrap_or(0);
-        #[cfg(test)]
+        #[cfg(any(test, feature = "test-pauses"))]
         let wall = wall.saturating_add(self.ahead.load(Ordering::Relaxed));
         wall
     }
 
     /// Moves this clock `by` into the future.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "test-pauses"))]
     pub(super) fn advance(&self, by: Duration) {
         self.ahead.fetch_add(millis(by), Ordering::Relaxed);
     }

@@ -138,6 +138,15 @@ impl SqliteStore {
         sweep::start(&runtime, Arc::downgrade(&inner), sweep_interval);
         Ok(SqliteStore { inner })
     }
+
+    /// Moves the store's clock `by` into the future, for the store contract's checks of long
+    /// leases and lifetimes (the harness's `store_checks`), which cannot sleep through minutes.
+    /// In the tests' builds only (the `test-pauses` feature); never in a release.
+    #[cfg(feature = "test-pauses")]
+    #[doc(hidden)]
+    pub fn advance_clock(&self, by: Duration) {
+        self.inner.clock.advance(by);
+    }
 }
 
 impl Inner {

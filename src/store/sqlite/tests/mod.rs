@@ -446,38 +446,42 @@ async fn past_the_read_queue_bound_a_read_fails_at_once_during_a_stall() {
     }
 }
 
-// A claim that can be resolved (`on_unknown_outcome: resolve`): the shared contract, on the
-// host's clock moved forward.
+// A claim that can be resolved (`on_unknown_outcome: resolve`): its contract is the harness's
+// (`store_checks::resolvable`, on this store's clock moved forward); here, what the sweep does
+// with one.
 
-#[tokio::test]
-async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder() {
-    let f = Fixture::new();
-    let advance = |d| {
-        f.advance(d);
-        std::future::ready(())
-    };
-    crate::store::resolvable_tests::claim_takeover_and_save(&f.handle, &k(1), advance).await;
-}
-
-#[tokio::test]
-async fn a_resolvable_claim_lives_its_lifetime_whatever_its_lease() {
-    let f = Fixture::new();
-    let advance = |d| {
-        f.advance(d);
-        std::future::ready(())
-    };
-    crate::store::resolvable_tests::lifetime_and_give_up(&f.handle, &k(2), advance).await;
+/// A new resolvable claim whose lookup is never made here: the sweep reads only its times.
+fn resolvable(give_up_after: Duration) -> Held {
+    use crate::record::{Lookup, Resolvable};
+    Held::new(Record::Resolvable(Box::new(Resolvable::claim(
+        new_token(),
+        [4; 32],
+        Lookup {
+            upstream: "booking".into(),
+            method: http::Method::GET,
+            target: "/bookings/by-reference/r-1".into(),
+            headers: vec![],
+        },
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+        give_up_after,
+    ))))
 }
 
 /// The sweep deletes a resolvable claim by its lifetime, never by its lapsed lease.
 #[tokio::test]
 async fn the_sweep_leaves_a_resolvable_claim_until_its_lifetime() {
-    use crate::store::resolvable_tests::{resolvable, times};
+    use crate::store::ResolvableTimes;
     let f = Fixture::new();
     let give_up = Duration::from_secs(30);
-    let a = resolvable(4, give_up);
+    let a = resolvable(give_up);
+    let times = ResolvableTimes {
+        lease: Duration::from_secs(10),
+        send_margin: Duration::from_secs(2),
+        lifetime: give_up * 2,
+    };
     f.handle
-        .claim_resolvable(&k(4), &a, times(give_up * 2))
+        .claim_resolvable(&k(4), &a, times)
         .await
         .expect("claim");
     f.advance(Duration::from_secs(40));
@@ -486,14 +490,4 @@ async fn the_sweep_leaves_a_resolvable_claim_until_its_lifetime() {
     f.advance(Duration::from_secs(30));
     f.store.inner.sweep_batch().await.expect("sweep");
     assert_eq!(f.rows(), 0, "gone after 2 s + 60 s");
-}
-
-#[tokio::test]
-async fn a_resolvable_claim_is_released_only_while_its_lease_holds() {
-    let f = Fixture::new();
-    let advance = |d| {
-        f.advance(d);
-        std::future::ready(())
-    };
-    crate::store::resolvable_tests::release_is_fenced(&f.handle, &k(3), advance).await;
 }

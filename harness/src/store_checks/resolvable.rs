@@ -1,22 +1,32 @@
 //! A claim that can be resolved (`on_unknown_outcome: resolve`), on every store, on real time:
 //! its times on the store's clock, its lifetime apart from its lease, the takeover of a lapsed
 //! lease by exactly one of many claims at once, the first holder fenced off after it, and a
-//! claim sent again that finds its own.
+//! claim sent again that finds its own. [`minutes`]: the same claim over leases and lifetimes
+//! of minutes, where the store's clock can be moved.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use harness::{Backend, Env, store_checks};
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use idemproxy::record::{Finished, Held, Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
 use idemproxy::store::{Forgotten, ResolvableClaim, ResolvableTimes, Store, StoreHandle, StoreKey};
 
-/// Short, so the tests wait little for a lease to lapse; far longer than a store call.
-const LEASE: Duration = Duration::from_millis(400);
+use super::{Subject, handle};
 
-fn key(n: u8) -> StoreKey {
+mod minutes;
+pub use minutes::{
+    a_resolvable_claim_is_released_only_while_its_lease_holds,
+    a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder,
+    a_resolvable_claim_lives_its_lifetime_whatever_its_lease,
+};
+
+/// Short, so the tests wait little for a lease to lapse; far longer than a store call.
+pub const LEASE: Duration = Duration::from_millis(400);
+
+/// Key `n` of route `create-booking` (route number 0).
+pub fn key(n: u8) -> StoreKey {
     StoreKey::new(
         idemproxy::key::namespace("idemproxy:", "create-booking"),
         0,
@@ -24,7 +34,8 @@ fn key(n: u8) -> StoreKey {
     )
 }
 
-fn times(send_margin: Duration, lifetime: Duration) -> ResolvableTimes {
+/// A lease of [`LEASE`], the send margin and lifetime given.
+pub fn times(send_margin: Duration, lifetime: Duration) -> ResolvableTimes {
     ResolvableTimes {
         lease: LEASE,
         send_margin,
@@ -32,15 +43,17 @@ fn times(send_margin: Duration, lifetime: Duration) -> ResolvableTimes {
     }
 }
 
-/// A token no other claim of this test binary has.
-fn new_token() -> [u8; 16] {
-    static NEXT: AtomicU8 = AtomicU8::new(1);
+/// A token no other claim of this test binary has (two bytes of a counter: every store's
+/// checks draw from it at once, more than 256 claims in a run).
+pub fn new_token() -> [u8; 16] {
+    static NEXT: AtomicU16 = AtomicU16::new(1);
     let mut token = [0xA5; 16];
-    token[0] = NEXT.fetch_add(1, Ordering::Relaxed);
+    token[..2].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_be_bytes());
     token
 }
 
-fn resolvable(give_up_after: Duration) -> Held {
+/// A new resolvable claim (fingerprint 5) of a lookup with a header.
+pub fn resolvable(give_up_after: Duration) -> Held {
     Held::new(Record::Resolvable(Box::new(Resolvable::claim(
         new_token(),
         [5; 32],
@@ -59,7 +72,8 @@ fn resolvable(give_up_after: Duration) -> Held {
     ))))
 }
 
-fn found() -> Finished {
+/// What a resolution found for [`resolvable`]'s request.
+pub fn found() -> Finished {
     Finished::new(
         [5; 32],
         Saved::Resolved(SavedResponse {
@@ -71,7 +85,7 @@ fn found() -> Finished {
 }
 
 /// The claim a claim answered with, and the store's clock then.
-fn ours(claim: ResolvableClaim) -> (Held, u64) {
+pub fn ours(claim: ResolvableClaim) -> (Held, u64) {
     match claim {
         ResolvableClaim::Claimed { held, now } | ResolvableClaim::TakenOver { held, now, .. } => {
             (held, now)
@@ -80,12 +94,13 @@ fn ours(claim: ResolvableClaim) -> (Held, u64) {
     }
 }
 
-fn stamped(held: &Held) -> &Resolvable {
+/// The claim `held` holds, as the store stamped it.
+pub fn stamped(held: &Held) -> &Resolvable {
     held.resolvable().expect("a resolvable claim")
 }
 
 /// Waits until the lease of the claim under `key` has lapsed on the store's clock (bounded).
-async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
+pub async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
     let lease_until = stamped(held).lease_until;
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -102,9 +117,8 @@ async fn until_lapsed(s: &StoreHandle, key: &StoreKey, held: &Held) {
 /// still a claim (never a takeover); after a lapse, eight claims at once, from two instances
 /// on a shared store, take it over exactly once; the first holder is then fenced off, and the
 /// new one resolves and completes.
-async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
-    let env = Env::new(backend).await;
-    let s = store_checks::handle(env.store().await);
+pub async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(subject: &Subject) {
+    let s = subject.handle();
     let k = key(1);
     let margin = Duration::from_millis(250);
     let lifetime = Duration::from_secs(60);
@@ -127,10 +141,7 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
     until_lapsed(&s, &k, &a).await;
     // Two instances on one store, where a store is shared (not memory; SQLite takes one
     // process): the claims alternate between this store and a second one of its own.
-    let second = match backend {
-        Backend::Memory | Backend::Sqlite => None,
-        _ => Some(Arc::new(store_checks::handle(env.store().await))),
-    };
+    let second = subject.another().await.map(Arc::new);
     let s = Arc::new(s);
     let claims: Vec<_> = (0..8)
         .map(|i| {
@@ -206,10 +217,9 @@ async fn a_lapsed_claim_is_taken_over_by_exactly_one_of_many(backend: Backend) {
 
 /// The key outlives its lease until its lifetime after the send, and renewing never shortens
 /// that; a takeover past `give_up_after` says so; then the key is gone and free.
-async fn a_claim_lives_its_lifetime_whatever_its_lease(backend: Backend) {
-    let env = Env::new(backend).await;
-    let raw: Arc<dyn Store> = env.store().await;
-    let s = store_checks::handle(raw.clone());
+pub async fn a_claim_lives_its_lifetime_whatever_its_lease(subject: &Subject) {
+    let raw: Arc<dyn Store> = subject.raw.clone();
+    let s = handle(raw.clone());
     let k = key(2);
     let lifetime = Duration::from_millis(2500);
     let give_up = Duration::from_millis(600);
@@ -235,7 +245,7 @@ async fn a_claim_lives_its_lifetime_whatever_its_lease(backend: Backend) {
         "a short renewal never shortens the lifetime: {renewed:?}"
     );
     // Past the lease and past give_up_after, well within the lifetime.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    subject.clock.pass(Duration::from_millis(800)).await;
     let b = resolvable(give_up);
     match s
         .claim_resolvable(&k, &b, times(Duration::ZERO, lifetime))
@@ -260,10 +270,9 @@ async fn a_claim_lives_its_lifetime_whatever_its_lease(backend: Backend) {
 
 /// A fresh claim is released by its holder; a found response saved for it can be forgotten
 /// like any finished record.
-async fn a_claim_is_released_and_a_resolved_record_forgotten(backend: Backend) {
-    let env = Env::new(backend).await;
-    let raw: Arc<dyn Store> = env.store().await;
-    let s = store_checks::handle(raw.clone());
+pub async fn a_claim_is_released_and_a_resolved_record_forgotten(subject: &Subject) {
+    let raw: Arc<dyn Store> = subject.raw.clone();
+    let s = handle(raw.clone());
     let k = key(3);
     let lifetime = Duration::from_secs(60);
     let a = resolvable(Duration::from_secs(30));
@@ -286,134 +295,12 @@ async fn a_claim_is_released_and_a_resolved_record_forgotten(backend: Backend) {
     assert_eq!(s.get(&k).await.expect("get"), None);
 }
 
-/// The operations guide's `psql` expression reads a claim's lease out of its value.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_the_documented_query_reads_the_lease() {
-    let env = Env::new(Backend::Postgres).await;
-    let s = store_checks::handle(env.store().await);
-    let k = key(4);
-    let a = resolvable(Duration::from_secs(30));
-    let (a, _) = ours(
-        s.claim_resolvable(&k, &a, times(Duration::ZERO, Duration::from_secs(60)))
-            .await
-            .expect("claim"),
-    );
-    let pg = env.postgres();
-    let read = || {
-        pg.server().sql(&format!(
-            "SELECT ('x' || encode(greatest(substring(times FROM 1 FOR 8), substring(value FROM 22 FOR 8)), 'hex'))::bit(64)::bigint
-             FROM {}.records
-             WHERE substring(value FROM 1 FOR 5) IN ('\\x4944500351'::bytea, '\\x4944500251'::bytea)
-               AND key = '{}'",
-            pg.schema,
-            k.text()
-        ))
-    };
-    let claimed_lease = stamped(&a).lease_until;
-    assert_eq!(read(), claimed_lease.to_string());
-    // After a renewal (written into `times`), the query reads the renewed lease.
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(
-        s.renew(&k, &a, Duration::from_secs(90))
-            .await
-            .expect("renew")
-    );
-    let renewed: u64 = read().parse().expect("a number");
-    assert!(
-        renewed > claimed_lease + 30_000,
-        "{renewed} after {claimed_lease}"
-    );
-}
-
-/// With `store.wait_replicas`, a fresh claim too few replicas acknowledged is released (it was
-/// never sent), and a takeover is not (it may have been sent: it stays to be resolved).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_a_claim_too_few_replicas_acknowledge_is_released_and_a_takeover_kept() {
-    use harness::RedisServer;
-    use idemproxy::config::RedisAccess;
-    use idemproxy::metrics::Metrics;
-    use idemproxy::store::StoreError;
-    use idemproxy::store::redis::RedisStore;
-
-    let env = Env::new(Backend::Redis).await;
-    let primary = env.redis().port();
-    let replica = tokio::task::spawn_blocking(move || {
-        RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.to_string()])
-    })
-    .await
-    .expect("start the replica");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut c = ::redis::Client::open(replica.url())
-            .expect("replica url")
-            .get_connection_with_timeout(Duration::from_secs(1))
-            .expect("connect to the replica");
-        let info: String = ::redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut c)
-            .expect("INFO");
-        if info.contains("master_link_status:up") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the replica did not sync");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let timeout = Duration::from_millis(500);
-    let metrics = Arc::new(Metrics::new());
-    let store = RedisStore::connect(
-        &env.redis().url(),
-        &RedisAccess::default(),
-        1,
-        timeout,
-        metrics.clone(),
-    )
-    .expect("redis store");
-    let s = StoreHandle::new(Arc::new(store), timeout, metrics);
-    let lifetime = Duration::from_secs(60);
-    let a = resolvable(Duration::from_secs(30));
-    let (a, _) = ours(
-        s.claim_resolvable(&key(5), &a, times(Duration::ZERO, lifetime))
-            .await
-            .expect("an acknowledged claim"),
-    );
-
-    replica.pause();
-    let fresh = resolvable(Duration::from_secs(30));
-    match s
-        .claim_resolvable(&key(6), &fresh, times(Duration::ZERO, lifetime))
-        .await
-    {
-        Err(StoreError::ReplicasMissing { .. }) => {}
-        other => panic!("expected too few replicas, got {other:?}"),
-    }
-    assert_eq!(s.get(&key(6)).await.expect("get"), None, "released");
-
-    until_lapsed(&s, &key(5), &a).await;
-    let b = resolvable(Duration::from_secs(30));
-    match s
-        .claim_resolvable(&key(5), &b, times(Duration::ZERO, lifetime))
-        .await
-    {
-        Err(StoreError::ReplicasMissing { .. }) => {}
-        other => panic!("expected too few replicas, got {other:?}"),
-    }
-    assert!(
-        matches!(
-            s.get(&key(5)).await.expect("get"),
-            Some(Record::Resolvable(_))
-        ),
-        "a takeover stays to be resolved"
-    );
-    replica.resume();
-}
-
 /// A claim an earlier proxy wrote (format version 2, its `sent_at` the claim plus the
 /// upstream's `connect_timeout`) is still taken over, once its lease lapses, and read as
 /// counting from the claim plus the taker's upstream `timeout`; the store keeps its bytes as
 /// they were (only the token, the lease and the phase change).
-async fn a_version_2_claim_is_taken_over_and_counts_from_the_timeout(backend: Backend) {
-    let env = Env::new(backend).await;
-    let s = store_checks::handle(env.store().await);
+pub async fn a_version_2_claim_is_taken_over_and_counts_from_the_timeout(subject: &Subject) {
+    let s = subject.handle();
     let k = key(5);
     let old = {
         let mut r = stamped(&resolvable(Duration::from_secs(30))).clone();
@@ -465,10 +352,3 @@ async fn a_version_2_claim_is_taken_over_and_counts_from_the_timeout(backend: Ba
             .expect("complete")
     );
 }
-
-harness::every_store!(
-    a_version_2_claim_is_taken_over_and_counts_from_the_timeout,
-    a_lapsed_claim_is_taken_over_by_exactly_one_of_many,
-    a_claim_lives_its_lifetime_whatever_its_lease,
-    a_claim_is_released_and_a_resolved_record_forgotten,
-);

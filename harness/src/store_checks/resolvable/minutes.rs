@@ -1,20 +1,25 @@
-//! The contract of a claim that can be resolved, run against every backend whose clock the
-//! unit tests can move (memory: paused Tokio time; SQLite: its clock's offset). Redis and
-//! PostgreSQL run the same steps in `tests/resolve_store.rs`, on real time.
+//! The contract of a claim that can be resolved over leases and lifetimes of minutes, run on
+//! every store whose clock a test can move (memory: Tokio's paused clock; SQLite: its clock
+//! moved ahead; [`Capabilities`](crate::store_checks::Capabilities)). Every store runs the
+//! same steps on real time, with short leases, in [`super`].
 
 use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, StatusCode};
+use idemproxy::record::{Finished, Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
+use idemproxy::store::{
+    Claim, Forgotten, Held, ResolvableClaim, ResolvableTimes, StoreHandle, StoreKey,
+};
 
-use super::{Held, ResolvableClaim, ResolvableTimes, StoreHandle, StoreKey};
-use crate::record::{Finished, Lookup, Phase, Record, Resolvable, Saved, SavedResponse, new_token};
+use super::new_token;
+use crate::store_checks::{Subject, forget, key};
 
-pub(crate) const LEASE: Duration = Duration::from_secs(10);
-pub(crate) const MARGIN: Duration = Duration::from_secs(2);
+const LEASE: Duration = Duration::from_secs(10);
+const MARGIN: Duration = Duration::from_secs(2);
 
-pub(crate) fn times(lifetime: Duration) -> ResolvableTimes {
+fn times(lifetime: Duration) -> ResolvableTimes {
     ResolvableTimes {
         lease: LEASE,
         send_margin: MARGIN,
@@ -23,7 +28,7 @@ pub(crate) fn times(lifetime: Duration) -> ResolvableTimes {
 }
 
 /// A new resolvable claim of a request whose fingerprint is `[fp; 32]`.
-pub(crate) fn resolvable(fp: u8, give_up_after: Duration) -> Held {
+fn resolvable(fp: u8, give_up_after: Duration) -> Held {
     Held::new(Record::Resolvable(Box::new(Resolvable::claim(
         new_token(),
         [fp; 32],
@@ -71,7 +76,7 @@ async fn get_resolvable(s: &StoreHandle, key: &StoreKey) -> Resolvable {
 
 /// Claim, conflict, renewal, takeover after the lease, fencing of the old holder, resolving,
 /// save with a found response.
-pub(crate) async fn claim_takeover_and_save<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
+async fn claim_takeover_and_save<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
 where
     F: Fn(Duration) -> Fut,
     Fut: Future<Output = ()>,
@@ -217,17 +222,17 @@ async fn live_claim_is_left_alone(
     });
     assert!(matches!(
         s.claim(key, &plain, LEASE).await,
-        Ok(super::Claim::Existing(Record::Resolvable(_)))
+        Ok(Claim::Existing(Record::Resolvable(_)))
     ));
 }
 
 fn b_token(held: &Held) -> [u8; 16] {
-    held.record.token().copied().expect("a claim")
+    held.resolvable().expect("a claim").token
 }
 
 /// The key outlives the lease until `lifetime` after the send, then is gone; a takeover
 /// past `give_up_after` says so.
-pub(crate) async fn lifetime_and_give_up<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
+async fn lifetime_and_give_up<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
 where
     F: Fn(Duration) -> Fut,
     Fut: Future<Output = ()>,
@@ -281,7 +286,7 @@ where
 
 /// A fresh claim given up before anything was sent is released, its lease lapsed or not (a
 /// claim answered too late); a takeover fences the first holder's release off.
-pub(crate) async fn release_is_fenced<F, Fut>(s: &StoreHandle, key: &StoreKey, advance: F)
+async fn release_is_fenced<F, Fut>(subject: &Subject, s: &StoreHandle, key: &StoreKey, advance: F)
 where
     F: Fn(Duration) -> Fut,
     Fut: Future<Output = ()>,
@@ -335,8 +340,28 @@ where
         Some(Record::Resolvable(_))
     ));
     // keys forget refuses it, as any claim in flight.
-    assert_eq!(
-        s.forget(key).await.expect("forget"),
-        super::Forgotten::InFlight
-    );
+    assert_eq!(forget(&subject.raw, key).await, Forgotten::InFlight);
+}
+
+/// Claim, conflict, renewal, takeover after the lease, fencing of the old holder, resolving,
+/// save with a found response ([`claim_takeover_and_save`]).
+pub async fn a_resolvable_claim_is_taken_over_after_its_lease_and_fences_its_first_holder(
+    subject: &Subject,
+) {
+    let advance = |d| subject.clock.pass(d);
+    claim_takeover_and_save(&subject.handle(), &key(0x21), advance).await;
+}
+
+/// The key outlives the lease until its lifetime, and a late takeover gives up
+/// ([`lifetime_and_give_up`]).
+pub async fn a_resolvable_claim_lives_its_lifetime_whatever_its_lease(subject: &Subject) {
+    let advance = |d| subject.clock.pass(d);
+    lifetime_and_give_up(&subject.handle(), &key(0x22), advance).await;
+}
+
+/// A fresh claim is released by its holder, a takeover fences the first holder's release off
+/// ([`release_is_fenced`]).
+pub async fn a_resolvable_claim_is_released_only_while_its_lease_holds(subject: &Subject) {
+    let advance = |d| subject.clock.pass(d);
+    release_is_fenced(subject, &subject.handle(), &key(0x23), advance).await;
 }

@@ -9,7 +9,7 @@ use idemproxy::config::Config;
 use idemproxy::metrics::Outcome;
 use idemproxy::proxy::Reloaded;
 
-use crate::support::{Secret, SecretsFile, deliver, deliver_signed, handled, now, webhooks, yaml};
+use super::support::{Secret, SecretsFile, deliver, deliver_signed, handled, now, webhooks, yaml};
 
 every_store!(
     a_redelivery_gets_the_saved_answer_and_the_handler_runs_once,

@@ -15,12 +15,9 @@ use idemproxy::proxy::Reloaded;
 use harness::relay::{Direction, Relay, Tap};
 use harness::{Backend, Env, ProxyProcess, Reply, TestProxy, book_with, eventually, every_store};
 
-#[path = "resolve/bounded.rs"]
 mod bounded;
-#[path = "resolve/deadline.rs"]
 mod deadline;
 use bounded::a_flood_of_unknown_outcomes_runs_at_most_the_bound;
-#[path = "resolve/stranded.rs"]
 mod stranded;
 use deadline::{
     a_body_cut_off_at_the_deadline_is_never_booked_after_a_final_absent,

@@ -11,7 +11,7 @@ use harness::{Env, client, send};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{Secret, SecretsFile, deliver, now};
+use super::support::{Secret, SecretsFile, deliver, now};
 
 /// The webhook route at `/webhooks/standard` and, after it, a pass-through route for
 /// everything else: the layout that let spellings through.
@@ -140,7 +140,7 @@ async fn an_unsigned_delivery_is_refused_before_its_body_is_read() {
     let secret = Secret::new(b"the route's secret");
     let file = SecretsFile::new(&[&secret]);
     let proxy = env
-        .proxy(&crate::support::yaml(
+        .proxy(&super::support::yaml(
             &env,
             &file,
             "    idempotency:\n      max_request_body: 64MiB\n",
@@ -199,7 +199,7 @@ async fn a_connection_header_naming_a_signed_header_is_refused() {
     let env = Env::new(harness::Backend::Memory).await;
     let secret = Secret::new(b"the route's secret");
     let file = SecretsFile::new(&[&secret]);
-    let proxy = env.proxy(&crate::support::yaml(&env, &file, "")).await;
+    let proxy = env.proxy(&super::support::yaml(&env, &file, "")).await;
     let body = r#"{"type":"invoice.paid"}"#;
     for named in ["webhook-signature", "webhook-id", "Webhook-Timestamp"] {
         let r = deliver(

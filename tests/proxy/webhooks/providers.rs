@@ -8,7 +8,7 @@ use base64::engine::general_purpose::STANDARD;
 use harness::{Backend, Env, Reply, TestProxy, client, every_store, send};
 use sha2::Digest as _;
 
-use crate::support::{Secret, SecretsFile, now};
+use super::support::{Secret, SecretsFile, now};
 
 every_store!(
     a_captured_github_delivery_runs_once_under_any_id_and_never_takes_another_events_id,
@@ -167,7 +167,7 @@ async fn a_default_svix_delivery_verifies_and_a_mixed_set_is_refused(backend: Ba
     let env = Env::new(backend).await;
     let secret = Secret::new(b"svix's secret for this endpoint");
     let file = SecretsFile::new(&[&secret]);
-    let proxy = env.proxy(&crate::support::yaml(&env, &file, "")).await;
+    let proxy = env.proxy(&super::support::yaml(&env, &file, "")).await;
     let body = r#"{"type":"invoice.paid","data":{"amount":2400}}"#;
     let ts = now();
     let signature = secret.sign("msg_svix_1", ts, body);

@@ -1,6 +1,7 @@
 //! The bundled mock booking service on a real socket: its routes, counters and `X-Mock-*`
 //! control headers as a client sees them, served as the `mock-upstream` binary serves it (on
-//! the product's Listener). What needs no socket is tested in the mock crate itself.
+//! the product's Listener, through the harness). What needs no socket is tested in
+//! `src/tests.rs`.
 #![allow(clippy::unwrap_used)]
 
 use std::io;
