@@ -141,14 +141,7 @@ fn at_pointer(doc: &RawValue, pointer: &str) -> Option<serde_json::Value> {
         };
         here = match here.get().trim_start().as_bytes().first() {
             // A key written twice counts by its last value, as in a `Value`'s map.
-            Some(b'{') => {
-                members(here)
-                    .ok()?
-                    .into_iter()
-                    .rev()
-                    .find(|(name, _)| *name == token)?
-                    .1
-            }
+            Some(b'{') => member(here, &token).ok()??,
             Some(b'[') => {
                 if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
                     return None;
@@ -209,6 +202,32 @@ fn members(object: &RawValue) -> Result<Vec<(Cow<'_, str>, &RawValue)>, serde_js
     let out = d.deserialize_map(Members)?;
     d.end()?;
     Ok(out)
+}
+
+/// The member `name` of the JSON object `object` as raw text, the last one when it is written
+/// twice (as a `Value`'s map keeps it): one scan, nothing collected.
+fn member<'a>(object: &'a RawValue, name: &str) -> Result<Option<&'a RawValue>, serde_json::Error> {
+    struct Last<'n>(&'n str);
+    impl<'de> Visitor<'de> for Last<'_> {
+        type Value = Option<&'de RawValue>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(Name(key)) = map.next_key::<Name<'de>>()? {
+                let value = map.next_value::<&'de RawValue>()?;
+                if key == self.0 {
+                    found = Some(value);
+                }
+            }
+            Ok(found)
+        }
+    }
+    let mut d = serde_json::Deserializer::from_str(object.get());
+    let found = d.deserialize_map(Last(name))?;
+    d.end()?;
+    Ok(found)
 }
 
 /// Writes the JSON value `raw` as canonical JSON (see [`canonical_json`]) straight from its
@@ -381,6 +400,7 @@ fn json_value(v: &serde_json::Value) -> Result<Value, String> {
 /// exponent when it is not zero — `1`, `1.0`, `10e-1` and `0.1e1` are all `1`; `-0` is `0`;
 /// `123456789012345678901234567890` stays exactly that. `None` for text that is not a number.
 pub(crate) fn canonical_number(text: &str) -> Option<String> {
+    use std::fmt::Write;
     let (negative, rest) = match text.strip_prefix('-') {
         Some(r) => (true, r),
         None => (false, text),
@@ -396,21 +416,32 @@ pub(crate) fn canonical_number(text: &str) -> Option<String> {
     if !frac.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    // value = digits × 10^(exponent − len(frac))
-    let digits = format!("{int}{frac}");
-    let mut exp = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
-    let digits = digits.trim_start_matches('0');
-    if digits.is_empty() {
+    // value = digits × 10^(exponent − len(frac)), the digits those of `int` then `frac`,
+    // read in place (no string of them is built).
+    let digits = || int.bytes().chain(frac.bytes());
+    let total = int.len() + frac.len();
+    let Some(leading) = digits().position(|b| b != b'0') else {
         return Some("0".into());
+    };
+    let trailing = digits().rev().position(|b| b != b'0').unwrap_or(0);
+    let exp = exponent
+        .checked_sub(i64::try_from(frac.len()).ok()?)?
+        .checked_add(i64::try_from(trailing).ok()?)?;
+    let mut out = String::with_capacity(total - leading - trailing + 24);
+    if negative {
+        out.push('-');
     }
-    let trimmed = digits.trim_end_matches('0');
-    exp = exp.checked_add(i64::try_from(digits.len() - trimmed.len()).ok()?)?;
-    let sign = if negative { "-" } else { "" };
-    if exp == 0 {
-        Some(format!("{sign}{trimmed}"))
-    } else {
-        Some(format!("{sign}{trimmed}e{exp}"))
+    out.extend(
+        digits()
+            .skip(leading)
+            .take(total - leading - trailing)
+            .map(char::from),
+    );
+    if exp != 0 {
+        // Writing into a `String` cannot fail.
+        let _ = write!(out, "e{exp}");
     }
+    Some(out)
 }
 
 /// The derived key: `derived-` + hex SHA-256 over the scope values and the (part, value)
@@ -431,7 +462,13 @@ pub fn derived_key(
         h.update(name(part));
         value.encode(&mut h);
     }
-    format!("derived-{}", hex::encode(h.finalize()))
+    let mut hex = [0u8; 64];
+    // 32 bytes always fit 64 hex digits.
+    let _ = hex::encode_to_slice(h.finalize(), &mut hex);
+    let mut key = String::with_capacity(8 + hex.len());
+    key.push_str("derived-");
+    key.extend(hex.iter().map(|&b| char::from(b)));
+    key
 }
 
 /// The tag that stands for a part's kind in the derived key's hash.
@@ -667,6 +704,47 @@ mod tests {
             let raw: &RawValue = serde_json::from_str(&text).expect("generated JSON");
             let found = at_pointer(raw, &pointer);
             proptest::prop_assert_eq!(found.as_ref(), tree.pointer(&pointer));
+        }
+    }
+
+    /// [`canonical_number`] as it was first written (a string of the digits, then trimmed):
+    /// what the in-place reading is held to.
+    fn canonical_number_by_strings(text: &str) -> Option<String> {
+        let (negative, rest) = match text.strip_prefix('-') {
+            Some(r) => (true, r),
+            None => (false, text),
+        };
+        let (mantissa, exponent) = match rest.find(['e', 'E']) {
+            Some(i) => (&rest[..i], rest[i + 1..].parse::<i64>().ok()?),
+            None => (rest, 0),
+        };
+        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        if !frac.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let digits = format!("{int}{frac}");
+        let mut exp = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
+        let digits = digits.trim_start_matches('0');
+        if digits.is_empty() {
+            return Some("0".into());
+        }
+        let trimmed = digits.trim_end_matches('0');
+        exp = exp.checked_add(i64::try_from(digits.len() - trimmed.len()).ok()?)?;
+        let sign = if negative { "-" } else { "" };
+        if exp == 0 {
+            Some(format!("{sign}{trimmed}"))
+        } else {
+            Some(format!("{sign}{trimmed}e{exp}"))
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_number_reads_as_it_did_through_strings(text in "-?[0-9]{0,6}(\\.[0-9]{0,4})?([eE][+-]?[0-9]{1,3})?|-?0*|[0-9a-e.+-]{0,8}") {
+            proptest::prop_assert_eq!(canonical_number(&text), canonical_number_by_strings(&text), "{}", text);
         }
     }
 

@@ -52,9 +52,9 @@ pub(crate) struct Args {
     )]
     pub proxy_log: String,
     /// A second idemproxy binary (`target/debug/idemproxy`, what the README's `cargo run --
-    /// demo` builds, or another profile's): each selected pass-through and new-key scenario
-    /// runs on it too, right after the bench's own binary, as a row `NAME @compare` with its
-    /// ratios to this run's baselines.
+    /// demo` builds, or another profile's, or another commit's): each selected pass-through,
+    /// new-key and replay scenario runs on it too, right after the bench's own binary, as a row
+    /// `NAME @compare` with its ratios to this run's baselines.
     #[arg(long, env = "LOAD_COMPARE_BINARY", value_name = "PATH")]
     pub compare_binary: Option<PathBuf>,
     /// Keep the temp directory with every config and log (also kept after a failure).

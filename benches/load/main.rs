@@ -399,7 +399,11 @@ impl Bench {
     /// new keys, on every store and body size.
     fn compared(&self, s: &Scenario) -> Option<PathBuf> {
         let other = self.args.compare_binary.clone()?;
-        matches!(s.target, Target::Passthrough | Target::NewKey(_)).then_some(other)
+        matches!(
+            s.target,
+            Target::Passthrough | Target::NewKey(_) | Target::Replay(_)
+        )
+        .then_some(other)
     }
 
     /// The `sample_ratio`s `s` runs again at with tracing on (rows `NAME trace=RATIO`): the
