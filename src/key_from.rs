@@ -80,7 +80,7 @@ pub fn read(
     head: &Parts,
     body: &[u8],
 ) -> Result<Vec<Value>, Unreadable> {
-    let mut json: Option<Result<&RawValue, String>> = None;
+    let mut json: Option<Result<&str, String>> = None;
     parts
         .iter()
         .map(|part| {
@@ -110,12 +110,17 @@ pub fn read(
                     .map_err(fail),
                 KeyPart::Json(pointer) => {
                     let doc = json.get_or_insert_with(|| {
-                        serde_json::from_slice(body)
-                            .map_err(|e| format!("the body is not JSON ({e})"))
+                        std::str::from_utf8(body).map_err(|_| not_json(body))
                     });
                     let doc = *doc.as_ref().map_err(|e| fail(e.clone()))?;
-                    let v = at_pointer(doc, pointer)
-                        .ok_or_else(|| fail("the body has nothing at this pointer".into()))?;
+                    // The walk reads (and so checks) only what lies on the pointer's way: the
+                    // body is checked whole only when nothing is found, to say why.
+                    let v = at_pointer(doc, pointer).ok_or_else(|| {
+                        match serde_json::from_str::<&RawValue>(doc) {
+                            Ok(_) => fail("the body has nothing at this pointer".into()),
+                            Err(_) => fail(not_json(body)),
+                        }
+                    })?;
                     json_value(&v).map_err(fail)
                 }
             }
@@ -123,37 +128,46 @@ pub fn read(
         .collect()
 }
 
-/// The value at `pointer` (RFC 6901, as `serde_json::Value::pointer` reads it) in `doc`, a
-/// whole JSON text already checked. Only the objects and arrays on the pointer's way are split
-/// into their members, each member left as raw text; only the value found is parsed into a
-/// tree. A body's other members — a tool call's arguments, its `_meta` — cost a scan, never
-/// a tree of their own.
-fn at_pointer(doc: &RawValue, pointer: &str) -> Option<serde_json::Value> {
+/// The value at `pointer` (RFC 6901, as `serde_json::Value::pointer` reads it) in the JSON
+/// text `doc`; `None` when there is none, or when `doc` is not JSON (each object on the way is
+/// scanned whole, the body's first, so a text that is not JSON finds nothing). Only the objects
+/// and arrays on the pointer's way are split into their members, each member left as raw text;
+/// only the value found is parsed into a tree. A body's other members — a tool call's
+/// arguments, its `_meta` — cost a scan, never a tree of their own.
+fn at_pointer(doc: &str, pointer: &str) -> Option<serde_json::Value> {
     if !pointer.is_empty() && !pointer.starts_with('/') {
         return None;
     }
-    let mut here: &RawValue = doc;
+    let mut here: &str = doc;
     for token in pointer.split('/').skip(1) {
         let token: Cow<'_, str> = if token.contains('~') {
             Cow::Owned(token.replace("~1", "/").replace("~0", "~"))
         } else {
             Cow::Borrowed(token)
         };
-        here = match here.get().trim_start().as_bytes().first() {
+        here = match here.trim_start().as_bytes().first() {
             // A key written twice counts by its last value, as in a `Value`'s map.
-            Some(b'{') => member(here, &token).ok()??,
+            Some(b'{') => member(here, &token).ok()??.get(),
             Some(b'[') => {
                 if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
                     return None;
                 }
                 let index: usize = token.parse().ok()?;
-                let items: Vec<&RawValue> = serde_json::from_str(here.get()).ok()?;
-                items.get(index).copied()?
+                let items: Vec<&RawValue> = serde_json::from_str(here).ok()?;
+                items.get(index)?.get()
             }
             _ => return None,
         };
     }
-    serde_json::from_str(here.get()).ok()
+    serde_json::from_str(here).ok()
+}
+
+/// Why a body that `json:` parts read is refused: serde_json's own words for what is wrong.
+fn not_json(body: &[u8]) -> String {
+    match serde_json::from_slice::<&RawValue>(body) {
+        Err(e) => format!("the body is not JSON ({e})"),
+        Ok(_) => "the body is not JSON".into(),
+    }
 }
 
 /// A member name as written when it has no escapes (most do), else unescaped.
@@ -206,7 +220,7 @@ fn members(object: &RawValue) -> Result<Vec<(Cow<'_, str>, &RawValue)>, serde_js
 
 /// The member `name` of the JSON object `object` as raw text, the last one when it is written
 /// twice (as a `Value`'s map keeps it): one scan, nothing collected.
-fn member<'a>(object: &'a RawValue, name: &str) -> Result<Option<&'a RawValue>, serde_json::Error> {
+fn member<'a>(object: &'a str, name: &str) -> Result<Option<&'a RawValue>, serde_json::Error> {
     struct Last<'n>(&'n str);
     impl<'de> Visitor<'de> for Last<'_> {
         type Value = Option<&'de RawValue>;
@@ -224,7 +238,7 @@ fn member<'a>(object: &'a RawValue, name: &str) -> Result<Option<&'a RawValue>, 
             Ok(found)
         }
     }
-    let mut d = serde_json::Deserializer::from_str(object.get());
+    let mut d = serde_json::Deserializer::from_str(object);
     let found = d.deserialize_map(Last(name))?;
     d.end()?;
     Ok(found)
@@ -702,7 +716,7 @@ mod tests {
             let pointer: String = path.iter().map(|t| format!("/{t}")).collect();
             let tree: serde_json::Value = serde_json::from_str(&text).expect("generated JSON");
             let raw: &RawValue = serde_json::from_str(&text).expect("generated JSON");
-            let found = at_pointer(raw, &pointer);
+            let found = at_pointer(raw.get(), &pointer);
             proptest::prop_assert_eq!(found.as_ref(), tree.pointer(&pointer));
         }
     }
@@ -746,6 +760,40 @@ mod tests {
         fn a_number_reads_as_it_did_through_strings(text in "-?[0-9]{0,6}(\\.[0-9]{0,4})?([eE][+-]?[0-9]{1,3})?|-?0*|[0-9a-e.+-]{0,8}") {
             proptest::prop_assert_eq!(canonical_number(&text), canonical_number_by_strings(&text), "{}", text);
         }
+    }
+
+    #[test]
+    fn a_body_broken_anywhere_is_not_json_and_a_missing_value_is_named() {
+        let pattern = PathPattern::parse("/bookings").expect("pattern");
+        let parts = [KeyPart::Json("/ref".into())];
+        let (head, ()) = http::Request::post("/bookings")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let why = |body: &[u8]| read(&parts, &pattern, &head, body).map_err(|e| e.why);
+        assert_eq!(
+            why(br#"{"ref":"R-1"}"#),
+            Ok(vec![Value::Text(b"R-1".to_vec())])
+        );
+        // Broken after the value the pointer finds, in a member it skips, or in its bytes.
+        for broken in [
+            &br#"{"ref":"R-1","x":}"#[..],
+            br#"{"ref":"R-1"} trailing"#,
+            br#"{"x":[1,2,"ref":"R-1"}"#,
+            b"{\"ref\":\"R-\xff\"}",
+            b"",
+        ] {
+            let why = why(broken).expect_err("not JSON");
+            assert!(why.starts_with("the body is not JSON ("), "{why}");
+        }
+        assert_eq!(
+            why(br#"{"reference":"R-1"}"#),
+            Err("the body has nothing at this pointer".into())
+        );
+        assert_eq!(
+            why(br#""R-1""#),
+            Err("the body has nothing at this pointer".into())
+        );
     }
 
     #[test]

@@ -193,7 +193,7 @@ fn run(args: Args) -> Result<bool, String> {
             ));
         }
         println!(
-            "compare binary: {} (rows `NAME {COMPARE}` for the pass-through and new-key scenarios)",
+            "compare binary: {} (rows `NAME {COMPARE}` for the pass-through, new-key and replay scenarios)",
             other.display()
         );
     }
