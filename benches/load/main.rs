@@ -78,7 +78,7 @@ use procs::{
     PASSTHROUGH_PATH, Proxy, Redis, Routes, StoreConfig, WEBHOOK_PATH,
 };
 use report::{Outcome, Row};
-use scenario::{Scenario, Store, Target};
+use scenario::{Beside, Scenario, Store, Target};
 use upstream::Upstream;
 
 /// The request body of every scenario: 31 bytes of JSON.
@@ -503,11 +503,11 @@ impl Bench {
                 };
                 self.storm(s, &mut proxy)
             }
-            Target::Ceiling(script) => match &self.postgres {
-                Some(pg) => self.ceiling(s, pg, script),
+            Target::Ceiling(script, beside) => match &self.postgres {
+                Some(pg) => self.beside(beside, || self.ceiling(s, pg, script)),
                 None => Ok(Done::skipped(s, Store::Postgres.missing())),
             },
-            Target::SqliteCeiling => self.sqlite_ceiling(s),
+            Target::SqliteCeiling(beside) => self.beside(beside, || self.sqlite_ceiling(s)),
             Target::Webhook(store) => self.webhook(s, store),
             Target::JsonRpcNew(store) => self.jsonrpc(s, store, false),
             Target::JsonRpcReplay(store) => self.jsonrpc(s, store, true),
@@ -867,7 +867,51 @@ impl Bench {
         Ok(done)
     }
 
-    /// pgbench alone against the run's PostgreSQL: the ceiling of new-key/postgres.
+    /// Measures a ceiling (`measure`) alone, or beside the load generator driving the mock
+    /// upstream's pass-through path at the run's concurrency ([`Beside::Load`]): the load starts
+    /// first, the ceiling is measured once the load's warm-up is over, and the load ends with
+    /// it. Its requests go in the row's note.
+    fn beside(
+        &self,
+        beside: Beside,
+        measure: impl FnOnce() -> Result<Done, String>,
+    ) -> Result<Done, String> {
+        if beside == Beside::Nothing {
+            return measure();
+        }
+        let addr = self.upstream.addr();
+        let expect = Expect {
+            status: StatusCode::OK,
+            replayed: false,
+            body_len: None,
+        };
+        let plan = Arc::new(self.plan(
+            addr,
+            self.spec(addr, PASSTHROUGH_PATH, Key::None, false),
+            expect,
+        ));
+        let answered = Arc::new(AtomicU64::new(0));
+        let load = self.rt.spawn(client::run(plan, answered.clone()));
+        std::thread::sleep(self.args.warmup);
+        let mut done = measure();
+        let stats = self
+            .rt
+            .block_on(load)
+            .map_err(|e| format!("the load beside the ceiling: {e}"))?;
+        if let Ok(done) = &mut done {
+            let beside = format!(
+                "beside {:.0} req/s of the load generator to the mock ({} connections)",
+                stats.rps(),
+                self.args.connections
+            );
+            for row in &mut done.rows {
+                row.note.push_str(&format!("; {beside}"));
+            }
+        }
+        done
+    }
+
+    /// pgbench against the run's PostgreSQL: the ceiling of new-key/postgres.
     fn ceiling(
         &self,
         s: &Scenario,
@@ -901,7 +945,7 @@ impl Bench {
         Ok(done)
     }
 
-    /// The proxy's SQLite writer alone on a fresh file: the ceiling of new-key/sqlite.
+    /// The proxy's SQLite writer on a fresh file: the ceiling of new-key/sqlite.
     fn sqlite_ceiling(&self, s: &Scenario) -> Result<Done, String> {
         let plan = sqlite_ceiling::SqliteCeilingPlan {
             connections: self.args.connections,

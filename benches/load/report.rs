@@ -334,21 +334,39 @@ pub(crate) struct Pair {
 const PAIRS: &[Pair] = &[
     Pair {
         row: "new-key/postgres",
-        over: "pgbench/postgres",
-        named: "the pgbench ceiling",
+        over: "pgbench-shared/postgres",
+        named: "the pgbench ceiling beside the same load",
         target: Some(0.9),
+    },
+    Pair {
+        row: "new-key/postgres",
+        over: "pgbench/postgres",
+        named: "the pgbench ceiling alone",
+        target: None,
+    },
+    Pair {
+        row: "new-key/sqlite",
+        over: "ceiling-shared/sqlite",
+        named: "the SQLite writer's ceiling beside the same load",
+        target: Some(0.8),
     },
     Pair {
         row: "new-key/sqlite",
         over: "ceiling/sqlite",
-        named: "the SQLite writer's ceiling",
+        named: "the SQLite writer's ceiling alone",
+        target: None,
+    },
+    Pair {
+        row: "replay/postgres",
+        over: "pgbench-read-shared/postgres",
+        named: "the pgbench read ceiling beside the same load",
         target: Some(0.8),
     },
     Pair {
         row: "replay/postgres",
         over: "pgbench-read/postgres",
-        named: "the pgbench read ceiling",
-        target: Some(0.8),
+        named: "the pgbench read ceiling alone",
+        target: None,
     },
     Pair {
         row: "pgbench-repeat/postgres",

@@ -51,13 +51,14 @@ pub(crate) enum Target {
     Replay(Store),
     /// Duplicates of keys still in flight, all at once.
     Storm(Store),
-    /// `pgbench` alone against the run's PostgreSQL, with the proxy's own statements: the
-    /// ceiling of `new-key/postgres` (claim + complete), of `replay/postgres` (a primary-key
-    /// read of the record), and what the claim costs on a finished key.
-    Ceiling(Script),
-    /// The proxy's SQLite writer alone, its claims and completions on a fresh file as fast as
-    /// one thread can (`sqlite_ceiling`): the ceiling of `new-key/sqlite`.
-    SqliteCeiling,
+    /// `pgbench` against the run's PostgreSQL, with the proxy's own statements: the ceiling of
+    /// `new-key/postgres` (claim + complete), of `replay/postgres` (a primary-key read of the
+    /// record), and what the claim costs on a finished key; alone, or [`Beside::Load`].
+    Ceiling(Script, Beside),
+    /// The proxy's SQLite writer, its claims and completions on a fresh file as fast as one
+    /// thread can (`sqlite_ceiling`): the ceiling of `new-key/sqlite`; alone, or
+    /// [`Beside::Load`].
+    SqliteCeiling(Beside),
     /// A Standard Webhooks route, a new event id on every delivery, each signed.
     Webhook(Store),
     /// A JSON-RPC route: a `tools/call` with a new key in `_meta` per request.
@@ -81,6 +82,17 @@ pub(crate) enum Target {
     Fill,
 }
 
+/// What a ceiling shares the machine with while it is measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Beside {
+    /// The cores to itself: the database's (or the writer's) best.
+    Nothing,
+    /// The load generator driving the mock upstream at the same concurrency, as the proxy's
+    /// rows run them: the database shares the cores with them as it does in those rows, so a
+    /// ratio to this ceiling compares like with like (what the proxy adds is the difference).
+    Load,
+}
+
 /// One named scenario.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Scenario {
@@ -101,8 +113,8 @@ impl Scenario {
             Target::Churn(s) | Target::Webhook(s) | Target::Resolve(s) => Some(s),
             Target::JsonRpcNew(s) | Target::JsonRpcReplay(s) => Some(s),
             Target::GrpcNew(s) | Target::GrpcReplay(s) => Some(s),
-            Target::Ceiling(_) => Some(Store::Postgres),
-            Target::SqliteCeiling => Some(Store::Sqlite),
+            Target::Ceiling(..) => Some(Store::Postgres),
+            Target::SqliteCeiling(_) => Some(Store::Sqlite),
             Target::Fill => Some(Store::Memory),
             Target::Direct
             | Target::Nginx
@@ -139,12 +151,19 @@ impl Scenario {
     /// the SQLite writer's for new keys on SQLite (`sync: normal`, small bodies).
     fn ceilings(&self) -> &'static [Target] {
         match self.target {
-            NewKey(Store::Postgres) if !self.big => &[Target::Ceiling(Script::ClaimComplete)],
-            Replay(Store::Postgres) if !self.big => &[
-                Target::Ceiling(Script::Read),
-                Target::Ceiling(Script::Repeat),
+            NewKey(Store::Postgres) if !self.big => &[
+                Target::Ceiling(Script::ClaimComplete, Beside::Nothing),
+                Target::Ceiling(Script::ClaimComplete, Beside::Load),
             ],
-            NewKey(Store::Sqlite) if !self.big => &[Target::SqliteCeiling],
+            Replay(Store::Postgres) if !self.big => &[
+                Target::Ceiling(Script::Read, Beside::Nothing),
+                Target::Ceiling(Script::Read, Beside::Load),
+                Target::Ceiling(Script::Repeat, Beside::Nothing),
+            ],
+            NewKey(Store::Sqlite) if !self.big => &[
+                Target::SqliteCeiling(Beside::Nothing),
+                Target::SqliteCeiling(Beside::Load),
+            ],
             _ => &[],
         }
     }
@@ -211,9 +230,15 @@ pub(crate) const ALL: &[Scenario] = &[
     ),
     scenario(
         "ceiling/sqlite",
-        Target::SqliteCeiling,
+        Target::SqliteCeiling(Beside::Nothing),
         false,
         "the proxy's SQLite writer alone: claim + complete batches on a fresh file",
+    ),
+    scenario(
+        "ceiling-shared/sqlite",
+        Target::SqliteCeiling(Beside::Load),
+        false,
+        "the SQLite writer beside the load generator driving the mock, as new-key/sqlite shares the cores",
     ),
     scenario(
         "new-key/sqlite-full",
@@ -229,9 +254,15 @@ pub(crate) const ALL: &[Scenario] = &[
     ),
     scenario(
         "pgbench/postgres",
-        Target::Ceiling(Script::ClaimComplete),
+        Target::Ceiling(Script::ClaimComplete, Beside::Nothing),
         false,
         "pgbench alone: the proxy's claim + complete per transaction",
+    ),
+    scenario(
+        "pgbench-shared/postgres",
+        Target::Ceiling(Script::ClaimComplete, Beside::Load),
+        false,
+        "pgbench beside the load generator driving the mock: claim + complete per transaction",
     ),
     scenario(
         "observe/memory",
@@ -319,13 +350,19 @@ pub(crate) const ALL: &[Scenario] = &[
     ),
     scenario(
         "pgbench-read/postgres",
-        Target::Ceiling(Script::Read),
+        Target::Ceiling(Script::Read, Beside::Nothing),
         false,
         "pgbench alone: a primary-key read of one finished record per transaction",
     ),
     scenario(
+        "pgbench-read-shared/postgres",
+        Target::Ceiling(Script::Read, Beside::Load),
+        false,
+        "pgbench beside the load generator driving the mock: a primary-key read per transaction",
+    ),
+    scenario(
         "pgbench-repeat/postgres",
-        Target::Ceiling(Script::Repeat),
+        Target::Ceiling(Script::Repeat, Beside::Nothing),
         false,
         "pgbench alone: the proxy's claim statement on one finished record per transaction",
     ),
