@@ -80,33 +80,49 @@ pub(super) fn asks_for_trailers(headers: &HeaderMap) -> bool {
 
 /// Removes hop-by-hop headers, including every header that `Connection` names.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names is cheaper than a lookup of each.
-    let any = headers.keys().any(|name| {
-        let name = name.as_str();
-        HOP_BY_HOP.contains(&name) || name.starts_with("proxy-")
-    });
-    if !any {
-        return;
-    }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
-    }
-    let proxy: Vec<HeaderName> = headers
+    // One pass over the names finds what is there to go (most messages carry none; a gRPC call
+    // carries `te`); only those are then removed, by their `HeaderName` rather than looked up by
+    // a string each, and in the order this always removed them (which decides the order of the
+    // headers left, as they are saved and replayed).
+    let present: Vec<HeaderName> = headers
         .keys()
-        .filter(|k| k.as_str().starts_with("proxy-"))
+        .filter(|name| {
+            let name = name.as_str();
+            HOP_BY_HOP.contains(&name) || name.starts_with("proxy-")
+        })
         .cloned()
         .collect();
-    for name in proxy {
-        headers.remove(name);
+    if present.is_empty() {
+        return;
+    }
+    if present.contains(&header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for hop in HOP_BY_HOP {
+        if let Some(name) = present.iter().find(|name| name.as_str() == *hop) {
+            headers.remove(name);
+        }
+    }
+    let more_proxy = present
+        .iter()
+        .any(|name| name.as_str().starts_with("proxy-") && !HOP_BY_HOP.contains(&name.as_str()));
+    if more_proxy {
+        let proxy: Vec<HeaderName> = headers
+            .keys()
+            .filter(|k| k.as_str().starts_with("proxy-"))
+            .cloned()
+            .collect();
+        for name in proxy {
+            headers.remove(name);
+        }
     }
 }

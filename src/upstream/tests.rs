@@ -174,6 +174,18 @@ fn hop_by_hop_headers_go_including_those_connection_names() {
     strip_hop_by_hop(&mut h);
     let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
     assert_eq!(left, vec!["x-keep", "set-cookie"]);
+    // A gRPC call's head: `te` goes, the rest stay in their order.
+    let mut h = HeaderMap::new();
+    h.insert("content-type", HeaderValue::from_static("application/grpc"));
+    h.insert("te", HeaderValue::from_static("trailers"));
+    h.insert("grpc-timeout", HeaderValue::from_static("1S"));
+    h.insert("idempotency-key", HeaderValue::from_static("k"));
+    strip_hop_by_hop(&mut h);
+    let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+    assert_eq!(
+        left,
+        vec!["content-type", "idempotency-key", "grpc-timeout"]
+    );
 }
 
 #[test]
