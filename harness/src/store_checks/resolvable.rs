@@ -54,9 +54,15 @@ pub fn new_token() -> [u8; 16] {
 
 /// A new resolvable claim (fingerprint 5) of a lookup with a header.
 pub fn resolvable(give_up_after: Duration) -> Held {
+    resolvable_of(5, give_up_after)
+}
+
+/// A new resolvable claim of a request whose fingerprint is `[fp; 32]`, its lookup with a
+/// header.
+pub fn resolvable_of(fp: u8, give_up_after: Duration) -> Held {
     Held::new(Record::Resolvable(Box::new(Resolvable::claim(
         new_token(),
-        [5; 32],
+        [fp; 32],
         Lookup {
             upstream: "booking".into(),
             method: Method::GET,

@@ -7,13 +7,13 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Method, StatusCode};
-use idemproxy::record::{Finished, Lookup, Phase, Record, Resolvable, Saved, SavedResponse};
+use http::StatusCode;
+use idemproxy::record::{Finished, Phase, Record, Resolvable, Saved, SavedResponse};
 use idemproxy::store::{
     Claim, Forgotten, Held, ResolvableClaim, ResolvableTimes, StoreHandle, StoreKey,
 };
 
-use super::new_token;
+use super::{new_token, resolvable_of};
 use crate::store_checks::{Subject, forget, key};
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -25,26 +25,6 @@ fn times(lifetime: Duration) -> ResolvableTimes {
         send_margin: MARGIN,
         lifetime,
     }
-}
-
-/// A new resolvable claim of a request whose fingerprint is `[fp; 32]`.
-fn resolvable(fp: u8, give_up_after: Duration) -> Held {
-    Held::new(Record::Resolvable(Box::new(Resolvable::claim(
-        new_token(),
-        [fp; 32],
-        Lookup {
-            upstream: "booking".into(),
-            method: Method::GET,
-            target: "/bookings/by-reference/r-1".into(),
-            headers: vec![(
-                HeaderName::from_static("authorization"),
-                HeaderValue::from_static("Bearer secret"),
-            )],
-        },
-        Duration::from_secs(60),
-        Duration::from_secs(5),
-        give_up_after,
-    ))))
 }
 
 fn found(fp: u8) -> Finished {
@@ -83,7 +63,7 @@ where
 {
     let give_up = Duration::from_secs(600);
     let lifetime = give_up + Duration::from_secs(3600);
-    let a = resolvable(1, give_up);
+    let a = resolvable_of(1, give_up);
     let claim = s
         .claim_resolvable(key, &a, times(lifetime))
         .await
@@ -109,7 +89,7 @@ where
         "the store keeps what it answered"
     );
 
-    let b = resolvable(1, give_up);
+    let b = resolvable_of(1, give_up);
     live_claim_is_left_alone(s, key, &b, &r, lifetime).await;
 
     // Renewing moves the lease only.
@@ -152,7 +132,7 @@ where
         "the first holder's times and lookup are kept"
     );
     // A third claim now finds b's live claim.
-    let c = resolvable(1, give_up);
+    let c = resolvable_of(1, give_up);
     assert!(matches!(
         s.claim_resolvable(key, &c, times(lifetime)).await,
         Ok(ResolvableClaim::Existing(Record::Resolvable(_)))
@@ -239,7 +219,7 @@ where
 {
     let give_up = Duration::from_secs(30);
     let lifetime = give_up + Duration::from_secs(60);
-    let a = resolvable(2, give_up);
+    let a = resolvable_of(2, give_up);
     let claim = s
         .claim_resolvable(key, &a, times(lifetime))
         .await
@@ -253,7 +233,7 @@ where
     ));
     // Past give_up_after (sent_at + 30 s): the takeover says to give up at once.
     advance(Duration::from_secs(15)).await;
-    let b = resolvable(2, give_up);
+    let b = resolvable_of(2, give_up);
     match s.claim_resolvable(key, &b, times(lifetime)).await {
         Ok(ResolvableClaim::TakenOver { gave_up: true, .. }) => {}
         other => panic!("expected a takeover past give_up_after, got {other:?}"),
@@ -277,7 +257,7 @@ where
         "gone after its lifetime"
     );
     // Then the key is free: a new claim is a fresh one.
-    let c = resolvable(2, give_up);
+    let c = resolvable_of(2, give_up);
     assert!(matches!(
         s.claim_resolvable(key, &c, times(lifetime)).await,
         Ok(ResolvableClaim::Claimed { .. })
@@ -293,7 +273,7 @@ where
 {
     let give_up = Duration::from_secs(600);
     let lifetime = give_up * 2;
-    let a = resolvable(3, give_up);
+    let a = resolvable_of(3, give_up);
     let claim = s
         .claim_resolvable(key, &a, times(lifetime))
         .await
@@ -307,7 +287,7 @@ where
         "gone: free"
     );
 
-    let b = resolvable(3, give_up);
+    let b = resolvable_of(3, give_up);
     let claim = s
         .claim_resolvable(key, &b, times(lifetime))
         .await
@@ -321,7 +301,7 @@ where
     );
     assert_eq!(s.get(key).await.expect("get"), None);
 
-    let c = resolvable(3, give_up);
+    let c = resolvable_of(3, give_up);
     let claim = s
         .claim_resolvable(key, &c, times(lifetime))
         .await
@@ -329,7 +309,7 @@ where
     let (c, _) = stamped(&claim);
     let c = c.clone();
     advance(LEASE + Duration::from_millis(100)).await;
-    let d = resolvable(3, give_up);
+    let d = resolvable_of(3, give_up);
     assert!(matches!(
         s.claim_resolvable(key, &d, times(lifetime)).await,
         Ok(ResolvableClaim::TakenOver { .. })
