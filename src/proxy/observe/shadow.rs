@@ -74,23 +74,33 @@ impl Shadow {
     /// (`settlement`, sent when its upstream call has ended) if the claim is this request's.
     /// Runs the shadow claim in a task of its own, in the request's trace: its claim and its
     /// save are the request's store operations, children of its span.
+    ///
+    /// The request takes its place among its key's observed requests here, before the task
+    /// starts: the forwarding marks it answered as soon as the upstream has answered, which on
+    /// a loaded machine can come before the task's first poll, and a mark that found no place
+    /// would be lost (a repeat sent at once would then read the first's claim in flight and be
+    /// counted a conflict, where enforce would replay it).
     pub(super) fn spawn(self, settlement: oneshot::Receiver<Settlement>) {
+        let found = self
+            .context
+            .shared
+            .answered
+            .start(&self.key, self.owner, self.fingerprint);
+        // However the claim ends — or if its task is dropped unrun at shutdown — the request
+        // is no longer its key's first here.
+        let registered = Registered {
+            answered: self.context.shared.answered.clone(),
+            key: self.key.clone(),
+            owner: self.owner,
+        };
         let tasks = self.context.shared.tasks.clone();
-        tasks.spawn(crate::traces::carried(self.run(settlement)));
+        tasks.spawn(crate::traces::carried(async move {
+            let _registered = registered;
+            self.claim(settlement, found).await;
+        }));
     }
 
-    async fn run(self, settlement: oneshot::Receiver<Settlement>) {
-        let (answered, key, owner) = (
-            self.context.shared.answered.clone(),
-            self.key.clone(),
-            self.owner,
-        );
-        self.claim(settlement).await;
-        // However the claim ended, it is no longer its key's first here.
-        answered.end(&key, owner);
-    }
-
-    async fn claim(self, settlement: oneshot::Receiver<Settlement>) {
+    async fn claim(self, settlement: oneshot::Receiver<Settlement>, found: Found) {
         let held = Held::new(Record::InFlight {
             token: new_token(),
             fingerprint: self.fingerprint,
@@ -98,7 +108,7 @@ impl Shadow {
         // Taken before this repeat's first read of the record when an earlier request of its
         // key runs here, else at its first wait; kept until this claim has ended (a wait can
         // end in a claim of its own and its save, which are held work too).
-        let Some(mut place) = self.before_the_read() else {
+        let Some(mut place) = self.before_the_read(found) else {
             return;
         };
         let lock_ttl = self.context.policy.lock_ttl;
@@ -163,15 +173,10 @@ impl Shadow {
 
     /// What this instance knows before the store is asked. `None`: the repeat is counted, and
     /// nothing is read; else the place it took among the held repeats, if any.
-    fn before_the_read(&self) -> Option<Option<Place>> {
+    fn before_the_read(&self, found: Found) -> Option<Option<Place>> {
         // The first was answered and this instance is saving its result: enforce, which saves
         // before it answers, would replay this repeat (or refuse it as a mismatch). Counted
         // before claiming: the first's own claim may not have landed yet.
-        let found = self
-            .context
-            .shared
-            .answered
-            .start(&self.key, self.owner, self.fingerprint);
         match found {
             Found::Answered(first) => {
                 let would = if first == self.fingerprint {
@@ -348,6 +353,21 @@ impl HeldRepeats {
             })
             .ok()?;
         Some(Place(self.count.clone()))
+    }
+}
+
+/// An observed request's place among its key's requests on this instance
+/// ([`Answered`](super::super::context::Answered)), given up when its claim's task ends or is
+/// dropped.
+struct Registered {
+    answered: Arc<super::super::context::Answered>,
+    key: StoreKey,
+    owner: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.answered.end(&self.key, self.owner);
     }
 }
 
