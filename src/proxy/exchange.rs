@@ -356,7 +356,9 @@ impl Exchange {
             return match up.request(parts, body, context.client, context.drop_key()) {
                 Ok(req) => {
                     let sink = Sink::Lease { lease, fingerprint };
-                    run_call(context, call, sink, req, sent).await
+                    // Boxed: inline, a call's state (its answer may be a stream) would size
+                    // every exchange's future, as the claim's ways on do (see `claim_and_run`).
+                    Box::pin(run_call(context, call, sink, req, sent)).await
                 }
                 Err(e) => {
                     let (settlement, problem, outcome) =
