@@ -73,16 +73,20 @@ impl Exchange {
         let mut seen_held = false;
         loop {
             let sent = Instant::now();
+            // Each way on from the claim is boxed where it starts: inline, its state (the
+            // upstream call, the save: ~12 KiB) would size this future, which `run_admitted`
+            // boxes and so copies whole on every request, a replay's too (callgrind counted
+            // ~12,000 instructions of `memcpy` a request for that copy).
             let existing = match self.claim(sent).await {
                 // The lease runs from the send time: an answer later than lock_ttl may come
                 // after it expired, and another request may hold the key and be running the
                 // operation already (SPEC §4.5).
                 Ok(Claim::Claimed) if sent.elapsed() >= idem.lock_ttl => {
-                    return self.claimed_too_late(sent).await;
+                    return Box::pin(self.claimed_too_late(sent)).await;
                 }
-                Ok(Claim::Claimed) => return self.run(sent).await,
+                Ok(Claim::Claimed) => return Box::pin(self.run(sent)).await,
                 Ok(Claim::Existing(record)) => record,
-                Err(e) => return self.store_failure(e, seen_held).await,
+                Err(e) => return Box::pin(self.store_failure(e, seen_held)).await,
             };
             seen_held = true;
             // The mismatch check comes first, in flight or finished.
@@ -352,7 +356,9 @@ impl Exchange {
             return match up.request(parts, body, context.client, context.drop_key()) {
                 Ok(req) => {
                     let sink = Sink::Lease { lease, fingerprint };
-                    run_call(context, call, sink, req, sent).await
+                    // Boxed: inline, a call's state (its answer may be a stream) would size
+                    // every exchange's future, as the claim's ways on do (see `claim_and_run`).
+                    Box::pin(run_call(context, call, sink, req, sent)).await
                 }
                 Err(e) => {
                     let (settlement, problem, outcome) =
