@@ -158,9 +158,6 @@ impl Unknown {
         let route = &context.route;
         match ended.result {
             Some(result) => {
-                if let Some(metrics) = &route.resolved {
-                    metrics.resolution(result);
-                }
                 crate::traces::resolved(result.as_str());
                 tracing::info!(
                     route = %route.name,
@@ -218,6 +215,7 @@ impl Unknown {
         let (Some(times), Some((found, absent))) = (self.times(), self.statuses()) else {
             // Nothing says how to read an answer (an old record on a route that no longer
             // resolves): the safe end is keep's.
+            self.count(Resolution::GaveUp);
             self.give_up(LastLookup::None).await;
             return Ended {
                 result: Some(Resolution::GaveUp),
@@ -256,6 +254,7 @@ impl Unknown {
             }
             last = match answer {
                 Answer::Found(saved) => {
+                    self.count(Resolution::Found);
                     self.found(saved).await;
                     return Ended {
                         result: Some(Resolution::Found),
@@ -263,6 +262,7 @@ impl Unknown {
                     };
                 }
                 Answer::Absent(_) if asked >= settles_at => {
+                    self.count(Resolution::Absent);
                     self.lease.release().await;
                     return Ended {
                         result: Some(Resolution::Absent),
@@ -287,10 +287,19 @@ impl Unknown {
             }
             self.lease.renewing(tokio::time::sleep_until(next)).await;
         }
+        self.count(Resolution::GaveUp);
         self.give_up(last).await;
         Ended {
             result: Some(Resolution::GaveUp),
             lookups,
+        }
+    }
+
+    /// Counts how it ended (`idemproxy_resolutions_total`) before the key shows it: a client
+    /// that reads the saved result, or retries after the release, finds it counted.
+    fn count(&self, result: Resolution) {
+        if let Some(metrics) = &self.context.route.resolved {
+            metrics.resolution(result);
         }
     }
 
