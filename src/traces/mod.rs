@@ -160,30 +160,31 @@ impl Traces {
         method: &Method,
         route: &str,
     ) -> Option<Context> {
-        let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+        // Most requests bring no `traceparent`: no propagator, no context to read then.
+        let parent = if headers.contains_key(TRACEPARENT) {
+            TraceContextPropagator::new().extract(&HeaderExtractor(headers))
+        } else {
+            Context::new()
+        };
         let remote = parent.span().span_context().clone();
+        let ids = RandomIdGenerator::default();
+        // One trace id for a request without a parent: the ratio decides on it, and an
+        // unrecorded request's `traceparent` carries it (a recorded root span gets its own
+        // from the SDK, whose span builder takes no trace id).
+        let trace_id = if remote.is_valid() {
+            remote.trace_id()
+        } else {
+            ids.new_trace_id()
+        };
         let recorded = if remote.is_valid() {
             remote.is_sampled()
         } else {
             self.ratio
-                .should_sample(
-                    None,
-                    RandomIdGenerator::default().new_trace_id(),
-                    route,
-                    &SpanKind::Server,
-                    &[],
-                    &[],
-                )
+                .should_sample(None, trace_id, route, &SpanKind::Server, &[], &[])
                 .decision
                 == SamplingDecision::RecordAndSample
         };
         if !recorded {
-            let ids = RandomIdGenerator::default();
-            let trace_id = if remote.is_valid() {
-                remote.trace_id()
-            } else {
-                ids.new_trace_id()
-            };
             // The client's `tracestate`, if any, stays in the headers as it came.
             if let Some(value) = unsampled_traceparent(trace_id, ids.new_span_id()) {
                 headers.insert(TRACEPARENT, value);
