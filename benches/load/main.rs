@@ -304,38 +304,45 @@ fn run(args: Args) -> Result<bool, String> {
         let first_row = all.rows.len();
         for (i, s) in selected.iter().enumerate() {
             println!("[{}/{}] {}: {}", i + 1, selected.len(), s.name, s.about);
-            let done = bench.scenario_or_failure(s);
-            all.rows.extend(done.rows);
-            all.summary.extend(done.summary);
-            all.failed |= done.failed;
-            if let Some(other) = bench.compared(s) {
-                println!(
-                    "[{}/{}] {} {COMPARE}: the same on {}",
-                    i + 1,
-                    selected.len(),
-                    s.name,
-                    other.display()
-                );
-                let own = bench.proxy_bin.replace(other);
-                let done = bench.scenario_or_failure(s);
-                bench.proxy_bin.replace(own);
-                for mut row in done.rows {
-                    row.name = format!("{} {COMPARE}", row.name);
-                    all.rows.push(row);
-                }
-                all.summary.extend(done.summary);
-                all.failed |= done.failed;
+            // The row and its variants (on the other binary, traced): in every other round the
+            // other way round, so that no variant always runs first or last — the machine's
+            // drift over a scenario's rows (its caches, the host's neighbours) falls on each
+            // variant alike, and a ratio between them says what the variant costs.
+            let mut variants = vec![Variant::Plain];
+            variants.extend(bench.compared(s).map(Variant::Compared));
+            variants.extend(bench.traced(s).iter().copied().map(Variant::Traced));
+            if round % 2 == 0 {
+                variants.reverse();
             }
-            for ratio in bench.traced(s) {
-                println!("[{}/{}] {} trace={ratio}", i + 1, selected.len(), s.name);
-                bench.tracing.replace(Some(format!(
-                    "tracing: {{otlp_endpoint: {}, sample_ratio: {ratio}}}\n",
-                    bench.collector.endpoint()
-                )));
-                let done = bench.scenario_or_failure(s);
-                bench.tracing.replace(None);
+            for variant in variants {
+                let (suffix, done) = match variant {
+                    Variant::Plain => (String::new(), bench.scenario_or_failure(s)),
+                    Variant::Compared(other) => {
+                        println!(
+                            "[{}/{}] {} {COMPARE}: the same on {}",
+                            i + 1,
+                            selected.len(),
+                            s.name,
+                            other.display()
+                        );
+                        let own = bench.proxy_bin.replace(other);
+                        let done = bench.scenario_or_failure(s);
+                        bench.proxy_bin.replace(own);
+                        (format!(" {COMPARE}"), done)
+                    }
+                    Variant::Traced(ratio) => {
+                        println!("[{}/{}] {} trace={ratio}", i + 1, selected.len(), s.name);
+                        bench.tracing.replace(Some(format!(
+                            "tracing: {{otlp_endpoint: {}, sample_ratio: {ratio}}}\n",
+                            bench.collector.endpoint()
+                        )));
+                        let done = bench.scenario_or_failure(s);
+                        bench.tracing.replace(None);
+                        (format!(" trace={ratio}"), done)
+                    }
+                };
                 for mut row in done.rows {
-                    row.name = format!("{} trace={ratio}", row.name);
+                    row.name.push_str(&suffix);
                     all.rows.push(row);
                 }
                 all.summary.extend(done.summary);
@@ -392,6 +399,14 @@ fn run(args: Args) -> Result<bool, String> {
     }
     bench.finish(all.failed);
     Ok(!all.failed)
+}
+
+/// One run of a scenario: as it is, on the `--compare-binary` binary, or with tracing on at a
+/// `sample_ratio`.
+enum Variant {
+    Plain,
+    Compared(PathBuf),
+    Traced(&'static str),
 }
 
 impl Bench {
