@@ -57,6 +57,15 @@ pub(crate) struct Args {
     /// `NAME @compare` with its ratios to this run's baselines.
     #[arg(long, env = "LOAD_COMPARE_BINARY", value_name = "PATH")]
     pub compare_binary: Option<PathBuf>,
+    /// The `sample_ratio`s the pass-through and new-key/memory scenarios run again at with
+    /// tracing on (rows `NAME trace=RATIO`); `none` runs no traced row.
+    #[arg(
+        long,
+        env = "LOAD_TRACE_RATIOS",
+        default_value = "0,0.01,1",
+        value_name = "LIST"
+    )]
+    pub trace_ratios: String,
     /// Keep the temp directory with every config and log (also kept after a failure).
     #[arg(long, env = "LOAD_KEEP_LOGS", value_parser = clap::builder::BoolishValueParser::new())]
     pub keep_logs: bool,

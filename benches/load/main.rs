@@ -310,7 +310,7 @@ fn run(args: Args) -> Result<bool, String> {
             // variant alike, and a ratio between them says what the variant costs.
             let mut variants = vec![Variant::Plain];
             variants.extend(bench.compared(s).map(Variant::Compared));
-            variants.extend(bench.traced(s).iter().copied().map(Variant::Traced));
+            variants.extend(bench.traced(s).into_iter().map(Variant::Traced));
             if round % 2 == 0 {
                 variants.reverse();
             }
@@ -403,10 +403,10 @@ fn run(args: Args) -> Result<bool, String> {
 
 /// One run of a scenario: as it is, on the `--compare-binary` binary, or with tracing on at a
 /// `sample_ratio`.
-enum Variant {
+enum Variant<'a> {
     Plain,
     Compared(PathBuf),
-    Traced(&'static str),
+    Traced(&'a str),
 }
 
 impl Bench {
@@ -421,12 +421,16 @@ impl Bench {
         .then_some(other)
     }
 
-    /// The `sample_ratio`s `s` runs again at with tracing on (rows `NAME trace=RATIO`): the
-    /// pass-through route and new keys on memory, against the same rows untraced.
-    fn traced(&self, s: &Scenario) -> &'static [&'static str] {
+    /// The `sample_ratio`s `s` runs again at with tracing on (rows `NAME trace=RATIO`,
+    /// `--trace-ratios`): the pass-through route and new keys on memory, against the same rows
+    /// untraced.
+    fn traced(&self, s: &Scenario) -> Vec<&str> {
+        let ratios = self.args.trace_ratios.as_str();
         match s.target {
-            Target::Passthrough | Target::NewKey(Store::Memory) if !s.big => &["0", "0.01", "1"],
-            _ => &[],
+            Target::Passthrough | Target::NewKey(Store::Memory) if !s.big && ratios != "none" => {
+                ratios.split(',').map(str::trim).collect()
+            }
+            _ => Vec::new(),
         }
     }
 
