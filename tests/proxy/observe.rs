@@ -41,6 +41,7 @@ every_store!(
     switching_to_enforce_keeps_the_records,
     switching_to_enforce_with_a_reload_keeps_the_records,
     a_repeat_sent_as_soon_as_the_first_is_answered_counts_as_a_replay,
+    a_repeat_answered_before_the_first_claim_starts_counts_as_a_replay,
 );
 
 const ROUTE: &str = "create-booking";
@@ -825,6 +826,34 @@ async fn a_repeat_sent_as_soon_as_the_first_is_answered_counts_as_a_replay(backe
         assert_eq!(again.status, 201, "forwarded: {:?}", again.body);
     }
     until_counted(&proxy, &[(Would::Forward, keys), (Would::Replay, keys)]).await;
+}
+
+/// The same gap made certain: the first request's shadow claim is held back before its task's
+/// first step (as on a loaded machine, where the task is polled after the upstream has
+/// answered), so its answer arrives, and the repeat is sent, before that claim has begun. The
+/// first must still be its key's first here from the moment it was forwarded: the repeat waits
+/// for its save and counts a replay, never a claim of its own (`forward`) that leaves the
+/// first's claim a `conflict`.
+async fn a_repeat_answered_before_the_first_claim_starts_counts_as_a_replay(backend: Backend) {
+    let env = Env::new(backend).await;
+    let proxy = env.proxy(&observing(&env, "")).await;
+    let key = format!("obs-late-shadow-{backend:?}");
+    let stall = Duration::from_secs(2);
+    idemproxy::proxy::pause::arm_before_shadow_claim(&key, stall);
+    let started = Instant::now();
+    let first = book(&proxy, &key, SEAT).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let again = book(&proxy, &key, SEAT).await;
+    assert_eq!(again.status, 201, "forwarded: {:?}", again.body);
+    assert!(
+        started.elapsed() < stall,
+        "both answered while the first's claim was held back: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(claims(&proxy), 0, "no claim sent before the first's");
+    until_counted(&proxy, &[(Would::Forward, 1), (Would::Replay, 1)]).await;
+    assert_eq!(env.mock.stats().by_key.get(&key).copied(), Some(2));
+    proxy.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------

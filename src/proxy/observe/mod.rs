@@ -227,6 +227,8 @@ impl Observation {
         let answered_key = key.clone();
         let owner = context.shared.answered.owner();
         let shadow = Shadow {
+            #[cfg(feature = "test-pauses")]
+            pause: super::pause::shadow_claim(parts.headers.get(&context.policy.header)),
             context: context.clone(),
             observed,
             held,

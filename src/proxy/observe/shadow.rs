@@ -67,6 +67,9 @@ pub(super) struct Shadow {
     pub origin: KeyOrigin,
     /// This request's number among the observed requests of its key (`Answered`).
     pub owner: u64,
+    /// A test's pause before the task's first step (`pause::arm_before_shadow_claim`).
+    #[cfg(feature = "test-pauses")]
+    pub pause: Option<Duration>,
 }
 
 impl Shadow {
@@ -96,6 +99,10 @@ impl Shadow {
         let tasks = self.context.shared.tasks.clone();
         tasks.spawn(crate::traces::carried(async move {
             let _registered = registered;
+            #[cfg(feature = "test-pauses")]
+            if let Some(pause) = self.pause {
+                tokio::time::sleep(pause).await;
+            }
             self.claim(settlement, found).await;
         }));
     }
