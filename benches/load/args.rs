@@ -40,6 +40,10 @@ pub(crate) struct Args {
     /// Keep-alive connections, one request in flight on each.
     #[arg(long, env = "LOAD_CONNECTIONS", default_value_t = 32)]
     pub connections: usize,
+    /// `store.pool_size` of the `*/postgres` proxies: the PostgreSQL connections (backends)
+    /// each opens. Default: `--connections`, what pgbench's ceiling runs with.
+    #[arg(long, env = "LOAD_PG_POOL", value_name = "N")]
+    pub pg_pool: Option<usize>,
     /// Hard cap on the requests of one scenario, warm-up included.
     #[arg(long, env = "LOAD_MAX_REQUESTS", default_value_t = 5_000_000)]
     pub max_requests: u64,

@@ -586,8 +586,9 @@ impl Bench {
             Store::Postgres => self.postgres.as_ref().map(|pg| StoreConfig::Postgres {
                 url: pg.url(),
                 schema: pg.fresh_schema(),
-                // As many connections as the load has: what pgbench's ceiling runs with.
-                pool_size: self.args.connections,
+                // By default as many connections as the load has: what pgbench's ceiling runs
+                // with; `--pg-pool` to measure another count.
+                pool_size: self.args.pg_pool.unwrap_or(self.args.connections),
                 sweep_interval,
             }),
             Store::Memory | Store::Redis => None,
