@@ -19,6 +19,7 @@ mod export;
 
 use std::time::Duration;
 
+use http::header::Entry;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
@@ -160,17 +161,25 @@ impl Traces {
         method: &Method,
         route: &str,
     ) -> Option<Context> {
-        // Most requests bring no `traceparent`: no propagator, no context to read then.
-        let parent = if headers.contains_key(TRACEPARENT) {
-            TraceContextPropagator::new().extract(&HeaderExtractor(headers))
-        } else {
-            Context::new()
-        };
-        let remote = parent.span().span_context().clone();
         let ids = RandomIdGenerator::default();
-        // One trace id for a request without a parent: the ratio decides on it, and an
-        // unrecorded request's `traceparent` carries it (a recorded root span gets its own
-        // from the SDK, whose span builder takes no trace id).
+        // Most requests bring no `traceparent`: no propagator, no context to read, and the
+        // header's slot, found once, takes the unrecorded request's.
+        if let Entry::Vacant(slot) = headers.entry(TRACEPARENT) {
+            // One trace id: the ratio decides on it, and an unrecorded request's
+            // `traceparent` carries it (a recorded root span gets its own from the SDK, whose
+            // span builder takes no trace id).
+            let trace_id = ids.new_trace_id();
+            if !self.by_ratio(trace_id, route) {
+                if let Some(value) = unsampled_traceparent(trace_id, ids.new_span_id()) {
+                    slot.insert(value);
+                }
+                return None;
+            }
+            return Some(self.server_span(method, route, Context::new()));
+        }
+        let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+        let remote = parent.span().span_context().clone();
+        // A `traceparent` that does not parse counts as none.
         let trace_id = if remote.is_valid() {
             remote.trace_id()
         } else {
@@ -179,10 +188,7 @@ impl Traces {
         let recorded = if remote.is_valid() {
             remote.is_sampled()
         } else {
-            self.ratio
-                .should_sample(None, trace_id, route, &SpanKind::Server, &[], &[])
-                .decision
-                == SamplingDecision::RecordAndSample
+            self.by_ratio(trace_id, route)
         };
         if !recorded {
             // The client's `tracestate`, if any, stays in the headers as it came.
@@ -191,6 +197,20 @@ impl Traces {
             }
             return None;
         }
+        Some(self.server_span(method, route, parent))
+    }
+
+    /// Whether `sample_ratio` records a request without a parent, decided on its trace id.
+    fn by_ratio(&self, trace_id: TraceId, route: &str) -> bool {
+        self.ratio
+            .should_sample(None, trace_id, route, &SpanKind::Server, &[], &[])
+            .decision
+            == SamplingDecision::RecordAndSample
+    }
+
+    /// The request's server span, a child of `parent` (the client's, or none), in the context
+    /// its future runs in.
+    fn server_span(&self, method: &Method, route: &str, parent: Context) -> Context {
         let span = self
             .tracer
             .span_builder(format!("{method} {route}"))
@@ -200,11 +220,9 @@ impl Traces {
                 KeyValue::new("http.route", route.to_owned()),
             ])
             .start_with_context(&self.tracer, &parent);
-        Some(
-            parent
-                .with_span(span)
-                .with_value(Active(self.tracer.clone())),
-        )
+        parent
+            .with_span(span)
+            .with_value(Active(self.tracer.clone()))
     }
 }
 
