@@ -16,6 +16,7 @@
 //! can carry a key). The key appears as the first 16 hex digits of its hash.
 
 mod export;
+mod unsampled;
 
 use std::time::Duration;
 
@@ -23,8 +24,7 @@ use http::header::Entry;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
-    Link, Span as _, SpanId, SpanKind, Status, TraceContextExt, TraceId, Tracer as _,
-    TracerProvider as _,
+    Link, Span as _, SpanKind, Status, TraceContextExt, TraceId, Tracer as _, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::Resource;
@@ -41,6 +41,7 @@ use opentelemetry::context::WithContext;
 
 use crate::config::{Config, TracingSettings};
 use crate::metrics::Metrics;
+use unsampled::{Ratio, TRACEPARENT};
 
 /// How long an export may take before it is abandoned (its spans lost, not retried).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -52,7 +53,7 @@ pub struct Traces {
     provider: SdkTracerProvider,
     /// What decides for a request without a `traceparent` (the sampler's root rule), asked
     /// before any span is built, so that a request left unrecorded costs no span.
-    ratio: Sampler,
+    ratio: Ratio,
 }
 
 /// The span of a resolution that outlives its request ([`detached`]).
@@ -117,7 +118,7 @@ impl Traces {
             .with_resource(resource)
             .build();
         let tracer = provider.tracer("idemproxy");
-        let ratio = Sampler::TraceIdRatioBased(settings.sample_ratio);
+        let ratio = Ratio::new(settings.sample_ratio);
         tracing::info!(
             endpoint = %settings.otlp_endpoint,
             sample_ratio = settings.sample_ratio,
@@ -169,8 +170,8 @@ impl Traces {
             // `traceparent` carries it (a recorded root span gets its own from the SDK, whose
             // span builder takes no trace id).
             let trace_id = ids.new_trace_id();
-            if !self.by_ratio(trace_id, route) {
-                if let Some(value) = unsampled_traceparent(trace_id, ids.new_span_id()) {
+            if !self.ratio.records(trace_id) {
+                if let Some(value) = unsampled::traceparent(trace_id, ids.new_span_id()) {
                     slot.insert(value);
                 }
                 return None;
@@ -188,24 +189,16 @@ impl Traces {
         let recorded = if remote.is_valid() {
             remote.is_sampled()
         } else {
-            self.by_ratio(trace_id, route)
+            self.ratio.records(trace_id)
         };
         if !recorded {
             // The client's `tracestate`, if any, stays in the headers as it came.
-            if let Some(value) = unsampled_traceparent(trace_id, ids.new_span_id()) {
+            if let Some(value) = unsampled::traceparent(trace_id, ids.new_span_id()) {
                 headers.insert(TRACEPARENT, value);
             }
             return None;
         }
         Some(self.server_span(method, route, parent))
-    }
-
-    /// Whether `sample_ratio` records a request without a parent, decided on its trace id.
-    fn by_ratio(&self, trace_id: TraceId, route: &str) -> bool {
-        self.ratio
-            .should_sample(None, trace_id, route, &SpanKind::Server, &[], &[])
-            .decision
-            == SamplingDecision::RecordAndSample
     }
 
     /// The request's server span, a child of `parent` (the client's, or none), in the context
@@ -417,23 +410,6 @@ pub(crate) fn current() -> Option<Context> {
     Context::map_current(|cx| cx.span().span_context().is_valid().then(|| cx.clone()))
 }
 
-/// The W3C header a request's trace context travels in.
-const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
-
-/// `traceparent` for an unrecorded request: version 00, the trace and span ids in lower-case
-/// hex, the flags 00 (not sampled). Written by hand into 55 bytes on the stack: it is on
-/// every traced route's path, where the propagator's formatting cost more than the rest of
-/// the sampling decision together.
-fn unsampled_traceparent(trace: TraceId, span: SpanId) -> Option<HeaderValue> {
-    let mut text = [0u8; 55];
-    text[..3].copy_from_slice(b"00-");
-    hex::encode_to_slice(trace.to_bytes(), &mut text[3..35]).ok()?;
-    text[35] = b'-';
-    hex::encode_to_slice(span.to_bytes(), &mut text[36..52]).ok()?;
-    text[52..].copy_from_slice(b"-00");
-    HeaderValue::from_bytes(&text).ok()
-}
-
 struct HeaderExtractor<'a>(&'a HeaderMap);
 
 impl Extractor for HeaderExtractor<'_> {
@@ -446,7 +422,7 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-struct HeaderInjector<'a>(&'a mut HeaderMap);
+pub(crate) struct HeaderInjector<'a>(&'a mut HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
@@ -456,32 +432,5 @@ impl Injector for HeaderInjector<'_> {
         ) {
             self.0.insert(name, value);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What the propagator would write for the same ids and flags, byte for byte.
-    #[test]
-    fn an_unsampled_traceparent_is_what_the_propagator_writes() {
-        let trace = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").expect("a trace id");
-        let span = SpanId::from_hex("00f067aa0ba902b7").expect("a span id");
-        let ours = unsampled_traceparent(trace, span).expect("a header value");
-        let mut theirs = HeaderMap::new();
-        let cx = Context::new().with_remote_span_context(opentelemetry::trace::SpanContext::new(
-            trace,
-            span,
-            opentelemetry::trace::TraceFlags::default(),
-            false,
-            opentelemetry::trace::TraceState::default(),
-        ));
-        TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(&mut theirs));
-        assert_eq!(
-            ours.as_bytes(),
-            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
-        );
-        assert_eq!(theirs.get(TRACEPARENT), Some(&ours));
     }
 }
