@@ -810,6 +810,171 @@ async fn sessions_stay_within_pool_size_while_an_outside_transaction_holds_a_row
     assert!(n <= POOL, "{n} sessions after the storm");
 }
 
+/// A likely repeat (a key this instance finished) is read on the connections shared by reads,
+/// not on the pool: with every pooled connection waiting on a row another transaction holds,
+/// a repeat of a finished key is still answered at once with its record. `pool_size: 8` gives
+/// one connection to the shared reads and seven to the pool; eight claims of the held key take
+/// all seven and wait for more. The sessions stay within `pool_size`, readers included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_is_answered_while_every_pooled_connection_waits_on_a_lock() {
+    const POOL: usize = 8;
+    let pg = PgServer::shared();
+    let schema = PgServer::fresh_schema();
+    let app = format!("idemproxy-{schema}");
+    let url = format!("{}?application_name={app}", pg.url());
+    let (_store, handle) = open(&url, &schema, &format!("pool_size: {POOL}\ntimeout: 4s")).await;
+    let lease = Duration::from_secs(30);
+    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
+    assert_eq!(
+        handle.claim(&key(1), &held(1), lease).await.ok(),
+        Some(Claim::Claimed)
+    );
+    assert!(
+        handle
+            .save(&key(1), &held(1), &done, lease)
+            .await
+            .expect("save")
+    );
+    until_read_on_a_reader(pg, &app, &handle).await;
+
+    let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect the outside transaction");
+    tokio::spawn(connection);
+    outside
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO {schema}.records (key, token, value, expires_at) \
+             VALUES ('{}', NULL, '\\x00', now() + interval '1 hour')",
+            key(2).text()
+        ))
+        .await
+        .expect("hold the key's row");
+    let waiting: Vec<_> = (0..POOL as u8)
+        .map(|n| {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.claim(&key(2), &held(10 + n), lease).await })
+        })
+        .collect();
+    let count = format!(
+        "SELECT count(*) FILTER (WHERE wait_event_type = 'Lock') FROM pg_stat_activity WHERE application_name = '{app}'"
+    );
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while pg.sql(&count).parse::<usize>().expect("a count") < POOL - 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the claims of the held key never all waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let started = Instant::now();
+    match handle
+        .claim(&key(1), &held(2), lease)
+        .await
+        .expect("the repeat")
+    {
+        Claim::Existing(r) => assert_eq!(r.encode(), done),
+        other => panic!("a finished key replays, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the repeat waited {:?} for a pooled connection",
+        started.elapsed()
+    );
+    let sessions: usize = pg
+        .sql(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'"
+        ))
+        .parse()
+        .expect("a count");
+    assert_eq!(sessions, POOL, "seven pooled sessions and the readers' one");
+
+    outside.batch_execute("ROLLBACK").await.expect("rollback");
+    let claimed = futures_util::future::join_all(waiting)
+        .await
+        .into_iter()
+        .filter(|got| matches!(got, Ok(Ok(Claim::Claimed))))
+        .count();
+    assert_eq!(
+        claimed, 1,
+        "one of the waiting claims takes the released key"
+    );
+}
+
+/// Repeats `key(1)` (finished) until a repeat was read on a shared connection: the first ones
+/// open the reader, in the background, and claim meanwhile. The reader's session is the one
+/// whose last statement is the primary-key read (`sql.rs`'s `get`): with readers, a pooled
+/// connection never runs it.
+async fn until_read_on_a_reader(pg: &PgServer, app: &str, handle: &StoreHandle) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pg.sql(&format!("SELECT count(*) {}", reader_sessions(app))) == "0" {
+        assert!(
+            Instant::now() < deadline,
+            "no repeat was read on a shared connection"
+        );
+        assert!(matches!(
+            handle
+                .claim(&key(1), &held(2), Duration::from_secs(30))
+                .await,
+            Ok(Claim::Existing(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `FROM … WHERE …` for the sessions of the shared reads of the proxy named `app`.
+fn reader_sessions(app: &str) -> String {
+    format!(
+        "FROM pg_stat_activity WHERE application_name = '{app}' \
+         AND query LIKE '%WHERE r.key = $1 AND r.expires_at > now()'"
+    )
+}
+
+/// A connection of the shared reads that the server ends (a failover, an operator's
+/// `pg_terminate_backend`) costs no answer: the repeat after it falls through to the claim,
+/// which finds the finished record, and a reader is opened again for the next ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_after_the_shared_read_connection_was_ended_still_replays() {
+    let pg = PgServer::shared();
+    let schema = PgServer::fresh_schema();
+    let app = format!("idemproxy-{schema}");
+    let url = format!("{}?application_name={app}", pg.url());
+    let (_store, handle) = open(&url, &schema, "pool_size: 8").await;
+    let lease = Duration::from_secs(30);
+    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
+    assert_eq!(
+        handle.claim(&key(1), &held(1), lease).await.ok(),
+        Some(Claim::Claimed)
+    );
+    assert!(
+        handle
+            .save(&key(1), &held(1), &done, lease)
+            .await
+            .expect("save")
+    );
+    let replays = || async {
+        match handle
+            .claim(&key(1), &held(2), lease)
+            .await
+            .expect("the repeat")
+        {
+            Claim::Existing(r) => assert_eq!(r.encode(), done),
+            other => panic!("a finished key replays, got {other:?}"),
+        }
+    };
+    until_read_on_a_reader(pg, &app, &handle).await;
+    let ended = pg.sql(&format!(
+        "SELECT count(pg_terminate_backend(pid)) {}",
+        reader_sessions(&app)
+    ));
+    assert_eq!(ended, "1", "the reader's session was ended");
+    for _ in 0..5 {
+        replays().await;
+    }
+    // And a reader is open again (the warmer's, or a repeat's).
+    until_read_on_a_reader(pg, &app, &handle).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Leases on a slow database
 // ---------------------------------------------------------------------------------------------

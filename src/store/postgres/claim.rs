@@ -8,6 +8,7 @@ use bytes::Bytes;
 use tokio_postgres::Row;
 
 use super::error::{backend, pg};
+use super::readers::Read;
 use super::{CLAIM_ATTEMPTS, Inner, millis, token};
 use crate::store::{Held, StoreError, StoreKey};
 
@@ -27,20 +28,16 @@ impl Inner {
             held.encoded.as_ref(),
             millis(lease),
         );
-        let conn = inner.connections.get("claim").await?;
         if inner.recent.holds(store_key) {
             // Likely a repeat: a primary-key read, and a finished record found is the answer
             // the claim would give (see `recent.rs`). Anything else falls through to it.
-            let statement = inner.statement(&conn, "claim", &inner.sql.get).await?;
-            let rows = conn.query(&statement, &[&key]).await.map_err(pg("claim"))?;
-            if let Some(row) = rows.first() {
-                let found: Vec<u8> = row.try_get(0).map_err(pg("claim"))?;
-                if crate::record::is_finished(&found) {
-                    conn.finished();
-                    return Ok(Some(Bytes::from(found)));
-                }
+            if let Some(found) = inner.read_first(&key).await?
+                && crate::record::is_finished(&found)
+            {
+                return Ok(Some(Bytes::from(found)));
             }
         }
+        let conn = inner.connections.get("claim").await?;
         let statement = inner.statement(&conn, "claim", &inner.sql.claim).await?;
         for _ in 0..CLAIM_ATTEMPTS {
             let rows = conn
@@ -62,6 +59,27 @@ impl Inner {
                 "each of {CLAIM_ATTEMPTS} runs of the claim met another request's claim of the key while it was committing (requests claiming and releasing the key over and over)"
             ),
         ))
+    }
+
+    /// The read before a likely repeat's claim: on the shared readers, or on a pooled
+    /// connection when the worker has none; `None` when the read had no answer (the claim
+    /// then decides alone).
+    async fn read_first(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        if self.readers.any() {
+            return Ok(match self.readers.read(key).await {
+                Read::Answered(found) => found,
+                Read::Unanswered => None,
+            });
+        }
+        let conn = self.connections.get("claim").await?;
+        let statement = self.statement(&conn, "claim", &self.sql.get).await?;
+        let rows = conn.query(&statement, &[&key]).await.map_err(pg("claim"))?;
+        let found = match rows.first() {
+            Some(row) => Some(row.try_get(0).map_err(pg("claim"))?),
+            None => None,
+        };
+        conn.finished();
+        Ok(found)
     }
 
     pub(super) async fn save(

@@ -22,12 +22,15 @@
 //!   A claim that met another session's claim of the key while it was committing finds no row
 //!   and runs again, at most `CLAIM_ATTEMPTS` times. A key this store lately finished or found
 //!   taken (`store/recent.rs`) is read first with `get`, the cost of a primary-key read: a
-//!   finished record found is the answer, anything else falls through to the claim.
+//!   finished record found is the answer, anything else falls through to the claim. Those
+//!   reads run pipelined on a few connections shared by every request
+//!   (`postgres/readers.rs`), not on the pool.
 //! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
 //! - **Fencing**: renew, save and release change a row only where `token` is the caller's and
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `save` clears the token: a finished record matches no claim.
-//! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size`, every wait
+//! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size` (less
+//!   the shared readers', one in eight), every wait
 //!   for a connection and every connect bounded by `store.timeout`, every statement prepared on a
 //!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
 //!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
@@ -50,6 +53,7 @@
 mod claim;
 mod error;
 mod pool;
+mod readers;
 mod resolvable;
 mod schema;
 mod secured;
@@ -73,9 +77,10 @@ use super::{
     Forgotten, Held, ResolvableFound, ResolvableTimes, Store, StoreError, StoreKey, SweptSeries,
 };
 use crate::config::PostgresSettings;
-use crate::metrics::Metrics;
+use crate::metrics::{GaugePart, Metrics};
 use error::{backend, pg};
 use pool::Connections;
+use readers::Readers;
 use resolvable::returned_now;
 use sql::Statements;
 
@@ -104,6 +109,8 @@ pub struct PostgresStore {
 /// What the store and its sweep share.
 struct Inner {
     connections: Connections,
+    /// The reads of likely repeats, pipelined on connections of their own.
+    readers: Readers,
     sql: Statements,
     schema: String,
     /// Set once the setup reached the database and concluded; a setup that could not reach it
@@ -138,11 +145,21 @@ impl PostgresStore {
         metrics: Arc<Metrics>,
         sweeps: bool,
     ) -> Result<PostgresStore, StoreError> {
-        let (pool, tls) = pool::build(settings, timeout)?;
+        let shared_readers = Readers::for_share(settings.pool_size);
+        let (pool, tls) = pool::build(settings, settings.pool_size - shared_readers, timeout)?;
         let sql = Statements::new(&settings.schema);
         let statements = sql.all().into_iter().map(str::to_owned).collect();
+        let series: PostgresSeries = metrics.store_series();
+        let readers = Readers::new(
+            pool::pg_config(settings, timeout),
+            tls.clone(),
+            sql.get.clone(),
+            usize::try_from(shared_readers).unwrap_or(0),
+            GaugePart::of(&series.connections),
+        );
         let inner = Arc::new(Inner {
             connections: Connections::new(pool, tls, statements, timeout, &metrics),
+            readers,
             sql,
             schema: settings.schema.clone(),
             ready: OnceCell::new(),
@@ -177,7 +194,8 @@ impl PostgresStore {
 /// every instance runs a proxy that knows it. What it found and did, in a sentence; `Err` with
 /// why it could not (the database unreachable, a schema of another version, no privilege).
 pub async fn upgrade(settings: &PostgresSettings, timeout: Duration) -> Result<String, String> {
-    let (pool, tls) = pool::build(settings, timeout).map_err(|e| e.to_string())?;
+    let (pool, tls) =
+        pool::build(settings, settings.pool_size, timeout).map_err(|e| e.to_string())?;
     let connections = Connections::new(pool, tls, Vec::new(), timeout, &Metrics::new());
     match schema::upgrade(&connections, &settings.schema).await {
         Ok(Ok(said)) => Ok(said),

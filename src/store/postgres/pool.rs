@@ -68,11 +68,12 @@ pub(super) fn pg_config(settings: &PostgresSettings, timeout: Duration) -> tokio
     config
 }
 
-/// The pool: at most `pool_size` connections, made on demand (none at start, so the proxy
-/// starts while the database is down). Waiting for a free connection, opening one and checking
+/// The pool: at most `size` connections (`pool_size`, less the shared readers'), made on
+/// demand (none at start, so the proxy starts while the database is down). Waiting for a free connection, opening one and checking
 /// a returned one are each bounded by `store.timeout`; `StoreHandle` bounds the whole call too.
 pub(super) fn build(
     settings: &PostgresSettings,
+    size: u32,
     timeout: Duration,
 ) -> Result<(Pool, MakeRustlsConnect), StoreError> {
     let tls = super::secured::connector(settings.ca_pem.as_deref())
@@ -88,7 +89,7 @@ pub(super) fn build(
         },
     );
     let pool = Pool::builder(manager)
-        .max_size(usize::try_from(settings.pool_size).unwrap_or(usize::MAX))
+        .max_size(usize::try_from(size).unwrap_or(usize::MAX))
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(timeout))
         .create_timeout(Some(timeout))
