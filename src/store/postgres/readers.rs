@@ -65,6 +65,10 @@ struct Slot {
     opening: AtomicBool,
     /// When the slot's last open failed.
     failed: Mutex<Option<Instant>>,
+    /// The slot's connections still open: a retired reader's stays open until its reads are
+    /// answered or given up on, and no replacement is opened before it closes, so the
+    /// instance's sessions never outnumber `pool_size`.
+    sessions: AtomicUsize,
 }
 
 struct Reader {
@@ -97,6 +101,7 @@ impl Readers {
                     reader: ArcSwapOption::empty(),
                     opening: AtomicBool::new(false),
                     failed: Mutex::new(None),
+                    sessions: AtomicUsize::new(0),
                 })
             })
             .collect();
@@ -180,10 +185,11 @@ impl Readers {
         }
     }
 
-    /// Opens `slot`'s reader in a task of its own, unless one is being opened or the last
-    /// attempt failed moments ago: no request waits for a connection to open.
+    /// Opens `slot`'s reader in a task of its own, unless one is being opened, the retired
+    /// one's connection is still open, or the last attempt failed moments ago: no request waits
+    /// for a connection to open.
     fn open_in_background(&self, slot: &Arc<Slot>) {
-        if slot.opening.swap(true, Ordering::AcqRel) {
+        if slot.sessions.load(Ordering::Acquire) > 0 || slot.opening.swap(true, Ordering::AcqRel) {
             return;
         }
         let failed_lately = slot
@@ -197,7 +203,7 @@ impl Readers {
         }
         let (slot, opener) = (Arc::clone(slot), Arc::clone(&self.opener));
         tokio::spawn(async move {
-            let opened = tokio::time::timeout(OPEN_WITHIN, opener.open()).await;
+            let opened = tokio::time::timeout(OPEN_WITHIN, opener.open(&slot)).await;
             let failed = match opened {
                 Ok(Ok(reader)) => {
                     slot.reader.store(Some(Arc::new(reader)));
@@ -219,16 +225,18 @@ impl Readers {
 
 impl Opener {
     /// A new connection, counted while it is open, with the read prepared on it.
-    async fn open(self: &Arc<Self>) -> Result<Reader, tokio_postgres::Error> {
+    async fn open(self: &Arc<Self>, slot: &Arc<Slot>) -> Result<Reader, tokio_postgres::Error> {
         let (client, connection) = self.config.connect(self.tls.clone()).await?;
         self.changed(1);
-        let opener = Arc::clone(self);
+        slot.sessions.fetch_add(1, Ordering::AcqRel);
+        let (opener, slot) = (Arc::clone(self), Arc::clone(slot));
         tokio::spawn(async move {
             // Ends when the server closes the session, or once the client is dropped (the
             // reader retired and its reads answered).
             if let Err(e) = connection.await {
                 tracing::debug!(error = %describe(&e), "postgres: a shared read connection ended");
             }
+            slot.sessions.fetch_sub(1, Ordering::AcqRel);
             opener.changed(-1);
         });
         let get = client.prepare(&self.get).await?;
