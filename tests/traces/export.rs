@@ -74,6 +74,42 @@ async fn the_queue_holds_its_bound_under_a_flood_and_counts_its_drops() {
     drop(proxy);
 }
 
+/// A steady stream of spans, more than a batch, all reach the collector, and soon: the
+/// exporter's thread wakes once a batch (a full one, or the first span of one, whose linger
+/// then runs), and what a full batch leaves behind waits one linger at most. Then a second,
+/// later request's spans arrive on their own too (an idle exporter wakes for a new batch).
+#[tokio::test]
+async fn every_span_of_a_stream_longer_than_a_batch_reaches_the_collector() {
+    let receiver = OtlpReceiver::counting().await;
+    let env = Env::new(Backend::Memory).await;
+    let proxy = env
+        .proxy(&traced(&env, "", &receiver.endpoint(), "1"))
+        .await;
+    // Four spans a request (server, claim, upstream, save): 1,200, two full batches of 512
+    // and 176 left over.
+    let n = 300;
+    slowest(&proxy, "stream", n).await;
+    let expected = 4 * n as u64;
+    let until = Instant::now() + Duration::from_secs(5);
+    while receiver.counted() < expected && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(receiver.counted(), expected, "spans received");
+    assert_eq!(proxy.metric("idemproxy_spans_dropped_total", &[]), 0.0);
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    slowest(&proxy, "later", 1).await;
+    let until = Instant::now() + Duration::from_secs(3);
+    while receiver.counted() < expected + 4 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        receiver.counted(),
+        expected + 4,
+        "the later request's spans"
+    );
+}
+
 #[tokio::test]
 async fn with_tracing_absent_nothing_is_propagated_or_counted() {
     let env = Env::new(Backend::Memory).await;
