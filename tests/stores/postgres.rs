@@ -819,22 +819,9 @@ async fn sessions_stay_within_pool_size_while_an_outside_transaction_holds_a_row
 async fn a_repeat_is_answered_while_every_pooled_connection_waits_on_a_lock() {
     const POOL: usize = 8;
     let pg = PgServer::shared();
-    let schema = PgServer::fresh_schema();
-    let app = format!("idemproxy-{schema}");
-    let url = format!("{}?application_name={app}", pg.url());
-    let (_store, handle) = open(&url, &schema, &format!("pool_size: {POOL}\ntimeout: 4s")).await;
+    let (schema, app, _store, handle, done) =
+        with_a_finished_key(&format!("pool_size: {POOL}\ntimeout: 4s")).await;
     let lease = Duration::from_secs(30);
-    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
-    assert_eq!(
-        handle.claim(&key(1), &held(1), lease).await.ok(),
-        Some(Claim::Claimed)
-    );
-    assert!(
-        handle
-            .save(&key(1), &held(1), &done, lease)
-            .await
-            .expect("save")
-    );
     until_read_on_a_reader(pg, &app, &handle).await;
 
     let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
@@ -901,6 +888,33 @@ async fn a_repeat_is_answered_while_every_pooled_connection_waits_on_a_lock() {
     );
 }
 
+/// A store of its own on the shared server with `extra` store lines, its sessions named apart
+/// from other tests': its schema, that name, the store, its handle, and `key(1)` claimed and
+/// finished with the returned record (a key this instance finished: its repeats are read
+/// first).
+async fn with_a_finished_key(
+    extra: &str,
+) -> (String, String, Arc<PostgresStore>, StoreHandle, Bytes) {
+    let pg = PgServer::shared();
+    let schema = PgServer::fresh_schema();
+    let app = format!("idemproxy-{schema}");
+    let url = format!("{}?application_name={app}", pg.url());
+    let (store, handle) = open(&url, &schema, extra).await;
+    let lease = Duration::from_secs(30);
+    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
+    assert_eq!(
+        handle.claim(&key(1), &held(1), lease).await.ok(),
+        Some(Claim::Claimed)
+    );
+    assert!(
+        handle
+            .save(&key(1), &held(1), &done, lease)
+            .await
+            .expect("save")
+    );
+    (schema, app, store, handle, done)
+}
+
 /// Repeats `key(1)` (finished) until a repeat was read on a shared connection: the first ones
 /// open the reader, in the background, and claim meanwhile. The reader's session is the one
 /// whose last statement is the primary-key read (`sql.rs`'s `get`): with readers, a pooled
@@ -936,22 +950,8 @@ fn reader_sessions(app: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeat_after_the_shared_read_connection_was_ended_still_replays() {
     let pg = PgServer::shared();
-    let schema = PgServer::fresh_schema();
-    let app = format!("idemproxy-{schema}");
-    let url = format!("{}?application_name={app}", pg.url());
-    let (_store, handle) = open(&url, &schema, "pool_size: 8").await;
+    let (_schema, app, _store, handle, done) = with_a_finished_key("pool_size: 8").await;
     let lease = Duration::from_secs(30);
-    let done = harness::store_checks::done([7; 32], r#"{"id":"1"}"#).encode();
-    assert_eq!(
-        handle.claim(&key(1), &held(1), lease).await.ok(),
-        Some(Claim::Claimed)
-    );
-    assert!(
-        handle
-            .save(&key(1), &held(1), &done, lease)
-            .await
-            .expect("save")
-    );
     let replays = || async {
         match handle
             .claim(&key(1), &held(2), lease)
