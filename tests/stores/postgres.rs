@@ -759,18 +759,7 @@ async fn sessions_stay_within_pool_size_while_an_outside_transaction_holds_a_row
     let base = proxy.url("");
     let (warm_key, warm) = first_forwarded(&base, "warm", Duration::from_secs(10)).await;
 
-    let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect the outside transaction");
-    tokio::spawn(connection);
-    outside
-        .batch_execute(&format!(
-            "BEGIN; INSERT INTO {schema}.records (key, token, value, expires_at) \
-             VALUES ('{}', NULL, '\\x00', now() + interval '1 hour')",
-            harness::booking_store_key(KEY)
-        ))
-        .await
-        .expect("hold the key's row");
+    let outside = hold_a_row(pg, &schema, &harness::booking_store_key(KEY)).await;
 
     let count = format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = '{app}'");
     let storming = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -824,18 +813,7 @@ async fn a_repeat_is_answered_while_every_pooled_connection_waits_on_a_lock() {
     let lease = Duration::from_secs(30);
     until_read_on_a_reader(pg, &app, &handle).await;
 
-    let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect the outside transaction");
-    tokio::spawn(connection);
-    outside
-        .batch_execute(&format!(
-            "BEGIN; INSERT INTO {schema}.records (key, token, value, expires_at) \
-             VALUES ('{}', NULL, '\\x00', now() + interval '1 hour')",
-            key(2).text()
-        ))
-        .await
-        .expect("hold the key's row");
+    let outside = hold_a_row(pg, &schema, &key(2).text()).await;
     let waiting: Vec<_> = (0..POOL as u8)
         .map(|n| {
             let handle = handle.clone();
@@ -973,6 +951,24 @@ async fn a_repeat_after_the_shared_read_connection_was_ended_still_replays() {
     }
     // And a reader is open again (the warmer's, or a repeat's).
     until_read_on_a_reader(pg, &app, &handle).await;
+}
+
+/// An outside transaction holding the row of the store key `key` in `schema` (its uncommitted
+/// insert): every claim of the key waits on it until it ends (`ROLLBACK` on the client
+/// returned).
+async fn hold_a_row(pg: &PgServer, schema: &str, key: &str) -> tokio_postgres::Client {
+    let (outside, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect the outside transaction");
+    tokio::spawn(connection);
+    outside
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO {schema}.records (key, token, value, expires_at) \
+             VALUES ('{key}', NULL, '\\x00', now() + interval '1 hour')"
+        ))
+        .await
+        .expect("hold the key's row");
+    outside
 }
 
 // ---------------------------------------------------------------------------------------------
