@@ -833,14 +833,7 @@ async fn a_repeat_is_answered_while_every_pooled_connection_waits_on_a_lock() {
     }
 
     let started = Instant::now();
-    match handle
-        .claim(&key(1), &held(2), lease)
-        .await
-        .expect("the repeat")
-    {
-        Claim::Existing(r) => assert_eq!(r.encode(), done),
-        other => panic!("a finished key replays, got {other:?}"),
-    }
+    repeat_replays(&handle, &done).await;
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "the repeat waited {:?} for a pooled connection",
@@ -893,6 +886,17 @@ async fn with_a_finished_key(
     (schema, app, store, handle, done)
 }
 
+/// A repeat of `key(1)` (finished with `done`) gets `done`.
+async fn repeat_replays(handle: &StoreHandle, done: &Bytes) {
+    let repeat = handle
+        .claim(&key(1), &held(2), Duration::from_secs(30))
+        .await;
+    match repeat.expect("the repeat") {
+        Claim::Existing(r) => assert_eq!(&r.encode(), done),
+        other => panic!("a finished key replays, got {other:?}"),
+    }
+}
+
 /// Repeats `key(1)` (finished) until a repeat was read on a shared connection: the first ones
 /// open the reader, in the background, and claim meanwhile. The reader's session is the one
 /// whose last statement is the primary-key read (`sql.rs`'s `get`): with readers, a pooled
@@ -929,17 +933,6 @@ fn reader_sessions(app: &str) -> String {
 async fn a_repeat_after_the_shared_read_connection_was_ended_still_replays() {
     let pg = PgServer::shared();
     let (_schema, app, _store, handle, done) = with_a_finished_key("pool_size: 8").await;
-    let lease = Duration::from_secs(30);
-    let replays = || async {
-        match handle
-            .claim(&key(1), &held(2), lease)
-            .await
-            .expect("the repeat")
-        {
-            Claim::Existing(r) => assert_eq!(r.encode(), done),
-            other => panic!("a finished key replays, got {other:?}"),
-        }
-    };
     until_read_on_a_reader(pg, &app, &handle).await;
     let ended = pg.sql(&format!(
         "SELECT count(pg_terminate_backend(pid)) {}",
@@ -947,7 +940,7 @@ async fn a_repeat_after_the_shared_read_connection_was_ended_still_replays() {
     ));
     assert_eq!(ended, "1", "the reader's session was ended");
     for _ in 0..5 {
-        replays().await;
+        repeat_replays(&handle, &done).await;
     }
     // And a reader is open again (the warmer's, or a repeat's).
     until_read_on_a_reader(pg, &app, &handle).await;
