@@ -141,7 +141,7 @@ impl Collector for PostgresSeries {
         encode_one(
             e,
             "idemproxy_postgres_pool_connections",
-            "PostgreSQL connections the pools hold open, every worker's together (at most store.pool_size, or workers when that is larger)",
+            "PostgreSQL connections the pools and the shared readers hold open, every worker's together (at most store.pool_size, or workers when that is larger)",
             &self.connections,
         )?;
         encode_one(
