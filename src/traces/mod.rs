@@ -422,7 +422,7 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-pub(crate) struct HeaderInjector<'a>(&'a mut HeaderMap);
+struct HeaderInjector<'a>(&'a mut HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use tokio_postgres::Row;
 
 use super::error::{backend, pg};
-use super::readers::Read;
 use super::{CLAIM_ATTEMPTS, Inner, millis, token};
 use crate::store::{Held, StoreError, StoreKey};
 
@@ -66,10 +65,7 @@ impl Inner {
     /// then decides alone).
     async fn read_first(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         if self.readers.any() {
-            return Ok(match self.readers.read(key).await {
-                Read::Answered(found) => found,
-                Read::Unanswered => None,
-            });
+            return Ok(self.readers.read(key).await);
         }
         let conn = self.connections.get("claim").await?;
         let statement = self.statement(&conn, "claim", &self.sql.get).await?;

@@ -43,14 +43,6 @@ pub(super) const SHARE_PER_READER: u32 = 8;
 /// that is down is not asked for a connection by every repeat.
 const REOPEN_AFTER: Duration = Duration::from_secs(1);
 
-/// What a shared read gave.
-pub(super) enum Read {
-    /// The key's encoded record, or `None`: no live row.
-    Answered(Option<Vec<u8>>),
-    /// No reader now, or its read failed: the caller claims as if it had not read.
-    Unanswered,
-}
-
 /// The shared connections of one worker's store.
 pub(super) struct Readers {
     slots: Box<[Arc<Slot>]>,
@@ -128,11 +120,13 @@ impl Readers {
         !self.slots.is_empty()
     }
 
-    /// Reads `key`'s row on a shared connection.
-    pub(super) async fn read(&self, key: &str) -> Read {
+    /// Reads `key`'s row on a shared connection: its encoded record, or `None` when it has no
+    /// live row or the read had no answer (no reader now, or the read failed) — the claim
+    /// decides then, as without the read.
+    pub(super) async fn read(&self, key: &str) -> Option<Vec<u8>> {
         let n = self.slots.len();
         if n == 0 {
-            return Read::Unanswered;
+            return None;
         }
         let slot = &self.slots[self.next.fetch_add(1, Ordering::Relaxed) % n];
         let Some(reader) = slot
@@ -141,7 +135,7 @@ impl Readers {
             .filter(|reader| !reader.client.is_closed())
         else {
             self.open_in_background(slot);
-            return Read::Unanswered;
+            return None;
         };
         // Retires the reader unless the read finished (given up on at `store.timeout`, the
         // future is dropped here).
@@ -159,11 +153,11 @@ impl Readers {
         match read {
             Ok(found) => {
                 pending.finished = true;
-                Read::Answered(found)
+                found
             }
             Err(e) => {
                 tracing::debug!(error = %describe(&e), "postgres: a shared read failed; its connection is retired and the claim goes on without it");
-                Read::Unanswered
+                None
             }
         }
     }
