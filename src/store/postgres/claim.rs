@@ -60,7 +60,7 @@ impl Inner {
         ))
     }
 
-    /// The read before a likely repeat's claim: on the shared readers, or on a pooled
+    /// The read before a likely repeat's claim: on the worker's shared reader, or on a pooled
     /// connection when the worker has none; `None` when the read had no answer (the claim
     /// then decides alone).
     async fn read_first(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {

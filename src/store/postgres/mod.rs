@@ -23,14 +23,14 @@
 //!   and runs again, at most `CLAIM_ATTEMPTS` times. A key this store lately finished or found
 //!   taken (`store/recent.rs`) is read first with `get`, the cost of a primary-key read: a
 //!   finished record found is the answer, anything else falls through to the claim. Those
-//!   reads run pipelined on a few connections shared by every request
+//!   reads run pipelined on one connection a worker shared by all its requests
 //!   (`postgres/readers.rs`), not on the pool.
 //! - **Leases run on the server's clock** (`now()`): instances need not agree on the time.
 //! - **Fencing**: renew, save and release change a row only where `token` is the caller's and
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `save` clears the token: a finished record matches no claim.
 //! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size` (less
-//!   the shared readers', one in eight), every wait for a connection and every connect bounded
+//!   the shared reader's: one a worker whose share is eight or more), every wait for a connection and every connect bounded
 //!   by `store.timeout`, every statement prepared on a connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
 //!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
 //!   once its session is seen idle within `store.timeout`, else it is closed; meanwhile it still
@@ -153,7 +153,7 @@ impl PostgresStore {
             pool::pg_config(settings, timeout),
             tls.clone(),
             sql.get.clone(),
-            usize::try_from(shared_readers).unwrap_or(0),
+            shared_readers,
             GaugePart::of(&series.connections),
         );
         let inner = Arc::new(Inner {

@@ -68,7 +68,7 @@ pub(super) fn pg_config(settings: &PostgresSettings, timeout: Duration) -> tokio
     config
 }
 
-/// The pool: at most `size` connections (`pool_size`, less the shared readers'), made on
+/// The pool: at most `size` connections (`pool_size`, less the shared reader's), made on
 /// demand (none at start, so the proxy starts while the database is down). Waiting for a free
 /// connection, opening one and checking a returned one are each bounded by `store.timeout`;
 /// `StoreHandle` bounds the whole call too.

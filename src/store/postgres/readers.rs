@@ -1,11 +1,15 @@
-//! The reads of likely repeats (`store/recent.rs`), pipelined on a few connections of their own.
+//! The reads of likely repeats (`store/recent.rs`), pipelined on one connection a worker.
 //!
 //! A repeat of a finished key costs a primary-key read. On a pooled connection each read holds
 //! a session for its round trip, so under load the server runs as many backends as the pool
 //! has connections, each woken for one read: on few cores, switching between them costs more
 //! than the reads. tokio-postgres pipelines the queries of every task that shares one client,
-//! so here a few connections carry every concurrent read, each backend answering a stream of
-//! them back to back.
+//! so here one connection carries every concurrent read of a worker: each time the worker's
+//! tasks have run, the reads they asked for go out in one write and one backend answers them
+//! back to back. One connection, not several: the reads of one pass of the worker split over
+//! several connections would take a write and a backend's wake-up each (measured: two readers a
+//! worker served a tenth fewer repeats than one, at more of the server's CPU a read), and one
+//! backend answers primary-key reads faster than one worker can ask for them.
 //!
 //! Why reads only: a read takes no lock and leaves nothing in its session, so one given up on
 //! (its future dropped at `store.timeout`) poisons nothing — its connection drops the answer
@@ -13,12 +17,12 @@
 //! cancel other requests' statements. A read that failed or was given up on retires its reader
 //! all the same (a server that stopped answering, a network that dropped the connection
 //! silently): no read goes to it any more, its connection closes once the reads on it now are
-//! answered, and a new one is opened in the background. A read is only a hint: while a slot has
-//! no reader, or when its read failed, the claim goes on without it.
+//! answered, and a new one is opened in the background. A read is only a hint: while the worker
+//! has no reader, or when its read failed, the claim goes on without it.
 //!
-//! The readers count in `pool_size` (SPEC §4.6: the most sessions an instance opens) and in
-//! `idemproxy_postgres_pool_connections`: a worker's share of `pool_size` gives one connection
-//! in [`SHARE_PER_READER`] to the readers, taken from its pool.
+//! The reader counts in `pool_size` (SPEC §4.6: the most sessions an instance opens) and in
+//! `idemproxy_postgres_pool_connections`: a worker whose share of `pool_size` is at least
+//! [`SHARE_FOR_READER`] gives one connection of it to its reader, taken from its pool.
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -35,29 +39,27 @@ use super::error::describe;
 use super::warm::OPEN_WITHIN;
 use crate::metrics::GaugePart;
 
-/// A worker's share of `pool_size` gives one connection in this many to the readers; a share
-/// smaller than this keeps every read on the pool.
-pub(super) const SHARE_PER_READER: u32 = 8;
+/// A worker's share of `pool_size` of at least this many connections gives one of them to its
+/// reader; a smaller share keeps every read on the pool.
+pub(super) const SHARE_FOR_READER: u32 = 8;
 
-/// After a reader could not be opened, its slot goes without one for this long: a database
+/// After a reader could not be opened, the worker goes without one for this long: a database
 /// that is down is not asked for a connection by every repeat.
 const REOPEN_AFTER: Duration = Duration::from_secs(1);
 
-/// The shared connections of one worker's store.
+/// The shared read connection of one worker's store, if its share of `pool_size` has one.
 pub(super) struct Readers {
-    slots: Box<[Arc<Slot>]>,
-    /// The slot the next read goes to, round robin.
-    next: AtomicUsize,
+    slot: Option<Arc<Slot>>,
     opener: Arc<Opener>,
 }
 
 struct Slot {
     reader: ArcSwapOption<Reader>,
-    /// Set while the slot's reader is being opened: one open a slot at a time.
+    /// Set while the reader is being opened: one open at a time.
     opening: AtomicBool,
-    /// When the slot's last open failed.
+    /// When the last open failed.
     failed: Mutex<Option<Instant>>,
-    /// The slot's connections still open: a retired reader's stays open until its reads are
+    /// The reader's connections still open: a retired reader's stays open until its reads are
     /// answered or given up on, and no replacement is opened before it closes, so the
     /// instance's sessions never outnumber `pool_size`.
     sessions: AtomicUsize,
@@ -79,27 +81,25 @@ struct Opener {
 }
 
 impl Readers {
-    /// `count` readers (opened on first use) with `config` and `tls`, reading with `get`.
+    /// A reader (opened on first use) with `config` and `tls`, reading with `get`, if `count`
+    /// (what [`Readers::for_share`] gave) is one; none if it is zero.
     pub(super) fn new(
         config: tokio_postgres::Config,
         tls: MakeRustlsConnect,
         get: String,
-        count: usize,
+        count: u32,
         gauge: GaugePart,
     ) -> Readers {
-        let slots = (0..count)
-            .map(|_| {
-                Arc::new(Slot {
-                    reader: ArcSwapOption::empty(),
-                    opening: AtomicBool::new(false),
-                    failed: Mutex::new(None),
-                    sessions: AtomicUsize::new(0),
-                })
+        let slot = (count > 0).then(|| {
+            Arc::new(Slot {
+                reader: ArcSwapOption::empty(),
+                opening: AtomicBool::new(false),
+                failed: Mutex::new(None),
+                sessions: AtomicUsize::new(0),
             })
-            .collect();
+        });
         Readers {
-            slots,
-            next: AtomicUsize::new(0),
+            slot,
             opener: Arc::new(Opener {
                 config,
                 tls,
@@ -110,25 +110,21 @@ impl Readers {
         }
     }
 
-    /// How many readers for a worker whose share of `pool_size` is `share`.
+    /// How many readers (one or none) for a worker whose share of `pool_size` is `share`.
     pub(super) fn for_share(share: u32) -> u32 {
-        share / SHARE_PER_READER
+        u32::from(share >= SHARE_FOR_READER)
     }
 
-    /// Whether this worker has readers (its share of `pool_size` is large enough).
+    /// Whether this worker has a reader (its share of `pool_size` is large enough).
     pub(super) fn any(&self) -> bool {
-        !self.slots.is_empty()
+        self.slot.is_some()
     }
 
     /// Reads `key`'s row on a shared connection: its encoded record, or `None` when it has no
     /// live row or the read had no answer (no reader now, or the read failed) — the claim
     /// decides then, as without the read.
     pub(super) async fn read(&self, key: &str) -> Option<Vec<u8>> {
-        let n = self.slots.len();
-        if n == 0 {
-            return None;
-        }
-        let slot = &self.slots[self.next.fetch_add(1, Ordering::Relaxed) % n];
+        let slot = self.slot.as_ref()?;
         let Some(reader) = slot
             .reader
             .load_full()
@@ -162,11 +158,11 @@ impl Readers {
         }
     }
 
-    /// Opens again, in the background, the readers whose connection the server ended (a
-    /// restart, a failover), so that the next repeats find one: called by the warmer. A slot
+    /// Opens the reader again, in the background, if the server ended its connection (a
+    /// restart, a failover), so that the next repeats find one: called by the warmer. A reader
     /// never opened stays so until a repeat needs it.
     pub(super) fn reopen_closed(&self) {
-        for slot in &self.slots {
+        if let Some(slot) = &self.slot {
             let closed = slot
                 .reader
                 .load()
@@ -179,7 +175,7 @@ impl Readers {
         }
     }
 
-    /// Opens `slot`'s reader in a task of its own, unless one is being opened, the retired
+    /// Opens the reader in a task of its own, unless one is being opened, the retired
     /// one's connection is still open, or the last attempt failed moments ago: no request waits
     /// for a connection to open.
     fn open_in_background(&self, slot: &Arc<Slot>) {

@@ -15,7 +15,7 @@
 //! It opens one connection at a time, only while the pool has room and no idle connection, so
 //! an idle proxy opens nothing and a busy one stops at `pool_size`. Each time it looks, it
 //! first drops the idle connections whose session has ended (a reset, a server restart), so
-//! that it replaces them before a request is lent one, and has the shared readers whose
+//! that it replaces them before a request is lent one, and has the shared reader whose
 //! session ended opened again (`readers.rs`). After a failure it waits
 //! longer each time (up to [`MOST_BACKOFF`]): a database that is down is not called in a loop.
 
