@@ -19,13 +19,6 @@ macro_rules! complain {
     }};
 }
 
-/// mimalloc, not glibc's allocator: a request allocates and frees dozens of blocks, among them
-/// hyper's two header arrays of ~12 KiB, past glibc's per-thread cache, so each took glibc's
-/// shared bins and their consolidation. Measured (BENCHMARKS.md): ~5% fewer instructions a
-/// request on every row, ~4% more new keys a second on memory, and fewer bytes a stored key.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 mod demo;
 
 use std::io::{IsTerminal, Write};
