@@ -30,8 +30,9 @@
 //!   the lease is live, so a holder whose lease lapsed can never overwrite a newer holder.
 //!   `save` clears the token: a finished record matches no claim.
 //! - **Connections** (`postgres/pool.rs`): a deadpool pool of at most `store.pool_size` (less
-//!   the shared reader's: one a worker whose share is eight or more), every wait for a connection and every connect bounded
-//!   by `store.timeout`, every statement prepared on a connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
+//!   the shared reader's: one a worker whose share is eight or more), every wait for a
+//!   connection and every connect bounded by `store.timeout`, every statement prepared on a
+//!   connection's first use. A connection whose call did not finish (it failed, or `StoreHandle`
 //!   dropped it at `store.timeout`) has its statement cancelled and goes back to the pool only
 //!   once its session is seen idle within `store.timeout`, else it is closed; meanwhile it still
 //!   counts in the pool, so the sessions of an instance never outnumber `pool_size`, even while

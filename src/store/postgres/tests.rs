@@ -103,3 +103,13 @@ async fn a_database_that_is_down_at_start_is_a_store_error_not_a_failed_start() 
     assert_eq!(series.in_use.get(), 0);
     assert_eq!(series.connections.get(), 0);
 }
+
+#[test]
+fn a_worker_gives_one_connection_to_its_reader_once_its_share_is_eight_or_more() {
+    // One reader, never more: a second would split the worker's pipelined reads in two.
+    let readers: Vec<u32> = [1, 7, 8, 9, 16, 32, 1000]
+        .into_iter()
+        .map(Readers::for_share)
+        .collect();
+    assert_eq!(readers, [0, 0, 1, 1, 1, 1, 1]);
+}
