@@ -24,6 +24,7 @@
 //! - **Waiters** (`waiters.rs`) for `on_conflict: wait` are woken in-process after the commit
 //!   of a save or release: this process is the only one on the file.
 
+mod answers;
 mod checkpoint;
 mod claim;
 mod clock;

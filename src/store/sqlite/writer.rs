@@ -29,6 +29,9 @@
 //!   so the file is closed before its lock is released.
 //! - The sweep's deletions come through the same queue, each as a transaction of its own
 //!   ([`Job::alone`]), between batches of claims.
+//! - **A batch's answers wake each worker once** (`answers.rs`): they are left in a mailbox of
+//!   the caller's thread, which a task of its runtime empties, instead of each waking its
+//!   caller's runtime from this thread (and being preempted by it).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -37,6 +40,7 @@ use std::time::Instant;
 use rusqlite::{Connection, Statement};
 use tokio::sync::{mpsc, oneshot};
 
+use super::answers::{self, Mailbox, ToWake};
 use super::clock::Clock;
 use super::ops::Ops;
 use super::waiters::Waiters;
@@ -139,6 +143,7 @@ impl Writer {
                 op,
                 wake,
                 reply,
+                mailbox: answers::current(),
                 run,
             }),
             alone,
@@ -181,14 +186,21 @@ trait Work: Send {
 /// An operation applied in the open transaction, its answer held until the commit.
 trait Applied: Send {
     /// Sends the answer: the operation's own if the batch committed (`Ok`), else the reason
-    /// nothing was written.
-    fn settle(self: Box<Self>, committed: Result<(), &str>, waiters: &Waiters);
+    /// nothing was written; through its caller's mailbox, noted in `to_wake`, if it has one.
+    fn settle(
+        self: Box<Self>,
+        committed: Result<(), &str>,
+        waiters: &Waiters,
+        to_wake: &mut ToWake,
+    );
 }
 
 struct Op<T, F> {
     op: &'static str,
     wake: Option<String>,
     reply: oneshot::Sender<Result<T, StoreError>>,
+    /// The caller's worker's (`answers.rs`).
+    mailbox: Option<Arc<Mailbox>>,
     run: F,
 }
 
@@ -206,6 +218,7 @@ where
             op,
             wake,
             reply,
+            mailbox,
             run,
         } = *self;
         let result = w.guarded(|ops| run(ops, now));
@@ -213,6 +226,7 @@ where
             op,
             wake,
             reply,
+            mailbox,
             result,
         })
     }
@@ -226,18 +240,36 @@ struct Done<T> {
     op: &'static str,
     wake: Option<String>,
     reply: oneshot::Sender<Result<T, StoreError>>,
+    mailbox: Option<Arc<Mailbox>>,
     result: rusqlite::Result<T>,
 }
 
-impl<T: Send> Applied for Done<T> {
-    fn settle(self: Box<Self>, committed: Result<(), &str>, waiters: &Waiters) {
+impl<T: Send + 'static> Applied for Done<T> {
+    fn settle(
+        self: Box<Self>,
+        committed: Result<(), &str>,
+        waiters: &Waiters,
+        to_wake: &mut ToWake,
+    ) {
         let answer = match (self.result, committed) {
             (Err(e), _) => Err(sql_error(self.op, "the SQLite writer", e)),
             (Ok(_), Err(why)) => Err(unavailable(self.op, why)),
             (Ok(v), Ok(())) => Ok(v),
         };
         let changed = answer.is_ok();
-        let _ = self.reply.send(answer);
+        let reply = self.reply;
+        match &self.mailbox {
+            Some(mailbox) => {
+                if mailbox.leave(Box::new(move || {
+                    let _ = reply.send(answer);
+                })) {
+                    to_wake.add(mailbox);
+                }
+            }
+            None => {
+                let _ = reply.send(answer);
+            }
+        }
         if changed && let Some(key) = &self.wake {
             waiters.wake(key);
         }
@@ -344,9 +376,11 @@ impl<'c> WriterThread<'c> {
         }
         if lost {
             let why = "SQLite rolled back the write transaction after an operation in it failed";
+            let mut to_wake = ToWake::default();
             for a in applied {
-                a.settle(Err(why), &self.shared.waiters);
+                a.settle(Err(why), &self.shared.waiters, &mut to_wake);
             }
+            to_wake.wake();
             for job in rest {
                 job.work.fail(why);
             }
@@ -358,6 +392,7 @@ impl<'c> WriterThread<'c> {
             reason = "times the commit for its histogram, on the writer's own thread; no record's time"
         )]
         let started = Instant::now();
+        let mut to_wake = ToWake::default();
         match self.commit.execute([]) {
             Ok(_) => {
                 let series = &self.shared.series;
@@ -366,7 +401,7 @@ impl<'c> WriterThread<'c> {
                     .observe(started.elapsed().as_secs_f64());
                 series.batch_size.observe(size as f64);
                 for a in applied {
-                    a.settle(Ok(()), &self.shared.waiters);
+                    a.settle(Ok(()), &self.shared.waiters, &mut to_wake);
                 }
             }
             Err(e) => {
@@ -376,10 +411,11 @@ impl<'c> WriterThread<'c> {
                 let why =
                     format!("the SQLite commit failed, nothing of its batch was written: {e}");
                 for a in applied {
-                    a.settle(Err(&why), &self.shared.waiters);
+                    a.settle(Err(&why), &self.shared.waiters, &mut to_wake);
                 }
             }
         }
+        to_wake.wake();
     }
 
     /// Runs one operation under a savepoint, so that its failure undoes it alone.

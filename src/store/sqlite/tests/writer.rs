@@ -273,3 +273,38 @@ async fn a_batch_whose_transaction_is_lost_answers_every_operation_with_an_error
         "the next batch commits"
     );
 }
+
+/// Answers go through a mailbox of the caller's thread (`answers.rs`): a caller on a runtime
+/// started after the thread's last one ended still gets its answer, at once (a mailbox left
+/// from the ended runtime, with no task to empty it, would hold it until the deadline).
+#[test]
+fn a_caller_on_each_new_runtime_of_a_thread_is_answered() {
+    let started = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let f = {
+        let _in = started.enter();
+        Fixture::new()
+    };
+    for n in 0..3u8 {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let asked = Instant::now();
+        let claimed = runtime.block_on(f.handle.claim(&k(n), &held(1), LEASE));
+        assert_eq!(
+            claimed.ok(),
+            Some(Claim::Claimed),
+            "the claim on runtime {n}"
+        );
+        assert!(
+            asked.elapsed() < Duration::from_secs(2),
+            "runtime {n} waited {:?} for its answer",
+            asked.elapsed()
+        );
+        drop(runtime);
+    }
+    assert_eq!(f.rows(), 3);
+}
