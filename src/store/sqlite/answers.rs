@@ -107,7 +107,8 @@ impl Drop for Closes {
     }
 }
 
-/// The mailboxes a batch left answers in: each woken once, after the batch.
+/// The mailboxes a batch left answers in: each woken once, after the batch — or when this is
+/// dropped, so that a writer thread that panics midway still delivers what it left.
 #[derive(Default)]
 pub(super) struct ToWake(Vec<Arc<Mailbox>>);
 
@@ -119,7 +120,13 @@ impl ToWake {
     }
 
     pub(super) fn wake(self) {
-        for mailbox in self.0 {
+        drop(self);
+    }
+}
+
+impl Drop for ToWake {
+    fn drop(&mut self) {
+        for mailbox in self.0.drain(..) {
             mailbox.wake();
         }
     }
