@@ -30,7 +30,10 @@ thread_local! {
 }
 
 /// The calling thread's mailbox, its task started on the current runtime on first use (and
-/// again after the runtime it ran on ended); `None` outside a runtime.
+/// again after the runtime it ran on ended); `None` outside a runtime. One mailbox a thread:
+/// a thread is taken to drive one runtime at a time, as each worker's thread does (a thread
+/// that asked from two live runtimes in turn would have its answers delivered by the first's
+/// task, and wait for that runtime to run).
 pub(super) fn current() -> Option<Arc<Mailbox>> {
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     MAILBOX.with(|mailbox| {
