@@ -99,14 +99,13 @@ struct Closes(Arc<Mailbox>);
 
 impl Drop for Closes {
     fn drop(&mut self) {
-        let answers = {
-            let mut answers = self.0.lock();
+        // Closed under the lock, so that no answer is left after the last delivery: `leave`
+        // checks `open` under it.
+        {
+            let _answers = self.0.lock();
             self.0.open.store(false, Ordering::Release);
-            std::mem::take(&mut *answers)
-        };
-        for answer in answers {
-            answer();
         }
+        self.0.deliver();
     }
 }
 
