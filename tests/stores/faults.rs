@@ -101,6 +101,7 @@ async fn redis_restart_with_wait_replicas_is_not_a_503() {
         tokio::task::block_in_place(|| {
             redis.restart();
             wait_linked(&replica);
+            wait_acknowledged(&redis);
         });
     })
     .await;
@@ -119,6 +120,28 @@ fn wait_linked(replica: &RedisServer) {
             .arg("replication")
             .query::<String>(&mut c)
             .is_ok_and(|i| i.contains("master_link_status:up"))
+    });
+}
+
+/// Waits until `primary`'s replica acknowledges a write within a second, as the proxy's `WAIT`
+/// asks: a link that is up may still be resyncing, and a `WAIT` then times out.
+fn wait_acknowledged(primary: &RedisServer) {
+    wait_for(Duration::from_secs(15), "the replica's ack", || {
+        let Ok(client) = redis::Client::open(primary.url()) else {
+            return false;
+        };
+        let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(500)) else {
+            return false;
+        };
+        redis::pipe()
+            .cmd("INCR")
+            .arg("test:replica-sync")
+            .ignore()
+            .cmd("WAIT")
+            .arg(1)
+            .arg(1000)
+            .query::<(i64,)>(&mut c)
+            .is_ok_and(|(acked,)| acked >= 1)
     });
 }
 
