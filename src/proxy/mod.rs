@@ -473,7 +473,7 @@ fn end_span(cx: &opentelemetry::Context, resp: &Response<Body>, outcome: Outcome
         status: resp.status().as_u16(),
         outcome: outcome.as_str(),
         replayed: outcome == Outcome::Replayed,
-        resolved: resp.headers().contains_key(replay::RESOLVED),
+        resolved: resp.headers().contains_key(&replay::RESOLVED),
         key: resp.extensions().get::<KeyHash>().map(|k| &k.id[..]),
     };
     traces::end_request(cx, &ending);

@@ -12,11 +12,12 @@ use crate::problem::Problem;
 use crate::record::{DELIVERY_LABEL, Saved, SavedResponse};
 use crate::route::IdempotencySettings;
 
-/// The header added to every replayed response.
-pub(crate) const REPLAYED: &str = "idempotent-replayed";
+/// The header added to every replayed response. A `HeaderName` made once: inserting by a
+/// `&str` parses and checks the name again on every replay.
+pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// The header added to the replay of a response a resolution found.
-pub(crate) const RESOLVED: &str = "idempotent-resolved";
+pub(crate) const RESOLVED: HeaderName = HeaderName::from_static("idempotent-resolved");
 
 /// The answer to a repeat of a finished operation.
 pub(super) fn replay(saved: Saved) -> Answer {

@@ -276,8 +276,9 @@ impl Child {
 
     /// The upstream call: a client span under the current request's span, whose context
     /// goes to the upstream in `traceparent` and `tracestate` (replacing the client's: the
-    /// upstream's parent is this span). Nothing without a traced request.
-    pub(crate) fn upstream<B>(req: &mut http::Request<B>, server: &str) -> Child {
+    /// upstream's parent is this span). Nothing without a traced request; `server`'s host is
+    /// read only for a span (a search of the authority's text, on every request otherwise).
+    pub(crate) fn upstream<B>(req: &mut http::Request<B>, server: &http::uri::Authority) -> Child {
         Child(Context::map_current(|cx| {
             let method = req.method();
             // Not recorded (or no `tracing:`): no span; an unrecorded request's `traceparent`
@@ -291,7 +292,7 @@ impl Child {
                 .with_kind(SpanKind::Client)
                 .with_attributes([
                     KeyValue::new("http.request.method", method.as_str().to_owned()),
-                    KeyValue::new("server.address", server.to_owned()),
+                    KeyValue::new("server.address", server.host().to_owned()),
                 ])
                 .start_with_context(tracer, cx);
             let sent = Context::new().with_remote_span_context(span.span_context().clone());

@@ -392,7 +392,7 @@ impl Upstream {
         mut req: Request<Body>,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
+        let span = crate::traces::Child::upstream(&mut req, &self.authority);
         let resp = self
             .pool
             .send(req, deadline)
@@ -411,7 +411,7 @@ impl Upstream {
         resend: bool,
         deadline: Instant,
     ) -> Result<Response<Body>, UpstreamError> {
-        let span = crate::traces::Child::upstream(&mut req, self.authority.host());
+        let span = crate::traces::Child::upstream(&mut req, &self.authority);
         let resp = self.head_resending_untraced(req, resend, deadline).await;
         span.end_call(resp.as_ref().ok().map(|r| r.status().as_u16()));
         resp
